@@ -1,0 +1,58 @@
+"""compile_attn: LLM attention as a first-class citizen of PyTorch's compiler stack.
+
+Public API only; see the submodules for the pieces (ops, attention backends, KV cache, batches).
+"""
+
+from compile_attn import ops  # noqa: F401  (registers torch.ops.compile_attn.*)
+from compile_attn.attention import (
+    AttentionBackend,
+    GraphSupport,
+    available_backends,
+    create_backend,
+    register_backend,
+)
+from compile_attn.batch import ForwardBatch, ForwardMode
+from compile_attn.context import ForwardContext, forward_context, get_forward_context, has_forward_context
+from compile_attn.errors import (
+    BackendUnavailableError,
+    CompileAttnError,
+    InvalidBatchError,
+    KVCacheExhaustedError,
+    NoForwardContextError,
+    UnknownBackendError,
+    UnsupportedConfigError,
+)
+from compile_attn.kv_cache import PAD_REQUEST, PAD_SLOT, KVCache, PagedKVPool, PageAllocator, ReqToTokenPool
+from compile_attn.layer import AttentionLayer
+from compile_attn.ops import register_split_op
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PAD_REQUEST",
+    "PAD_SLOT",
+    "AttentionBackend",
+    "AttentionLayer",
+    "BackendUnavailableError",
+    "CompileAttnError",
+    "ForwardBatch",
+    "ForwardContext",
+    "ForwardMode",
+    "GraphSupport",
+    "InvalidBatchError",
+    "KVCache",
+    "KVCacheExhaustedError",
+    "NoForwardContextError",
+    "PageAllocator",
+    "PagedKVPool",
+    "ReqToTokenPool",
+    "UnknownBackendError",
+    "UnsupportedConfigError",
+    "available_backends",
+    "create_backend",
+    "forward_context",
+    "get_forward_context",
+    "has_forward_context",
+    "register_backend",
+    "register_split_op",
+]

@@ -1,0 +1,24 @@
+"""Attention backends: the AttentionBackend interface, the registry, and the backends themselves.
+
+Backends with optional dependencies (triton, flashinfer, fa3) are imported only when created.
+"""
+
+from compile_attn.attention.base import AttentionBackend, GraphSupport
+from compile_attn.attention.registry import (
+    available_backends,
+    create_backend,
+    get_backend_class,
+    register_backend,
+    resolve_auto_backend,
+)
+from compile_attn.attention import torch_native as _torch_native  # noqa: F401  (registers "torch_native")
+
+__all__ = [
+    "AttentionBackend",
+    "GraphSupport",
+    "available_backends",
+    "create_backend",
+    "get_backend_class",
+    "register_backend",
+    "resolve_auto_backend",
+]

@@ -1,0 +1,130 @@
+"""AttentionBackend: the interface every attention backend implements, and its graph support levels.
+
+The three-method metadata contract lets a graph runner capture decode as one full CUDA graph:
+
+* ``init_forward_metadata_out_graph(fb, in_capture=False)`` runs on the host, outside any graph:
+  dynamic-shape work, planners, writing static buffers. With ``in_capture=True`` it binds the
+  static-buffer views the capture will record.
+* ``init_forward_metadata_in_graph(fb)`` is recorded into the graph: static shapes only, no
+  ``.item()``/``.cpu()``/``.tolist()``, no host sync, no allocation whose address must persist.
+* ``init_forward_metadata(fb)`` is the eager entry: out_graph then in_graph.
+
+``fb.graph_bucket`` is set when ``fb`` is a graph runner's padded view of its static buffers
+(capture or replay); backends then use the buffers from ``init_cuda_graph_state``.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from typing import ClassVar
+
+import torch
+
+from compile_attn.batch import ForwardBatch
+from compile_attn.errors import UnsupportedConfigError
+from compile_attn.kv_cache import KVCache
+from compile_attn.layer import AttentionLayer
+
+
+class GraphSupport(enum.IntEnum):
+    """Which CUDA graphs a backend's attention can live in."""
+
+    NEVER = 0  # attention must run eagerly; no graphs around it either (rare)
+    PIECEWISE_ONLY = 1  # attention runs eagerly between captured pieces
+    DECODE_FULL = 2  # decode can be captured as one full graph, extend runs piecewise
+    ALWAYS_FULL = 3  # decode and extend can both be captured whole
+
+    def allows_full_decode(self) -> bool:
+        return self >= GraphSupport.DECODE_FULL
+
+    def allows_piecewise(self) -> bool:
+        return self >= GraphSupport.PIECEWISE_ONLY
+
+
+class AttentionBackend(ABC):
+    """Base class: owns per-step metadata, reads/writes the KV cache, computes attention into ``out``."""
+
+    name: ClassVar[str] = "base"
+    graph_support: ClassVar[GraphSupport] = GraphSupport.PIECEWISE_ONLY
+
+    def __init__(
+        self,
+        kv_cache: KVCache,
+        layers: Sequence[AttentionLayer] | Mapping[int, AttentionLayer],
+    ) -> None:
+        self.kv_cache = kv_cache
+        self.layers: dict[int, AttentionLayer] = (
+            dict(layers) if isinstance(layers, Mapping) else {layer.layer_id: layer for layer in layers}
+        )
+        self.device = kv_cache.device
+        for layer in self.layers.values():
+            self.check_layer(layer)
+
+    # ------------------------------------------------------------------ configuration checks
+    def check_layer(self, layer: AttentionLayer) -> None:
+        """Raise UnsupportedConfigError if this backend cannot run ``layer``. Default: anything goes."""
+        pool = self.kv_cache.pool
+        if layer.num_kv_heads != pool.num_kv_heads or layer.head_dim != pool.head_dim:
+            raise UnsupportedConfigError(
+                f"layer {layer.layer_id} has {layer.num_kv_heads} KV heads of dim {layer.head_dim} but the KV "
+                f"pool holds {pool.num_kv_heads} heads of dim {pool.head_dim}; build the KVCache from the model config"
+            )
+
+    # ------------------------------------------------------------------ the metadata contract
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        """Eager entry: prepare everything ``forward`` needs for ``fb``."""
+        self.init_forward_metadata_out_graph(fb, in_capture=False)
+        self.init_forward_metadata_in_graph(fb)
+
+    @abstractmethod
+    def init_forward_metadata_out_graph(self, fb: ForwardBatch, in_capture: bool = False) -> None:
+        """Host-side and dynamic-shape work; never recorded in a graph."""
+
+    def init_forward_metadata_in_graph(self, fb: ForwardBatch) -> None:  # noqa: B027 - optional hook
+        """Graph-recordable metadata work (static shapes, no host sync). Default: nothing."""
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:  # noqa: B027
+        """Allocate static buffers for graphs of up to ``max_bs`` requests / ``max_num_tokens`` tokens."""
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        """seq_len given to padded requests in a graph bucket (they point at the scratch slot)."""
+        return 1
+
+    # ------------------------------------------------------------------ compute
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayer,
+        fb: ForwardBatch,
+        out: torch.Tensor,
+        save_kv_cache: bool = True,
+    ) -> None:
+        """Write new K/V (if ``save_kv_cache``) and compute attention for ``fb`` into ``out``."""
+        if fb.forward_mode.is_idle():
+            return
+        if fb.forward_mode.is_decode():
+            self.forward_decode(q, k, v, layer, fb, out, save_kv_cache)
+        else:
+            self.forward_extend(q, k, v, layer, fb, out, save_kv_cache)
+
+    def save_kv(self, layer: AttentionLayer, fb: ForwardBatch, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the step's new K/V at ``fb.out_cache_loc`` (padding tokens go to the scratch slot)."""
+        self.kv_cache.pool.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
+
+    @abstractmethod
+    def forward_decode(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
+        fb: ForwardBatch, out: torch.Tensor, save_kv_cache: bool,
+    ) -> None:
+        """One new token per request."""
+
+    @abstractmethod
+    def forward_extend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
+        fb: ForwardBatch, out: torch.Tensor, save_kv_cache: bool,
+    ) -> None:
+        """Variable-length new tokens per request, with or without a cached prefix (EXTEND and MIXED)."""

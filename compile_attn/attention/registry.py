@@ -1,0 +1,104 @@
+"""Backend registry: backends register by name with ``@register_backend``; ``create_backend`` builds one.
+
+Registration is lazy where a backend has optional dependencies: the registry stores the module that
+defines it and imports it on first use, so ``import compile_attn`` never needs flashinfer or
+sgl_kernel. ``"auto"`` picks by device and what is installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, TypeVar
+
+import torch
+
+from compile_attn.errors import UnknownBackendError
+
+if TYPE_CHECKING:
+    from compile_attn.attention.base import AttentionBackend
+    from compile_attn.kv_cache import KVCache
+    from compile_attn.layer import AttentionLayer
+
+logger = logging.getLogger(__name__)
+
+_BACKENDS: dict[str, type[AttentionBackend]] = {}
+# name -> module that registers it when imported (for backends with optional dependencies)
+_LAZY_BACKENDS: dict[str, str] = {
+    "torch_native": "compile_attn.attention.torch_native",
+    "triton": "compile_attn.attention.triton_backend",
+    "flashinfer": "compile_attn.attention.flashinfer_backend",
+    "fa3": "compile_attn.attention.fa3_backend",
+    "hybrid": "compile_attn.attention.hybrid_backend",
+}
+
+B = TypeVar("B", bound="type[AttentionBackend]")
+
+
+def register_backend(name: str) -> Callable[[B], B]:
+    """Class decorator: make the backend available as ``create_backend(name, ...)``."""
+
+    def deco(cls: B) -> B:
+        cls.name = name
+        _BACKENDS[name] = cls
+        return cls
+
+    return deco
+
+
+def _module_exists(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def available_backends() -> list[str]:
+    """Names that ``create_backend`` knows (registered, or importable on demand)."""
+    names = set(_BACKENDS)
+    names.update(n for n, mod in _LAZY_BACKENDS.items() if _module_exists(mod))
+    return sorted(names)
+
+
+def get_backend_class(name: str) -> type[AttentionBackend]:
+    if name not in _BACKENDS and name in _LAZY_BACKENDS and _module_exists(_LAZY_BACKENDS[name]):
+        importlib.import_module(_LAZY_BACKENDS[name])
+    try:
+        return _BACKENDS[name]
+    except KeyError:
+        raise UnknownBackendError(
+            f"unknown attention backend {name!r}; known backends: {', '.join(available_backends())} "
+            f"(or 'auto' to pick by device)"
+        ) from None
+
+
+def resolve_auto_backend(device: torch.device) -> str:
+    """Pick a backend name for ``device``: CUDA -> fa3 / flashinfer / triton by what is installed, CPU -> torch_native."""
+    if device.type != "cuda":
+        return "torch_native"
+    major, _ = torch.cuda.get_device_capability(device)
+    candidates: list[tuple[str, str]] = []
+    if major == 9:
+        candidates.append(("fa3", "sgl_kernel"))
+    if major >= 8:
+        candidates.append(("flashinfer", "flashinfer"))
+    candidates.append(("triton", "triton"))
+    for name, module in candidates:
+        if _module_exists(module) and name in available_backends():
+            return name
+    return "torch_native"
+
+
+def create_backend(
+    name: str,
+    kv_cache: KVCache,
+    layers: Sequence[AttentionLayer] | Mapping[int, AttentionLayer],
+    **kwargs: object,
+) -> AttentionBackend:
+    """Build backend ``name`` ("auto" picks one) over ``kv_cache`` for ``layers``."""
+    if name == "auto":
+        name = resolve_auto_backend(kv_cache.device)
+        logger.info("attention backend 'auto' resolved to %r on %s", name, kv_cache.device)
+    return get_backend_class(name)(kv_cache, layers, **kwargs)

@@ -1,0 +1,36 @@
+"""Exception types raised by compile_attn.
+
+Every error names the bad value and the way out. The classes subclass the built-in exception a
+caller would expect (ValueError for bad input, RuntimeError for bad state), so ``except ValueError``
+keeps working for code that does not know about compile_attn.
+"""
+
+from __future__ import annotations
+
+
+class CompileAttnError(Exception):
+    """Base class of every error compile_attn raises on purpose."""
+
+
+class InvalidBatchError(CompileAttnError, ValueError):
+    """A ForwardBatch whose fields disagree with each other or with the KV cache."""
+
+
+class KVCacheExhaustedError(CompileAttnError, RuntimeError):
+    """The KV pool or the request table has no room; nothing was allocated."""
+
+
+class NoForwardContextError(CompileAttnError, RuntimeError):
+    """The attention op ran outside ``forward_context(...)``."""
+
+
+class UnknownBackendError(CompileAttnError, ValueError):
+    """``create_backend`` was given a name no backend registered."""
+
+
+class UnsupportedConfigError(CompileAttnError, ValueError):
+    """A backend cannot run this layer or dtype configuration."""
+
+
+class BackendUnavailableError(CompileAttnError, ImportError):
+    """A backend's optional dependency is missing or the device cannot run it."""

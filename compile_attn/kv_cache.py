@@ -1,0 +1,247 @@
+"""The paged KV cache: request table, per-layer K/V pool, page allocator, and the facade tying them.
+
+Slots are token-level: token ``i`` of a request lives at slot ``page * page_size + i % page_size`` of
+the page holding it. Page 0 and request row 0 are reserved scratch: padded tokens write to slot
+``PAD_SLOT`` and padded requests use row ``PAD_REQUEST`` (all of whose entries point at the scratch
+slot), so padding never touches a live request's KV. Allocation is all-or-nothing: when it cannot be
+satisfied, a KVCacheExhaustedError is raised and nothing changed. Index formats built from the
+request table live in ``kv_index``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from compile_attn.errors import InvalidBatchError, KVCacheExhaustedError
+
+logger = logging.getLogger(__name__)
+
+PAD_SLOT = 0
+PAD_REQUEST = 0
+
+
+class ReqToTokenPool:
+    """``req_to_token[row, position] -> slot`` for up to ``max_requests`` live requests (+1 scratch row)."""
+
+    def __init__(self, max_requests: int, max_context: int, device: torch.device | str = "cpu") -> None:
+        if max_requests <= 0 or max_context <= 0:
+            raise ValueError(f"max_requests and max_context must be positive, got {max_requests}, {max_context}")
+        self.max_requests = max_requests
+        self.max_context = max_context
+        self.num_rows = max_requests + 1
+        self.req_to_token = torch.full((self.num_rows, max_context), PAD_SLOT, dtype=torch.int32, device=device)
+        self._free_rows = list(range(self.num_rows - 1, 0, -1))  # stack; row 0 is scratch
+
+    @property
+    def available(self) -> int:
+        return len(self._free_rows)
+
+    def alloc(self, n: int = 1) -> list[int]:
+        if n > len(self._free_rows):
+            raise KVCacheExhaustedError(
+                f"request table full: asked for {n} rows, {len(self._free_rows)} free of {self.max_requests}; "
+                f"finish or preempt requests, or raise max_requests"
+            )
+        return [self._free_rows.pop() for _ in range(n)]
+
+    def free(self, rows: Sequence[int]) -> None:
+        for r in rows:
+            if r == PAD_REQUEST or not 0 < r < self.num_rows or r in self._free_rows:
+                raise ValueError(f"cannot free request row {r}: it is not an allocated row")
+        for r in rows:
+            self.req_to_token[r].fill_(PAD_SLOT)
+            self._free_rows.append(r)
+
+
+class PagedKVPool:
+    """Per-layer K and V buffers ``[num_slots, num_kv_heads, head_dim]``; page 0 is the scratch page."""
+
+    def __init__(
+        self,
+        *,
+        num_pages: int,
+        page_size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        v_head_dim: int | None = None,
+        dtype: torch.dtype = torch.float16,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if num_pages <= 0 or page_size <= 0 or num_layers <= 0:
+            raise ValueError(
+                f"num_pages, page_size and num_layers must be positive, got {num_pages}, {page_size}, {num_layers}"
+            )
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.v_head_dim = v_head_dim or head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.num_slots = (num_pages + 1) * page_size
+        self.k_buffers = [
+            torch.zeros(self.num_slots, num_kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)
+        ]
+        self.v_buffers = [
+            torch.zeros(self.num_slots, num_kv_heads, self.v_head_dim, dtype=dtype, device=device)
+            for _ in range(num_layers)
+        ]
+
+    def get_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_buffers[layer_id], self.v_buffers[layer_id]
+
+    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write ``k[T, Hkv, D]``, ``v[T, Hkv, Dv]`` at slots ``loc[T]`` (graph-capturable)."""
+        self.k_buffers[layer_id].index_copy_(0, loc, k.to(self.dtype))
+        self.v_buffers[layer_id].index_copy_(0, loc, v.to(self.dtype))
+
+    @property
+    def bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in (*self.k_buffers, *self.v_buffers))
+
+
+class PageAllocator:
+    """Free list of pages ``1..num_pages`` (page 0 is scratch). All-or-nothing ``alloc``."""
+
+    def __init__(self, num_pages: int) -> None:
+        self.num_pages = num_pages
+        self._free = list(range(num_pages, 0, -1))  # stack: low page ids are handed out first
+        self._is_free = [False] + [True] * num_pages
+
+    @property
+    def available(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise KVCacheExhaustedError(
+                f"KV cache full: asked for {n} pages, {len(self._free)} free of {self.num_pages}; "
+                f"nothing was allocated. Free finished requests or create the cache with more tokens"
+            )
+        pages = [self._free.pop() for _ in range(n)]
+        for p in pages:
+            self._is_free[p] = False
+        return pages
+
+    def free(self, pages: Sequence[int]) -> None:
+        for p in pages:
+            if not 0 < p <= self.num_pages or self._is_free[p]:
+                raise ValueError(f"cannot free page {p}: it is not an allocated page")
+        for p in pages:
+            self._is_free[p] = True
+            self._free.append(p)
+
+
+class KVCache:
+    """Request table + paged K/V pool + page allocator, with per-request page bookkeeping on the host."""
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        v_head_dim: int | None = None,
+        max_requests: int,
+        max_context: int,
+        num_tokens: int,
+        page_size: int = 1,
+        dtype: torch.dtype = torch.float16,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        """``num_tokens`` is the KV capacity (rounded up to whole pages), scratch page excluded."""
+        num_pages = -(-num_tokens // page_size)
+        self.page_size = page_size
+        self.max_context = max_context
+        self.device = torch.device(device)
+        self.req_to_token_pool = ReqToTokenPool(max_requests, max_context, device)
+        self.pool = PagedKVPool(
+            num_pages=num_pages, page_size=page_size, num_layers=num_layers, num_kv_heads=num_kv_heads,
+            head_dim=head_dim, v_head_dim=v_head_dim, dtype=dtype, device=device,
+        )
+        self.allocator = PageAllocator(num_pages)
+        self._pages: dict[int, list[int]] = {}  # request row -> its pages, in order
+        self._lens: dict[int, int] = {}  # request row -> tokens allocated
+
+    @property
+    def req_to_token(self) -> torch.Tensor:
+        return self.req_to_token_pool.req_to_token
+
+    @property
+    def available_tokens(self) -> int:
+        return self.allocator.available * self.page_size
+
+    def num_allocated_tokens(self, row: int) -> int:
+        return self._lens[row]
+
+    def alloc_request(self) -> int:
+        """Reserve a request row; its KV grows with ``alloc_extend``."""
+        (row,) = self.req_to_token_pool.alloc(1)
+        self._pages[row], self._lens[row] = [], 0
+        return row
+
+    def free_request(self, row: int) -> None:
+        """Return the row and all its pages."""
+        if row not in self._pages:
+            raise ValueError(f"request row {row} is not allocated")
+        self.allocator.free(self._pages.pop(row))
+        del self._lens[row]
+        self.req_to_token_pool.free([row])
+
+    def pages_needed(self, row: int, extend_len: int) -> int:
+        have = len(self._pages[row])
+        return max(0, -(-(self._lens[row] + extend_len) // self.page_size) - have)
+
+    def alloc_extend(self, rows: Sequence[int], extend_lens: Sequence[int]) -> torch.Tensor:
+        """Allocate slots for ``extend_lens[i]`` new tokens of request ``rows[i]``, for the whole batch.
+
+        Returns ``out_cache_loc`` (int64, on the cache's device, tokens request after request) and
+        fills ``req_to_token``. Raises KVCacheExhaustedError with nothing changed if the pages do
+        not fit, InvalidBatchError if a request would pass ``max_context``.
+        """
+        rows, extend_lens = list(rows), list(extend_lens)
+        for row, n in zip(rows, extend_lens):
+            if row not in self._pages:
+                raise InvalidBatchError(f"request row {row} is not allocated; call alloc_request() first")
+            if n < 0:
+                raise InvalidBatchError(f"extend_len must be >= 0, got {n} for request row {row}")
+            if self._lens[row] + n > self.max_context:
+                raise InvalidBatchError(
+                    f"request row {row} would grow to {self._lens[row] + n} tokens, past max_context "
+                    f"{self.max_context}"
+                )
+        if len(set(rows)) != len(rows):
+            raise InvalidBatchError(f"a request row appears twice in one allocation: {rows}")
+        needed = sum(self.pages_needed(r, n) for r, n in zip(rows, extend_lens))
+        if needed > self.allocator.available:
+            raise KVCacheExhaustedError(
+                f"KV cache full: this batch needs {needed} pages ({needed * self.page_size} tokens), "
+                f"{self.allocator.available} pages free; nothing was allocated. Wait for requests to "
+                f"finish, preempt some, or create the cache with more tokens"
+            )
+        new_pages = self.allocator.alloc(needed)
+        ps = self.page_size
+        slots: list[int] = []
+        row_ids: list[int] = []
+        cols: list[int] = []
+        for row, n in zip(rows, extend_lens):
+            pages = self._pages[row]
+            k = self.pages_needed(row, n)
+            pages.extend(new_pages[:k])
+            new_pages = new_pages[k:]
+            start = self._lens[row]
+            for pos in range(start, start + n):
+                slots.append(pages[pos // ps] * ps + pos % ps)
+            row_ids.extend([row] * n)
+            cols.extend(range(start, start + n))
+            self._lens[row] = start + n
+        out = torch.tensor(slots, dtype=torch.int64)
+        if slots:
+            idx = torch.tensor([row_ids, cols], dtype=torch.int64).to(self.device)
+            self.req_to_token[idx[0], idx[1]] = out.to(device=self.device, dtype=torch.int32)
+        return out.to(self.device)
