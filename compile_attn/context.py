@@ -23,14 +23,19 @@ if TYPE_CHECKING:
 
 @dataclass
 class ForwardContext:
-    """State of the step being run. ``graph_mode`` says which runner mode executes it ("none",
-    "piecewise", "full", "breakable"); piecewise wrappers pass through when it is "full"."""
+    """State of the step being run.
+
+    ``graph_mode`` is set by the graph runner to the mode executing this step ("none", "piecewise",
+    "full", "breakable"); piecewise wrappers inside a compiled model capture/replay only when it is
+    "piecewise" or unset (None: no runner, components use their own defaults), and pass through
+    otherwise (e.g. inside a full-graph capture).
+    """
 
     batch: ForwardBatch
     backend: AttentionBackend
     layers: Mapping[int, AttentionLayer]
     kv_cache: KVCache
-    graph_mode: str = "none"
+    graph_mode: str | None = None
     extra: dict = field(default_factory=dict)
 
     def layer(self, layer_id: int) -> AttentionLayer:
@@ -57,7 +62,7 @@ def forward_context(
     backend: AttentionBackend,
     layers: Sequence[AttentionLayer] | Mapping[int, AttentionLayer] | None = None,
     kv_cache: KVCache | None = None,
-    graph_mode: str = "none",
+    graph_mode: str | None = None,
 ) -> Iterator[ForwardContext]:
     """Make ``batch`` the current step for the duration of the ``with`` block.
 

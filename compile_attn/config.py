@@ -1,0 +1,69 @@
+"""GraphConfig: the one place where graph and compile options live (mode, capture sizes, compiler, dirs).
+
+Validated on construction; components read it, never their own copies of the same options.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from compile_attn.graph_runner.mode import GraphMode
+
+DEFAULT_DECODE_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, *range(16, 257, 8))
+DEFAULT_PREFILL_TOKEN_SIZES: tuple[int, ...] = tuple(2**i for i in range(4, 14))  # 16 .. 8192
+COMPILERS = ("inductor", "eager")
+
+
+def default_cache_dir() -> str:
+    """``$COMPILE_ATTN_CACHE_DIR``, else ``$XDG_CACHE_HOME/compile_attn``, else ``~/.cache/compile_attn``."""
+    if os.environ.get("COMPILE_ATTN_CACHE_DIR"):
+        return os.environ["COMPILE_ATTN_CACHE_DIR"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "compile_attn")
+
+
+@dataclass(frozen=True)
+class GraphConfig:
+    """Options of the compile backend and the graph runner.
+
+    mode: which graphs run (see GraphMode). decode_batch_sizes: full-graph decode buckets (requests).
+    prefill_token_sizes: piecewise buckets (tokens). compiler: "inductor" or "eager" for the pieces
+    between split ops. cache_dir: persistent compile cache (None disables it). debug_dir: where the
+    decompiled code and each piece's graph are written (None: no dump). verify: after capture,
+    replay every bucket once and compare with eager execution.
+    """
+
+    mode: GraphMode = GraphMode.FULL_AND_PIECEWISE
+    decode_batch_sizes: tuple[int, ...] = DEFAULT_DECODE_BATCH_SIZES
+    prefill_token_sizes: tuple[int, ...] = DEFAULT_PREFILL_TOKEN_SIZES
+    compiler: str = "inductor"
+    cache_dir: str | None = field(default_factory=default_cache_dir)
+    debug_dir: str | None = None
+    verify: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", GraphMode.parse(self.mode))
+        for name in ("decode_batch_sizes", "prefill_token_sizes"):
+            sizes = tuple(int(s) for s in getattr(self, name))
+            if any(s <= 0 for s in sizes):
+                raise ValueError(f"GraphConfig.{name} must be positive integers, got {sizes}")
+            object.__setattr__(self, name, tuple(sorted(set(sizes))))
+        if self.compiler not in COMPILERS:
+            raise ValueError(f"GraphConfig.compiler must be one of {COMPILERS}, got {self.compiler!r}")
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any] | None) -> GraphConfig:
+        """Build from a ``torch.compile(..., options=...)`` dict; unknown keys are an error listing the known ones."""
+        options = dict(options or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"unknown compile_attn option(s) {unknown}; known options: {sorted(known)}")
+        return cls(**options)
+
+    def replace(self, **changes: Any) -> GraphConfig:
+        return dataclasses.replace(self, **changes)
