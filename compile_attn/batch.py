@@ -90,7 +90,7 @@ class ForwardBatch:
         """Build a batch from host lists.
 
         ``forward_mode`` defaults to DECODE when every request adds one token to a non-empty
-        sequence, IDLE for no requests, else EXTEND. ``positions`` default to each request's
+        sequence, MIXED when some do and others prefill, EXTEND when none do, IDLE for no requests. ``positions`` default to each request's
         ``prefix .. prefix + extend - 1``; ``input_ids`` default to zeros (attention-only use).
         """
         device = torch.device(device)
@@ -106,10 +106,13 @@ class ForwardBatch:
         seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
         num_tokens = sum(extend_lens)
         if forward_mode is None:
+            is_decode = [e == 1 and p > 0 for p, e in zip(prefix_lens, extend_lens)]
             if bs == 0:
                 forward_mode = ForwardMode.IDLE
-            elif all(e == 1 for e in extend_lens) and all(p > 0 for p in prefix_lens):
+            elif all(is_decode):
                 forward_mode = ForwardMode.DECODE
+            elif any(is_decode):
+                forward_mode = ForwardMode.MIXED
             else:
                 forward_mode = ForwardMode.EXTEND
         if positions is None:

@@ -1,0 +1,32 @@
+"""Triton attention kernels over a token-level paged KV cache: pure functions of torch tensors.
+
+``kv_index`` builds the token CSR from ``req_to_token`` and stores new K/V, ``decode_attention``
+runs split-K paged decode (CUDA-graph capturable), ``extend_attention`` runs prefill/extend over a
+cached prefix. Nothing here depends on the rest of compile_attn; the triton backend wraps these.
+On CPU the kernels run only under ``TRITON_INTERPRET=1`` (tests).
+"""
+
+from compile_attn.attention.triton_ops._common import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, check_supported
+from compile_attn.attention.triton_ops.decode_attention import (
+    DEFAULT_MAX_KV_SPLITS,
+    DEFAULT_SPLIT_SIZE,
+    compute_num_kv_splits,
+    decode_attention_fwd,
+)
+from compile_attn.attention.triton_ops.extend_attention import build_mask_indptr, extend_attention_fwd
+from compile_attn.attention.triton_ops.kv_index import build_kv_indices, build_kv_indptr, store_kv
+
+__all__ = [
+    "DEFAULT_MAX_KV_SPLITS",
+    "DEFAULT_SPLIT_SIZE",
+    "SUPPORTED_DTYPES",
+    "SUPPORTED_HEAD_DIMS",
+    "build_kv_indices",
+    "build_kv_indptr",
+    "build_mask_indptr",
+    "check_supported",
+    "compute_num_kv_splits",
+    "decode_attention_fwd",
+    "extend_attention_fwd",
+    "store_kv",
+]

@@ -1,0 +1,361 @@
+"""Paged decode attention (one query token per request) over a token-level KV cache.
+
+Stage 1 splits each request's KV range into ``num_kv_splits[b]`` tile-aligned chunks; one program
+handles one (request, KV head, split) and all query heads of that KV head's group, so every KV tile
+is read once (``tl.dot`` with the group padded to 16 rows when the group has more than one head).
+It writes a normalised partial output and its base-2 log-sum-exp. Stage 2 merges the partials.
+
+Every shape is fixed by ``max_kv_splits`` and the batch size, and nothing here syncs with the host
+or allocates: the pair can be recorded in a CUDA graph and replayed with new index contents.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from compile_attn.attention.triton_ops._common import (
+    check_device,
+    check_last_dim_contiguous,
+    dot_precision,
+    next_pow2,
+    softcap,
+)
+
+# Split boundaries are multiples of this many tokens; every stage-1 BLOCK_N divides it.
+SPLIT_ALIGN = 64
+DEFAULT_SPLIT_SIZE = 128
+DEFAULT_MAX_KV_SPLITS = 16
+# compute_num_kv_splits aims for about this many stage-1 programs per SM.
+PROGRAMS_PER_SM = 4
+
+
+@triton.jit
+def _split_len(seq_len, num_splits, max_kv_splits, ALIGN: tl.constexpr):
+    """Tokens per split (a multiple of ALIGN); 0 when seq_len is 0. Shared by both stages."""
+    n = tl.minimum(tl.maximum(num_splits, 1), max_kv_splits)
+    return tl.cdiv(tl.cdiv(seq_len, n), ALIGN) * ALIGN
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q,
+    K_Buf,
+    V_Buf,
+    Kv_Indptr,
+    Kv_Indices,
+    Num_Kv_Splits,
+    Part_Out,
+    Part_Lse,
+    sm_scale,
+    logit_cap,
+    stride_qb,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    stride_ls,
+    max_kv_splits,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    H_BLOCKS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    V_HEAD_DIM: tl.constexpr,
+    SPLIT_ALIGN: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    HAS_CAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1) // H_BLOCKS
+    offs_g = (tl.program_id(1) % H_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(2)
+    mask_h = offs_g < GROUP
+    offs_h = kv_head * GROUP + offs_g
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_dv = offs_dv < V_HEAD_DIM
+
+    kv_lo = tl.load(Kv_Indptr + b)
+    seq_len = tl.load(Kv_Indptr + b + 1) - kv_lo
+    split_len = _split_len(seq_len, tl.load(Num_Kv_Splits + b), max_kv_splits, SPLIT_ALIGN)
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, seq_len)
+
+    q = tl.load(
+        Q + b * stride_qb + offs_h[:, None] * stride_qh + offs_d[None, :],
+        mask=mask_h[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    index_base = Kv_Indices + kv_lo
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < hi
+        slots = tl.load(index_base + offs_n, mask=mask_n, other=0).to(tl.int64)
+        k = tl.load(
+            K_Buf + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
+            mask=mask_n[:, None] & mask_d[None, :],
+            other=0.0,
+        )
+        if USE_DOT:
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        else:
+            qk = tl.sum(q[:, None, :].to(tl.float32) * k[None, :, :].to(tl.float32), axis=2)
+        qk = qk * sm_scale
+        if HAS_CAP:
+            qk = softcap(qk, logit_cap)
+        qk = tl.where(mask_n[None, :], qk * 1.4426950408889634, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            V_Buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_dv[None, :],
+            mask=mask_n[:, None] & mask_dv[None, :],
+            other=0.0,
+        )
+        if USE_DOT:
+            pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        else:
+            pv = tl.sum(p[:, :, None] * v[None, :, :].to(tl.float32), axis=1)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    # Empty splits (past the end of the request, or seq_len 0) write nothing; stage 2 skips them.
+    store_h = offs_g < tl.where(hi > lo, GROUP, 0)
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    tl.store(
+        Part_Out + b * stride_pb + offs_h[:, None] * stride_ph + split * stride_ps + offs_dv[None, :],
+        acc / l_safe[:, None],
+        mask=store_h[:, None] & mask_dv[None, :],
+    )
+    tl.store(
+        Part_Lse + b * stride_lb + offs_h * stride_lh + split * stride_ls,
+        m_i + tl.log2(l_safe),
+        mask=store_h,
+    )
+
+
+@triton.jit
+def _decode_merge_kernel(
+    Part_Out,
+    Part_Lse,
+    Out,
+    Kv_Indptr,
+    Num_Kv_Splits,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    stride_ls,
+    stride_ob,
+    stride_oh,
+    max_kv_splits,
+    V_HEAD_DIM: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    SPLIT_ALIGN: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_dv = offs_dv < V_HEAD_DIM
+
+    seq_len = tl.load(Kv_Indptr + b + 1) - tl.load(Kv_Indptr + b)
+    split_len = _split_len(seq_len, tl.load(Num_Kv_Splits + b), max_kv_splits, SPLIT_ALIGN)
+    num_valid = tl.cdiv(seq_len, tl.maximum(split_len, 1))
+
+    part_base = Part_Out + b * stride_pb + h * stride_ph
+    lse_base = Part_Lse + b * stride_lb + h * stride_lh
+    m = tl.full([], float("-inf"), tl.float32)
+    l = tl.full([], 0.0, tl.float32)
+    acc = tl.zeros([BLOCK_DV], tl.float32)
+    for s0 in range(0, num_valid, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        mask_s = offs_s < num_valid
+        lse = tl.load(lse_base + offs_s * stride_ls, mask=mask_s, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new)
+        part = tl.load(
+            part_base + offs_s[:, None] * stride_ps + offs_dv[None, :],
+            mask=mask_s[:, None] & mask_dv[None, :],
+            other=0.0,
+        )
+        acc = acc * alpha + tl.sum(w[:, None] * part, 0)
+        l = l * alpha + tl.sum(w, 0)
+        m = m_new
+    # A request with no KV (seq_len 0) gets zeros, not NaN.
+    out = tl.where(l > 0, acc / tl.where(l > 0, l, 1.0), 0.0)
+    tl.store(Out + b * stride_ob + h * stride_oh + offs_dv, out.to(Out.dtype.element_ty), mask=mask_dv)
+
+
+def _split_kernel_config(block_d: int, block_dv: int, use_dot: bool) -> dict:
+    """Tile sizes for stage 1. Depends only on head dims and grouping, never on the batch, so a
+    request's result does not change with batch composition (deterministic mode relies on this)."""
+    widest = max(block_d, block_dv)
+    block_n = 64 if widest <= 128 else 32
+    if not use_dot and widest > 128:
+        block_n = 16
+    return dict(BLOCK_N=block_n, num_warps=4, num_stages=2)
+
+
+def compute_num_kv_splits(
+    seq_lens: torch.Tensor,
+    num_sms: int,
+    max_kv_splits: int,
+    deterministic: bool = False,
+    split_size: int = DEFAULT_SPLIT_SIZE,
+    *,
+    num_kv_heads: int = 1,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-request number of KV splits for :func:`decode_attention_fwd`, as int32 on seq_lens' device.
+
+    Device ops only (no host sync), so it can be recorded in a CUDA graph; with ``out`` the result
+    is copied into that static buffer. ``deterministic=True``: ``ceil(seq_len / split_size)``
+    splits, a function of the request's own length, so its output bits do not depend on the rest
+    of the batch. Otherwise the batch's total work (``sum(seq_lens) * num_kv_heads``) is spread
+    over about ``PROGRAMS_PER_SM * num_sms`` stage-1 programs, with no split shorter than
+    ``split_size`` tokens. Both are clamped to ``[1, max_kv_splits]``.
+    """
+    if split_size <= 0 or max_kv_splits <= 0:
+        raise ValueError(f"split_size and max_kv_splits must be positive, got {split_size}, {max_kv_splits}")
+    lens = seq_lens.to(torch.int64).clamp_min(0)
+    if deterministic:
+        splits = (lens + (split_size - 1)) // split_size
+    else:
+        target = max(1, num_sms * PROGRAMS_PER_SM)
+        work = lens.sum() * num_kv_heads
+        tokens_per_split = ((work + (target - 1)) // target).clamp_min(split_size)
+        splits = (lens + tokens_per_split - 1) // tokens_per_split
+    splits = splits.clamp(1, max_kv_splits).to(torch.int32)
+    if out is None:
+        return splits
+    out.copy_(splits)
+    return out
+
+
+def decode_attention_fwd(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    out: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    num_kv_splits: torch.Tensor,
+    max_kv_splits: int,
+    attn_logits: torch.Tensor,
+    attn_lse: torch.Tensor,
+    sm_scale: float,
+    logit_cap: float = 0.0,
+) -> None:
+    """Decode attention of ``q[B, Hq, D]`` over the cache into ``out[B, Hq, Dv]``.
+
+    Request ``b`` reads slots ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]`` of ``k_buffer[S, Hkv, D]``
+    and ``v_buffer[S, Hkv, Dv]``. ``attn_logits[B, Hq, max_kv_splits, Dv]`` and
+    ``attn_lse[B, Hq, max_kv_splits]`` (fp32) are caller-owned scratch. ``num_kv_splits[b]`` is
+    clamped to ``[1, max_kv_splits]`` inside the kernels. ``logit_cap > 0`` applies
+    ``cap * tanh(s / cap)`` to the scaled scores. A request with no KV gets zeros.
+    """
+    check_device(_decode_split_kernel, q, k_buffer, v_buffer, out, kv_indptr, kv_indices)
+    bs, num_q_heads, head_dim = q.shape
+    _, num_kv_heads, k_dim = k_buffer.shape
+    v_head_dim = v_buffer.shape[-1]
+    if k_dim != head_dim or v_buffer.shape[1] != num_kv_heads:
+        raise ValueError(f"k_buffer {tuple(k_buffer.shape)} / v_buffer {tuple(v_buffer.shape)} do not match q {tuple(q.shape)}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if tuple(out.shape) != (bs, num_q_heads, v_head_dim):
+        raise ValueError(f"out has shape {tuple(out.shape)}, expected {(bs, num_q_heads, v_head_dim)}")
+    if attn_logits.shape[0] < bs or attn_logits.shape[1] != num_q_heads or attn_logits.shape[2] < max_kv_splits \
+            or attn_logits.shape[3] != v_head_dim or attn_lse.shape[2] < max_kv_splits:
+        raise ValueError(
+            f"attn_logits {tuple(attn_logits.shape)} / attn_lse {tuple(attn_lse.shape)} are too small for "
+            f"batch {bs}, {num_q_heads} heads, max_kv_splits {max_kv_splits}, v_head_dim {v_head_dim}"
+        )
+    for name, t in (("q", q), ("k_buffer", k_buffer), ("v_buffer", v_buffer), ("out", out), ("attn_logits", attn_logits)):
+        check_last_dim_contiguous(name, t)
+    if bs == 0:
+        return
+
+    group = num_q_heads // num_kv_heads
+    use_dot = group > 1
+    block_h = min(64, max(16, next_pow2(group))) if use_dot else 1
+    h_blocks = triton.cdiv(group, block_h)
+    block_d, block_dv = next_pow2(head_dim), next_pow2(v_head_dim)
+    cfg = _split_kernel_config(block_d, block_dv, use_dot)
+    _decode_split_kernel[(bs, num_kv_heads * h_blocks, max_kv_splits)](
+        q,
+        k_buffer,
+        v_buffer,
+        kv_indptr,
+        kv_indices,
+        num_kv_splits,
+        attn_logits,
+        attn_lse,
+        float(sm_scale),
+        float(logit_cap),
+        q.stride(0),
+        q.stride(1),
+        k_buffer.stride(0),
+        k_buffer.stride(1),
+        v_buffer.stride(0),
+        v_buffer.stride(1),
+        attn_logits.stride(0),
+        attn_logits.stride(1),
+        attn_logits.stride(2),
+        attn_lse.stride(0),
+        attn_lse.stride(1),
+        attn_lse.stride(2),
+        max_kv_splits,
+        GROUP=group,
+        BLOCK_H=block_h,
+        H_BLOCKS=h_blocks,
+        BLOCK_D=block_d,
+        BLOCK_DV=block_dv,
+        HEAD_DIM=head_dim,
+        V_HEAD_DIM=v_head_dim,
+        SPLIT_ALIGN=SPLIT_ALIGN,
+        USE_DOT=use_dot,
+        HAS_CAP=logit_cap > 0,
+        DOT_PRECISION=dot_precision(q.dtype),
+        **cfg,
+    )
+    _decode_merge_kernel[(bs, num_q_heads)](
+        attn_logits,
+        attn_lse,
+        out,
+        kv_indptr,
+        num_kv_splits,
+        attn_logits.stride(0),
+        attn_logits.stride(1),
+        attn_logits.stride(2),
+        attn_lse.stride(0),
+        attn_lse.stride(1),
+        attn_lse.stride(2),
+        out.stride(0),
+        out.stride(1),
+        max_kv_splits,
+        V_HEAD_DIM=v_head_dim,
+        BLOCK_DV=block_dv,
+        BLOCK_S=min(next_pow2(max_kv_splits), 16),
+        SPLIT_ALIGN=SPLIT_ALIGN,
+        num_warps=2 if block_dv <= 128 else 4,
+    )

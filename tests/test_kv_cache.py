@@ -1,0 +1,98 @@
+"""KV cache: page layout, all-or-nothing allocation, exhaustion leaves the cache unchanged, index formats."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from compile_attn import PAD_SLOT, InvalidBatchError, KVCache, KVCacheExhaustedError
+from compile_attn.kv_index import build_kv_indices, build_page_table, build_paged_kv_indices
+
+
+def _cache(page_size: int = 1, num_tokens: int = 64, max_requests: int = 4, max_context: int = 48) -> KVCache:
+    return KVCache(num_layers=2, num_kv_heads=2, head_dim=4, max_requests=max_requests, max_context=max_context,
+                   num_tokens=num_tokens, page_size=page_size, dtype=torch.float32)
+
+
+def _state(kv: KVCache) -> tuple:
+    return (kv.req_to_token.clone(), kv.allocator.available, list(kv.allocator._free), dict(kv._lens),
+            {r: list(p) for r, p in kv._pages.items()})
+
+
+def _assert_same_state(a: tuple, b: tuple) -> None:
+    assert torch.equal(a[0], b[0]) and a[1:] == b[1:]
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_slots_follow_pages_and_never_use_the_scratch_page(page_size: int) -> None:
+    kv = _cache(page_size, num_tokens=128)
+    rows = [kv.alloc_request(), kv.alloc_request()]
+    first = kv.alloc_extend(rows, [5, 3])
+    second = kv.alloc_extend(rows, [page_size + 2, 1])
+    for row, total in zip(rows, [5 + page_size + 2, 4]):
+        slots = kv.req_to_token[row, :total].tolist()
+        assert len(set(slots)) == total
+        for pos, slot in enumerate(slots):
+            assert slot // page_size != 0, "scratch page handed out"
+            assert slot % page_size == pos % page_size
+            assert slot // page_size == slots[pos - pos % page_size] // page_size  # same page within a page
+    assert torch.equal(torch.cat([first[:5], second[: page_size + 2]]), kv.req_to_token[rows[0], : 5 + page_size + 2].long())
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_exhaustion_is_clear_and_leaves_the_cache_unchanged(page_size: int) -> None:
+    kv = _cache(page_size, num_tokens=32)
+    rows = [kv.alloc_request(), kv.alloc_request()]
+    kv.alloc_extend(rows, [10, 3])
+    before = _state(kv)
+    with pytest.raises(KVCacheExhaustedError, match="nothing was allocated"):
+        kv.alloc_extend(rows, [8, 30])  # the first request fits alone, the batch does not
+    _assert_same_state(before, _state(kv))
+    kv.free_request(rows[1])
+    assert kv.req_to_token[rows[1]].eq(PAD_SLOT).all()
+    kv.alloc_extend([rows[0]], [8])  # the freed pages are usable again
+
+
+def test_request_table_exhaustion_and_bad_frees() -> None:
+    kv = _cache(max_requests=2)
+    rows = [kv.alloc_request(), kv.alloc_request()]
+    with pytest.raises(KVCacheExhaustedError, match="request table full: asked for 1 rows, 0 free of 2"):
+        kv.alloc_request()
+    kv.free_request(rows[0])
+    with pytest.raises(ValueError, match="not allocated"):
+        kv.free_request(rows[0])
+    with pytest.raises(InvalidBatchError, match="past max_context 48"):
+        kv.alloc_extend([rows[1]], [49])
+    with pytest.raises(InvalidBatchError, match="appears twice"):
+        kv.alloc_extend([rows[1], rows[1]], [1, 1])
+
+
+@given(
+    page_size=st.sampled_from([1, 2, 16]),
+    lens=st.lists(st.integers(1, 40), min_size=1, max_size=4),
+    seed=st.integers(0, 1000),
+)
+def test_index_formats_agree_with_req_to_token(page_size: int, lens: list[int], seed: int) -> None:
+    kv = _cache(page_size, num_tokens=256)
+    perm = torch.randperm(kv.allocator.available, generator=torch.Generator().manual_seed(seed)).tolist()
+    kv.allocator._free = [kv.allocator._free[i] for i in perm]
+    rows = [kv.alloc_request() for _ in lens]
+    kv.alloc_extend(rows, lens)
+    rows_t, lens_t = torch.tensor(rows), torch.tensor(lens)
+    indptr, indices = build_kv_indices(kv.req_to_token, rows_t, lens_t, lens_t)
+    assert indptr.tolist() == [sum(lens[:i]) for i in range(len(lens) + 1)]
+    assert indices.tolist() == [int(kv.req_to_token[r, j]) for r, n in zip(rows, lens) for j in range(n)]
+    start = torch.tensor([max(0, n - 3) for n in lens])
+    _, windowed = build_kv_indices(kv.req_to_token, rows_t, lens_t, lens_t, kv_start=start)
+    assert windowed.tolist() == [int(kv.req_to_token[r, j]) for r, n in zip(rows, lens) for j in range(max(0, n - 3), n)]
+    page_indptr, pages, last = build_paged_kv_indices(kv.req_to_token, rows_t, lens_t, page_size)
+    expected_pages = [kv._pages[r] for r in rows]
+    assert pages.tolist() == [p for ps in expected_pages for p in ps]
+    assert page_indptr.diff().tolist() == [len(ps) for ps in expected_pages]
+    assert last.tolist() == [n - (len(ps) - 1) * page_size for n, ps in zip(lens, expected_pages)]
+    width = max(len(ps) for ps in expected_pages)
+    table = build_page_table(kv.req_to_token, rows_t, width, page_size)
+    for b, ps in enumerate(expected_pages):
+        assert table[b, : len(ps)].tolist() == ps

@@ -1,0 +1,39 @@
+"""Backend registry: names, 'auto' on CPU, unknown names, layer/pool mismatch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compile_attn import AttentionLayer, KVCache, UnknownBackendError, UnsupportedConfigError, create_backend
+from compile_attn.attention import available_backends
+from compile_attn.attention.torch_native import TorchNativeBackend
+
+
+def _kv() -> KVCache:
+    return KVCache(num_layers=1, num_kv_heads=2, head_dim=8, max_requests=2, max_context=16, num_tokens=32)
+
+
+def test_auto_picks_torch_native_on_cpu() -> None:
+    assert isinstance(create_backend("auto", _kv(), [AttentionLayer(0, 4, 2, 8)]), TorchNativeBackend)
+
+
+def test_unknown_backend_lists_known_ones() -> None:
+    with pytest.raises(UnknownBackendError, match="unknown attention backend 'nope'; known backends: .*torch_native"):
+        create_backend("nope", _kv(), [])
+    assert "torch_native" in available_backends()
+
+
+def test_layer_that_does_not_fit_the_pool_is_refused() -> None:
+    with pytest.raises(UnsupportedConfigError, match="layer 0 has 4 KV heads of dim 8 but the KV pool holds 2"):
+        create_backend("torch_native", _kv(), [AttentionLayer(0, 8, 4, 8)])
+
+
+def test_layer_constants_are_checked() -> None:
+    with pytest.raises(ValueError, match="num_heads \\(6\\) must be a multiple of num_kv_heads \\(4\\)"):
+        AttentionLayer(0, 6, 4, 8)
+    layer = AttentionLayer(0, 8, 2, 64)
+    assert layer.scaling == pytest.approx(0.125) and layer.v_head_dim == 64 and layer.group_size == 4
+    with pytest.raises(ValueError, match="sliding_window must be a positive"):
+        AttentionLayer(0, 8, 2, 64, sliding_window=0)
+    assert torch.ops.compile_attn.attention is not None
