@@ -1,0 +1,190 @@
+"""LLM: the user-facing engine. Builds the KV cache, backend, graph runner and scheduler, and runs
+``generate`` as a loop of scheduled steps (continuous batching) until every request finishes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from compile_attn.attention import create_backend
+from compile_attn.batch import ForwardBatch, ForwardMode
+from compile_attn.engine.model_loading import LoadedModel, load_for_engine
+from compile_attn.engine.request import Request, RequestOutput
+from compile_attn.engine.sampler import sample
+from compile_attn.engine.sampling_params import SamplingParams
+from compile_attn.engine.scheduler import ScheduledStep, Scheduler
+from compile_attn.engine.step_runner import StepRunner
+from compile_attn.kv_cache import KVCache
+
+logger = logging.getLogger(__name__)
+
+
+class LLM:
+    """Generate text with a model whose attention runs through compile_attn.
+
+    ``model``: an HF model instance, a local HF directory, a ``transformers`` config, or any module
+    following the model protocol (``model(input_ids[T], positions[T]) -> logits[T, V]`` and
+    ``attention_layers()``). ``compile=True`` wraps it in ``torch.compile(backend="compile_attn")``;
+    ``graph_mode`` picks the graphs (see GraphMode; CUDA only, the logic also runs on CPU).
+    ``kv_cache_tokens`` defaults to ``max_batch_size * max_context``.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        tokenizer: Any = None,
+        attn_backend: str = "auto",
+        graph_mode: str = "full_and_piecewise",
+        compile: bool = True,
+        max_batch_size: int = 32,
+        max_num_tokens: int = 2048,
+        kv_cache_tokens: int | None = None,
+        max_context: int | None = None,
+        page_size: int = 1,
+        dtype: torch.dtype | None = None,
+        device: str | torch.device | None = None,
+        compile_options: dict | None = None,
+        capture: bool = True,
+    ) -> None:
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        loaded: LoadedModel = load_for_engine(model, tokenizer=tokenizer, dtype=dtype, device=device)
+        self.model, self.tokenizer, self.eos_token_ids = loaded.model, loaded.tokenizer, loaded.eos_token_ids
+        self.device, self.dtype = device, dtype
+        layers = self.model.attention_layers()
+        max_context = max_context or loaded.max_context or 4096
+        kv_cache_tokens = kv_cache_tokens or max_batch_size * max_context
+        first = layers[0]
+        self.kv_cache = KVCache(
+            num_layers=len(layers), num_kv_heads=first.num_kv_heads, head_dim=first.head_dim,
+            v_head_dim=first.v_head_dim, max_requests=max_batch_size, max_context=max_context,
+            num_tokens=kv_cache_tokens, page_size=page_size, dtype=dtype, device=device,
+        )
+        self.backend = create_backend(attn_backend, self.kv_cache, layers)
+        self.scheduler = Scheduler(self.kv_cache, max_batch_size, max_num_tokens)
+        self.step_runner = StepRunner(
+            self.model, self.backend, graph_mode=graph_mode, compile=compile, compile_options=compile_options,
+            max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
+        )
+        logger.info(
+            "LLM ready: device %s, dtype %s, backend %s, graph mode %s, KV cache %d tokens (%.1f MiB), page size %d",
+            device, dtype, self.backend.name, self.step_runner.graph_mode.value, kv_cache_tokens,
+            self.kv_cache.pool.bytes / 2**20, page_size,
+        )
+        if capture:
+            self.step_runner.capture()
+        self._next_id = 0
+        self.num_steps = 0
+        self.steps_by_mode: Counter[ForwardMode] = Counter()
+
+    # ------------------------------------------------------------------ public API
+    def generate(
+        self,
+        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (strings need a tokenizer; lists of ints are token ids)."""
+        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = sampling_params or SamplingParams()
+        params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
+        requests = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        start, tokens = time.perf_counter(), 0
+        with tqdm(total=len(requests), desc="generate", disable=not use_tqdm) as bar:
+            while self.scheduler.has_work():
+                done = self.step()
+                tokens += sum(1 for _ in done)
+                bar.update(len(done))
+        elapsed = time.perf_counter() - start
+        logger.info("generated %d tokens for %d requests in %.2f s", sum(len(r.output_ids) for r in requests),
+                    len(requests), elapsed)
+        return [self._output(r) for r in requests]
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Request:
+        """Queue a request; it runs in the following ``step()`` calls. Raises RequestTooLargeError if it
+        can never fit the KV cache."""
+        params = params or SamplingParams()
+        ids = self._encode(prompt)
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
+        req = Request(self._next_id, ids, params, seed)
+        self.scheduler.add(req)
+        self._next_id += 1
+        return req
+
+    def step(self) -> list[Request]:
+        """Run one scheduled step; return the requests that finished in it."""
+        step = self.scheduler.schedule()
+        if step is None:
+            return []
+        self.num_steps += 1
+        fb = ForwardBatch.build(
+            req_pool_indices=[r.row for r in step.requests], prefix_lens=step.prefix_lens,
+            extend_lens=step.extend_lens, out_cache_loc=step.out_cache_loc,
+            input_ids=[t for r, p, n in zip(step.requests, step.prefix_lens, step.extend_lens)
+                       for t in r.token_ids[p : p + n]],
+            device=self.device,
+        )
+        self.steps_by_mode[fb.forward_mode] += 1
+        sampled = [i for i, (r, p, n) in enumerate(zip(step.requests, step.prefix_lens, step.extend_lens))
+                   if p + n == len(r.token_ids)]
+        next_ids = self._sample(step, fb, sampled)
+        finished = []
+        for r, n in zip(step.requests, step.extend_lens):
+            r.num_cached += n
+        for i, tok in zip(sampled, next_ids):
+            r = step.requests[i]
+            r.token_ids.append(tok)
+            reason = self._stop_reason(r, tok)
+            if reason:
+                self.scheduler.finish(r, reason)
+                finished.append(r)
+        return finished
+
+    # ------------------------------------------------------------------ internals
+    def _sample(self, step: ScheduledStep, fb: ForwardBatch, sampled: list[int]) -> list[int]:
+        ends = torch.tensor(fb.extend_seq_lens_cpu).cumsum(0) - 1
+        keep = ends[sampled]
+        logits = self.step_runner.run(fb, keep.to(self.device))
+        if not sampled:  # every request in the step is mid-way through a chunked prefill
+            return []
+        reqs = [step.requests[i] for i in sampled]
+        dev = self.device
+        tokens = sample(
+            logits,
+            temperature=torch.tensor([r.params.temperature for r in reqs], device=dev, dtype=torch.float32),
+            top_k=torch.tensor([r.params.top_k for r in reqs], device=dev, dtype=torch.int64),
+            top_p=torch.tensor([r.params.top_p for r in reqs], device=dev, dtype=torch.float32),
+            seeds=torch.tensor([r.seed for r in reqs], device=dev, dtype=torch.int64),
+            positions=torch.tensor([len(r.token_ids) for r in reqs], device=dev, dtype=torch.int64),
+        )
+        return tokens.tolist()  # the step's one host sync
+
+    def _stop_reason(self, r: Request, tok: int) -> str | None:
+        if tok in r.params.stop_token_ids or (not r.params.ignore_eos and tok in self.eos_token_ids):
+            return "stop"
+        if len(r.output_ids) >= r.params.max_new_tokens or len(r.token_ids) >= self.kv_cache.max_context:
+            return "length"
+        return None
+
+    def _encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("string prompts need a tokenizer; pass token id lists or LLM(..., tokenizer=...)")
+            return list(self.tokenizer(prompt)["input_ids"])
+        return [int(t) for t in prompt]
+
+    def _output(self, r: Request) -> RequestOutput:
+        text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True) if self.tokenizer else None
+        return RequestOutput(r.request_id, list(r.prompt_ids), list(r.output_ids), r.finish_reason or "length", text)

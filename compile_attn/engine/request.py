@@ -1,0 +1,63 @@
+"""Request: one prompt's life in the engine (waiting -> running -> finished), and RequestOutput."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from compile_attn.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    """``token_ids`` is prompt + generated so far; ``num_cached`` of them have KV in the cache.
+
+    The tokens still to run through the model are ``token_ids[num_cached:]``: the prompt (or the
+    rest of it) while prefilling, exactly the last sampled token while decoding. A preempted request
+    drops its KV (``num_cached = 0``) and later recomputes prompt + outputs.
+    """
+
+    request_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    token_ids: list[int] = field(default_factory=list)
+    num_cached: int = 0
+    row: int | None = None
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_ids) :]
+
+    @property
+    def num_pending(self) -> int:
+        return len(self.token_ids) - self.num_cached
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.num_cached > 0 and self.num_pending == 1
+
+
+@dataclass
+class RequestOutput:
+    """What ``LLM.generate`` returns per prompt: generated tokens only, their text, and why it stopped
+    ("length" or "stop")."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str
+    text: str | None = None

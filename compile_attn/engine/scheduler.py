@@ -1,0 +1,152 @@
+"""Scheduler: continuous batching with chunked prefill over the paged KV cache, preempting when full.
+
+Each step it takes every decoding request (one token each), then continues chunked prefills and
+admits waiting requests (FIFO) until ``max_num_tokens`` or ``max_batch_size`` is reached, so new
+requests prefill in the same step as others decode. KV pages for the step are reserved before
+anything is allocated; when they run out, the most recently admitted request is preempted (its KV
+freed, to be recomputed later). Requests that could never fit are refused when added.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from compile_attn.engine.request import Request, RequestStatus
+from compile_attn.kv_cache import KVCache
+
+logger = logging.getLogger(__name__)
+
+
+class RequestTooLargeError(ValueError):
+    """A request whose prompt plus max_new_tokens can never fit the KV cache or its max_context."""
+
+
+@dataclass
+class ScheduledStep:
+    requests: list[Request]
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    out_cache_loc: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.extend_lens)
+
+
+class Scheduler:
+    def __init__(self, kv_cache: KVCache, max_batch_size: int, max_num_tokens: int) -> None:
+        self.kv = kv_cache
+        self.max_batch_size = max_batch_size
+        self.max_num_tokens = max_num_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ admission
+    def check_fits(self, req: Request) -> None:
+        total = len(req.prompt_ids) + req.params.max_new_tokens
+        capacity = self.kv.allocator.num_pages * self.kv.page_size
+        if not req.prompt_ids:
+            raise RequestTooLargeError(f"request {req.request_id} has an empty prompt")
+        if total > self.kv.max_context or total > capacity:
+            raise RequestTooLargeError(
+                f"request {req.request_id} needs up to {total} tokens (prompt {len(req.prompt_ids)} + max_new_tokens "
+                f"{req.params.max_new_tokens}) but the KV cache holds {capacity} tokens with max_context "
+                f"{self.kv.max_context}; shorten the prompt, lower max_new_tokens, or raise kv_cache_tokens / max_context"
+            )
+
+    def add(self, req: Request) -> None:
+        self.check_fits(req)
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ per-step decisions
+    def _free_tokens_for(self, req: Request, free_pages: int) -> int:
+        """Tokens ``req`` could still add: room in its last page plus ``free_pages`` whole pages."""
+        ps = self.kv.page_size
+        if req.row is None:
+            return free_pages * ps
+        slack = len(self.kv._pages[req.row]) * ps - self.kv.num_allocated_tokens(req.row)
+        return slack + free_pages * ps
+
+    def _preempt(self, victim: Request) -> None:
+        logger.info("KV cache full: preempting request %d (%d tokens cached) to recompute later",
+                    victim.request_id, victim.num_cached)
+        self.kv.free_request(victim.row)
+        victim.row, victim.num_cached = None, 0
+        victim.status = RequestStatus.WAITING
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.running.remove(victim)
+        self.waiting.appendleft(victim)
+
+    def schedule(self) -> ScheduledStep | None:
+        """Choose this step's requests and token counts, allocate their KV slots. None when idle."""
+        while self.has_work():
+            step = self._try_schedule()
+            if step is not None:
+                return step
+            # Nothing fits while requests hold KV (e.g. several half-done prefills): free the newest.
+            self._preempt(self.running[-1])
+        return None
+
+    def _try_schedule(self) -> ScheduledStep | None:
+        chosen: list[tuple[Request, int]] = []
+        reserved = 0
+        budget = self.max_num_tokens
+
+        def free_pages() -> int:
+            return self.kv.allocator.available - reserved
+
+        for req in [r for r in self.running if r.is_decoding]:
+            if len(chosen) >= self.max_batch_size or budget == 0:
+                break
+            if req not in self.running:  # preempted below while making room for an earlier one
+                continue
+            while self.kv.pages_needed(req.row, 1) > free_pages():
+                victims = [r for r in self.running if all(r is not c for c, _ in chosen)]
+                self._preempt(victims[-1])
+                if victims[-1] is req:
+                    break
+            else:
+                reserved += self.kv.pages_needed(req.row, 1)
+                chosen.append((req, 1))
+                budget -= 1
+
+        candidates = [r for r in self.running if not r.is_decoding and all(r is not c for c, _ in chosen)]
+        candidates += list(self.waiting)
+        for req in candidates:
+            if len(chosen) >= self.max_batch_size or budget == 0:
+                break
+            if req.row is None and self.kv.req_to_token_pool.available == 0:
+                break
+            n = min(req.num_pending, budget, self._free_tokens_for(req, free_pages()))
+            if n <= 0:
+                break
+            if req.row is None:
+                req.row = self.kv.alloc_request()
+                req.status = RequestStatus.RUNNING
+                self.waiting.remove(req)
+                self.running.append(req)
+            reserved += self.kv.pages_needed(req.row, n)
+            chosen.append((req, n))
+            budget -= n
+
+        if not chosen:
+            return None
+        reqs = [r for r, _ in chosen]
+        extend_lens = [n for _, n in chosen]
+        out_cache_loc = self.kv.alloc_extend([r.row for r in reqs], extend_lens)
+        return ScheduledStep(reqs, [r.num_cached for r in reqs], extend_lens, out_cache_loc)
+
+    def finish(self, req: Request, reason: str) -> None:
+        req.status, req.finish_reason = RequestStatus.FINISHED, reason
+        self.kv.free_request(req.row)
+        req.row = None
+        self.running.remove(req)
