@@ -1,0 +1,111 @@
+"""The ``compile-attn`` command: ``generate`` text with a model, ``info`` about this machine's backends."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import logging
+import platform
+import sys
+import time
+
+import torch
+
+TINY_MODEL = "tiny"
+
+
+def _version(pkg: str) -> str:
+    try:
+        return importlib.metadata.version(pkg)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from compile_attn.attention import available_backends, resolve_auto_backend
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rows = [
+        ("compile_attn", _version("compile-attn")),
+        ("python", platform.python_version()),
+        ("torch", torch.__version__),
+        ("triton", _version("triton")),
+        ("transformers", _version("transformers")),
+        ("flashinfer", _version("flashinfer-python")),
+        ("sgl-kernel", _version("sgl-kernel")),
+        ("device", torch.cuda.get_device_name() if device.type == "cuda" else "cpu (no CUDA GPU)"),
+        ("backends", ", ".join(available_backends())),
+        ("auto backend", resolve_auto_backend(device)),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    return 0
+
+
+def _tiny_model() -> torch.nn.Module:
+    from compile_attn.models import ToyDecoder, ToyDecoderConfig
+
+    torch.manual_seed(0)
+    return ToyDecoder(ToyDecoderConfig(vocab_size=256, hidden_size=128, num_layers=4, num_heads=8, num_kv_heads=2,
+                                       head_dim=16, intermediate_size=256))
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from compile_attn.engine import LLM, SamplingParams
+
+    model = _tiny_model() if args.model == TINY_MODEL else args.model
+    llm = LLM(model, attn_backend=args.backend, graph_mode=args.graph_mode, compile=not args.no_compile,
+              max_batch_size=args.max_batch_size, page_size=args.page_size, max_context=args.max_context,
+              device=args.device)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
+    prompts: list = args.prompt
+    if llm.tokenizer is None:  # the tiny model has no tokenizer: bytes are its tokens
+        prompts = [list(p.encode()) for p in prompts]
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    for prompt, out in zip(args.prompt, outs):
+        text = out.text if out.text is not None else bytes(t % 256 for t in out.token_ids).decode("latin-1")
+        print(f"--- {prompt!r} -> ({len(out.token_ids)} tokens, {out.finish_reason})\n{text}")
+    n = sum(len(o.token_ids) for o in outs)
+    print(f"--- {n} tokens in {elapsed:.2f} s ({n / elapsed:.1f} tok/s, {llm.num_steps} steps)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="compile-attn", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="backends, GPU and versions on this machine").set_defaults(func=cmd_info)
+    gen = sub.add_parser("generate", help="generate text")
+    gen.add_argument("--model", default=TINY_MODEL, help=f"local HF model directory, or '{TINY_MODEL}' (built-in)")
+    gen.add_argument("--prompt", action="append", default=None, help="a prompt (repeat for several)")
+    gen.add_argument("--max-new-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--backend", default="auto")
+    gen.add_argument("--graph-mode", default="full_and_piecewise")
+    gen.add_argument("--no-compile", action="store_true", help="do not torch.compile the model")
+    gen.add_argument("--max-batch-size", type=int, default=8)
+    gen.add_argument("--max-context", type=int, default=512)
+    gen.add_argument("--page-size", type=int, default=1)
+    gen.add_argument("--device", default=None)
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if getattr(args, "prompt", "") is None:
+        args.prompt = ["Hello, compile_attn!"]
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
