@@ -73,7 +73,7 @@ def build_paged_kv_indices(
     """Page-level CSR (FlashInfer layout): ``(kv_page_indptr [B+1], kv_page_indices, kv_last_page_len [B])``."""
     device = req_to_token.device
     num_pages_cpu = (seq_lens_cpu + page_size - 1) // page_size
-    last = seq_lens_cpu - (num_pages_cpu - 1) * page_size
+    last = torch.where(num_pages_cpu > 0, seq_lens_cpu - (num_pages_cpu - 1) * page_size, 0)
     indptr = build_kv_indptr(num_pages_cpu.to(device))
     if req_pool_indices.shape[0] == 0:
         return indptr, indptr[:0], last.to(device=device, dtype=torch.int32)

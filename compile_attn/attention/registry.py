@@ -49,10 +49,13 @@ def register_backend(name: str) -> Callable[[B], B]:
 
 
 def _module_exists(module: str) -> bool:
+    """True if ``module`` is importable as a real module (a bare namespace directory does not count,
+    e.g. a ``tests/flashinfer/`` folder on sys.path)."""
     try:
-        return importlib.util.find_spec(module) is not None
+        spec = importlib.util.find_spec(module)
     except (ImportError, ValueError):
         return False
+    return spec is not None and spec.origin not in (None, "namespace")
 
 
 def available_backends() -> list[str]:

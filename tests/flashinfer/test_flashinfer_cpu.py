@@ -1,0 +1,57 @@
+"""CPU tests of the flashinfer backend: import hygiene, the clear error without flashinfer, and the page
+CSR it builds. Attention itself is only tested against the real kernels (tests/flashinfer/test_flashinfer_gpu.py):
+no stand-in replaces FlashInfer here."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from compile_attn import AttentionLayer, BackendUnavailableError, KVCache, create_backend
+from compile_attn.attention.flashinfer.library import flashinfer_installed
+from compile_attn.attention.flashinfer.paged_indices import build_paged_kv
+
+
+def _small_kv(**kw) -> KVCache:  # noqa: ANN003
+    args = dict(num_layers=1, num_kv_heads=2, head_dim=64, max_requests=4, max_context=64, num_tokens=256,
+                dtype=torch.bfloat16)
+    return KVCache(**(args | kw))
+
+
+# ------------------------------------------------------------------ without flashinfer
+def test_import_compile_attn_does_not_import_flashinfer() -> None:
+    code = ("import sys, compile_attn, compile_attn.attention.flashinfer_backend; "
+            "assert 'flashinfer' not in sys.modules, 'flashinfer was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.skipif(flashinfer_installed(), reason="flashinfer is installed here")
+def test_missing_flashinfer_is_a_clear_error() -> None:
+    with pytest.raises(BackendUnavailableError, match=r'pip install "compile-attn\[flashinfer\]"'):
+        create_backend("flashinfer", _small_kv(), [AttentionLayer(0, 8, 2, 64)])
+
+
+def test_broken_flashinfer_import_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "flashinfer", None)  # makes `import flashinfer` raise ImportError
+    with pytest.raises(BackendUnavailableError, match=r'pip install "compile-attn\[flashinfer\]"'):
+        create_backend("flashinfer", _small_kv(), [AttentionLayer(0, 8, 2, 64)])
+
+
+# ------------------------------------------------------------------ configuration errors
+# ------------------------------------------------------------------ page CSR
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_page_csr_lists_each_requests_pages_in_order(page_size: int) -> None:
+    kv = _small_kv(page_size=page_size, num_tokens=512)
+    rows = [kv.alloc_request() for _ in range(3)]
+    lens = [9, 0, 5]
+    kv.alloc_extend(rows, lens)
+    csr = build_paged_kv(kv.req_to_token, torch.tensor(rows), lens, page_size)
+    for b, (row, n) in enumerate(zip(rows, lens)):
+        pages = csr.indices[csr.indptr_cpu[b] : csr.indptr_cpu[b + 1]].tolist()
+        num_pages = -(-n // page_size)
+        assert pages == [int(kv.req_to_token[row, j * page_size]) // page_size for j in range(num_pages)]
+        assert all(int(kv.req_to_token[row, j]) // page_size == pages[j // page_size] for j in range(n))
+        assert int(csr.last_page_len_cpu[b]) == (n - (len(pages) - 1) * page_size if n else 0)

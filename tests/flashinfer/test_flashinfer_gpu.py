@@ -1,0 +1,153 @@
+"""GPU tests of the flashinfer backend with the real kernels (bf16 on CUDA) against the float64 reference:
+decode / extend / prefix / mixed batches, page sizes 1 and 16, GQA 1/4/8, head dims 64 and 128, sliding
+window and softcap, both prefix paths; captured decode graphs replayed with new batches per bucket; and
+a ToyDecoder through the GraphRunner (full decode graphs, breakable extend) against eager torch_native.
+
+All kernels the module needs are JIT-built once, in parallel, before the first test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from compile_attn import create_backend
+from compile_attn.attention.flashinfer.library import flashinfer_installed, load_flashinfer
+from compile_attn.attention.flashinfer.warmup import KernelSpec, build_kernels
+from fi_cases import Case, decode_replays, run_case
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not flashinfer_installed(), reason="flashinfer is not installed"),
+]
+
+BF16 = torch.bfloat16
+KERNELS = [
+    *(KernelSpec(kind, hd, BF16, BF16, sliding_window=w, softcap=w)
+      for hd, w in ((64, False), (64, True), (128, False)) for kind in ("paged", "ragged")),
+    KernelSpec("decode", 64, BF16, BF16),  # GQA 1 decodes on CUDA cores
+    KernelSpec("merge", 64, BF16, BF16),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built_kernels() -> None:
+    workspace = torch.zeros(64 * 1024 * 1024, dtype=torch.uint8, device="cuda")
+    timings = build_kernels(load_flashinfer(), KERNELS, workspace, max_workers=len(KERNELS))
+    if os.environ.get("FI_JIT_REPORT"):
+        Path(os.environ["FI_JIT_REPORT"]).write_text(json.dumps(timings, indent=1))
+
+
+def make_backend(kv, layers, **kwargs):  # noqa: ANN001, ANN201
+    return create_backend("flashinfer", kv, layers, **kwargs)
+
+
+W = dict(window=9, logit_cap=30.0)
+CASES = [
+    Case("decode", 64, group=1, page_size=1),
+    Case("decode", 64, group=4, page_size=16),
+    Case("decode", 64, group=8, page_size=1),
+    Case("decode", 128, group=4, page_size=16),
+    Case("decode", 128, group=8, page_size=1),
+    Case("decode", 128, group=1, page_size=16, tensor_cores=True),
+    Case("decode", 64, group=4, page_size=16, **W),
+    Case("decode", 64, group=8, page_size=1, **W),
+    Case("extend", 64, group=1, page_size=1),
+    Case("extend", 64, group=4, page_size=16),
+    Case("extend", 128, group=8, page_size=1),
+    Case("extend", 64, group=8, page_size=16, **W),
+    Case("prefix", 64, group=4, page_size=1),
+    Case("prefix", 64, group=8, page_size=16),
+    Case("prefix", 128, group=4, page_size=16),
+    Case("prefix", 128, group=1, page_size=1, tensor_cores=True),
+    Case("prefix", 64, group=4, page_size=16, **W),
+    Case("prefix", 64, group=4, page_size=16, prefix_path="cascade"),
+    Case("prefix", 128, group=8, page_size=1, prefix_path="cascade"),
+    Case("prefix", 64, group=4, page_size=1, prefix_path="cascade", **W),
+    Case("mixed", 64, group=1, page_size=16),
+    Case("mixed", 64, group=4, page_size=1),
+    Case("mixed", 128, group=8, page_size=16),
+    Case("mixed", 64, group=4, page_size=16, **W),
+    Case("mixed", 64, group=8, page_size=1, prefix_path="cascade"),
+    Case("mixed", 128, group=4, page_size=16, prefix_path="cascade"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_matches_float64_reference_bf16(case: Case) -> None:
+    for seed in range(2):
+        for err, _ in run_case(case, make_backend, "cuda", BF16, seed=seed):
+            assert err < 1e-2, f"seed {seed}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("prefix_path", ["paged", "cascade"])
+@pytest.mark.parametrize("mode", ["extend", "mixed"])
+def test_padding_tokens_of_a_piecewise_bucket_get_zero_output(mode: str, prefix_path: str) -> None:
+    case = Case(mode, 64, group=4, page_size=16, prefix_path=prefix_path, **W)
+    for err, pad_out in run_case(case, make_backend, "cuda", BF16, pad_tokens=11):
+        assert err < 1e-2
+        assert torch.count_nonzero(pad_out) == 0
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("fast_plan", [True, False])
+def test_decode_cuda_graphs_replay_new_batches_per_bucket(fast_plan: bool, page_size: int) -> None:
+    """One capture per bucket (two plan groups: window+softcap and full layers), then three different
+    batches per bucket (one with padded requests), re-planned outside the graph before each replay."""
+    errors = decode_replays(make_backend, "cuda", BF16, buckets=(1, 3, 8, 16), trials=3, capture=True,
+                            fast_decode_plan=fast_plan, page_size=page_size)
+    assert len(errors) == 4 * 3 * 2
+    assert max(errors) < 1e-2, errors
+
+
+def test_warmup_loads_built_kernels_with_a_log_line_each(caplog: pytest.LogCaptureFixture) -> None:
+    from compile_attn import AttentionLayer, KVCache
+
+    kv = KVCache(num_layers=1, num_kv_heads=2, head_dim=64, max_requests=2, max_context=32, num_tokens=64,
+                 dtype=BF16, device="cuda")
+    backend = make_backend(kv, [AttentionLayer(0, 8, 2, 64)])
+    with caplog.at_level("INFO", logger="compile_attn.attention.flashinfer.warmup"):
+        timings = backend.warmup()
+    assert len([r for r in caplog.records if "kernel ready" in r.getMessage()]) == len(timings) == 3
+    assert max(timings.values()) < 30, timings  # built by the fixture: loading only
+
+
+def test_toy_decoder_through_graph_runner_matches_eager_torch_native() -> None:
+    """Full decode graphs (every bucket) and breakable extend graphs with flashinfer attention, against the
+    same random steps run eagerly with torch_native on a twin KV cache."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "graph_runner"))
+    from gr_helpers import Twin, make_model, run_scenario
+
+    from compile_attn.attention.torch_native import TorchNativeBackend
+    from compile_attn.config import GraphConfig
+    from compile_attn.graph_runner import GraphRunner
+    from compile_attn.models import ToyDecoderConfig
+
+    cfg = ToyDecoderConfig(vocab_size=512, hidden_size=256, num_layers=2, num_heads=8, num_kv_heads=2, head_dim=64,
+                           intermediate_size=512)
+    decode, extend = (1, 2, 4, 8, 16), (16, 32, 64, 128)
+    model = make_model(cfg, "cuda", BF16, seed=0)
+    twin = Twin(cfg, "cuda", BF16, seed=0, max_requests=40, max_context=320, num_tokens=16384)
+    layers = model.attention_layers()
+    config = GraphConfig(mode="full_and_piecewise", decode_batch_sizes=decode, prefill_token_sizes=extend,
+                         cache_dir=None)
+    runner = GraphRunner(model, make_backend(twin.caches[0], layers), config, max_batch_size=16,
+                         max_num_tokens=128)
+    runner.capture()
+    assert runner.stats.captures.get("full") == len(decode)
+    rng = random.Random(1)
+    plan = []
+    for _ in range(6):
+        plan += [("decode", rng.randint(lo + 1, hi)) for lo, hi in zip((0, *decode), decode)]
+        plan += [("extend", rng.randint(lo + 1, hi)) for lo, hi in zip((0, *extend), extend)]
+    steps = run_scenario(runner, model, TorchNativeBackend(twin.caches[1], layers), twin, plan,
+                         max_extend_requests=5, atol=8e-2, rtol=8e-2)
+    assert len(steps) >= len(plan)
+    assert runner.stats.runs["full"] >= 30
+    assert runner.stats.eager_fallbacks == 0
