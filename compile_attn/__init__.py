@@ -56,3 +56,13 @@ __all__ = [
     "register_backend",
     "register_split_op",
 ]
+
+import importlib.util as _importlib_util
+
+if _importlib_util.find_spec("transformers") is not None:  # HF integration: attn_implementation="compile_attn"
+    try:
+        import compile_attn.hf  # noqa: F401  (registers with transformers' AttentionInterface)
+    except ImportError as _exc:  # transformers older than 5
+        import logging as _logging
+
+        _logging.getLogger(__name__).warning("compile_attn.hf not loaded (needs transformers>=5): %s", _exc)

@@ -3,6 +3,7 @@ model following the engine's protocol, plus its tokenizer, EOS ids and context l
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,10 +22,43 @@ def _is_protocol_model(model: Any) -> bool:
     return callable(model) and hasattr(model, "attention_layers")
 
 
+def _eos_ids(config: Any, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, (list, tuple)):
+            ids.update(int(t) for t in source)
+    return ids
+
+
 def load_for_engine(model: Any, *, tokenizer: Any, dtype: torch.dtype, device: torch.device) -> LoadedModel:
-    if _is_protocol_model(model):
+    """Protocol models are used as they are; HF models, local directories and configs go through
+    ``compile_attn.hf`` (which needs transformers)."""
+    if _is_protocol_model(model) and not hasattr(model, "model"):
         return LoadedModel(model.to(device=device, dtype=dtype).eval(), tokenizer)
-    raise TypeError(
-        f"LLM(model=...) got {type(model).__name__}; pass an HF model, a local HF directory, a transformers "
-        f"config, or a module with attention_layers() and forward(input_ids, positions)"
-    )
+    try:
+        from transformers import PretrainedConfig, PreTrainedModel
+
+        from compile_attn.hf import HFModelAdapter, load_model
+    except ImportError as exc:
+        raise TypeError(
+            f"LLM(model=...) got {type(model).__name__}: HF models need transformers>=5 "
+            f"(pip install 'compile-attn[hf]'), or pass a module with attention_layers() and forward(input_ids, positions)"
+        ) from exc
+    if isinstance(model, HFModelAdapter):
+        adapter = model
+    elif isinstance(model, PreTrainedModel):
+        adapter = HFModelAdapter(model)
+    elif isinstance(model, (str, os.PathLike, PretrainedConfig)):
+        adapter = load_model(model, dtype=dtype, device=device)
+    else:
+        raise TypeError(
+            f"LLM(model=...) got {type(model).__name__}; pass an HF model, a local HF directory, a transformers "
+            f"config, or a module with attention_layers() and forward(input_ids, positions)"
+        )
+    adapter = adapter.to(device=device, dtype=dtype).eval()
+    tok = tokenizer if tokenizer is not None else adapter.tokenizer
+    config = adapter.config
+    max_context = getattr(config, "max_position_embeddings", None)
+    return LoadedModel(adapter, tok, _eos_ids(config, tok), max_context)

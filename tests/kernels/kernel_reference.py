@@ -64,7 +64,11 @@ def make_paged_cache(
     k_buffer = torch.randn(num_slots, num_kv_heads, head_dim, generator=gen).to(dtype)
     v_buffer = torch.randn(num_slots, num_kv_heads, v_head_dim, generator=gen).to(dtype)
     return PagedCache(
-        k_buffer.to(device), v_buffer.to(device), req_to_token.to(device), rows.int().to(device), list(lengths)
+        k_buffer.to(device),
+        v_buffer.to(device),
+        req_to_token.to(device),
+        rows.int().to(device),
+        list(lengths),
     )
 
 

@@ -55,13 +55,32 @@ def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} must be contiguous in its last dimension, got strides {tuple(t.stride())}")
 
 
-def dot_precision(dtype: torch.dtype) -> str:
-    """fp32 inputs get IEEE dots (Triton would use tf32); fp16/bf16 ignore the setting."""
-    return "ieee" if dtype == torch.float32 else "tf32"
+def dot_precision(kernel, dtype: torch.dtype) -> str:
+    """The ``DOT_PRECISION`` constexpr that :func:`mma` takes.
+
+    fp32 inputs get IEEE dots (Triton would use tf32); fp16/bf16 ignore the setting. The
+    interpreter multiplies bf16 as raw integers (and truncates fp32 -> bf16), so there the
+    operands go up to fp32 instead: same function, slightly more accurate than compiled.
+    """
+    if dtype == torch.float32:
+        return "ieee"
+    if dtype == torch.bfloat16 and is_interpreted(kernel):
+        return "upcast"
+    return "tf32"
 
 
 def next_pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
+
+
+@triton.jit
+def mma(a, b, DOT_PRECISION: tl.constexpr):
+    """``a @ b`` in fp32, ``a`` cast to ``b``'s dtype first (the probabilities of P @ V), with the
+    precision chosen by :func:`dot_precision`; "upcast" keeps both operands in fp32."""
+    if DOT_PRECISION == "upcast":
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a.to(b.dtype), b, input_precision=DOT_PRECISION)
 
 
 @triton.jit

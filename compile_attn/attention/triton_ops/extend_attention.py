@@ -18,6 +18,8 @@ from compile_attn.attention.triton_ops._common import (
     check_device,
     check_last_dim_contiguous,
     dot_precision,
+    is_interpreted,
+    mma,
     next_pow2,
     softcap,
 )
@@ -38,7 +40,7 @@ def _attend_tile(
     DOT_PRECISION: tl.constexpr,
 ):
     """One online-softmax step over a KV tile; rows with nothing allowed so far stay at zero."""
-    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale
+    qk = mma(q, tl.trans(k), DOT_PRECISION) * sm_scale
     if HAS_CAP:
         qk = softcap(qk, logit_cap)
     qk = tl.where(allowed, qk * 1.4426950408889634, float("-inf"))
@@ -47,7 +49,7 @@ def _attend_tile(
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(qk - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    acc = acc * alpha[:, None] + mma(p, v, DOT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -196,9 +198,13 @@ def _extend_kernel(
 
 
 def _extend_config(block_d: int, block_dv: int) -> dict:
+    if is_interpreted(_extend_kernel):
+        # Interpreted (CPU tests): smaller tiles than on the GPU, so the short sequences of the
+        # tests still cross several tile boundaries.
+        return {"BLOCK_M": 32, "BLOCK_N": 32}
     if max(block_d, block_dv) <= 128:
-        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
-    return dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2)
+        return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+    return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
 
 
 def build_mask_indptr(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor) -> torch.Tensor:
@@ -250,8 +256,17 @@ def extend_attention_fwd(
             f"v_buffer {tuple(v_buffer.shape)} do not match q {tuple(q.shape)}"
         )
     if tuple(out.shape) != (num_tokens, num_q_heads, v_head_dim):
-        raise ValueError(f"out has shape {tuple(out.shape)}, expected {(num_tokens, num_q_heads, v_head_dim)}")
-    for name, t in (("q", q), ("k", k), ("v", v), ("out", out), ("k_buffer", k_buffer), ("v_buffer", v_buffer)):
+        raise ValueError(
+            f"out has shape {tuple(out.shape)}, expected {(num_tokens, num_q_heads, v_head_dim)}"
+        )
+    for name, t in (
+        ("q", q),
+        ("k", k),
+        ("v", v),
+        ("out", out),
+        ("k_buffer", k_buffer),
+        ("v_buffer", v_buffer),
+    ):
         check_last_dim_contiguous(name, t)
     bs = qo_indptr.shape[0] - 1
     if bs <= 0 or num_tokens == 0 or max_len_extend <= 0:
@@ -302,6 +317,6 @@ def extend_attention_fwd(
         BLOCK_DV=block_dv,
         HEAD_DIM=head_dim,
         V_HEAD_DIM=v_head_dim,
-        DOT_PRECISION=dot_precision(q.dtype),
+        DOT_PRECISION=dot_precision(_extend_kernel, q.dtype),
         **cfg,
     )

@@ -1,0 +1,251 @@
+"""Decode attention time of the Triton kernels against torch SDPA (and FlashInfer when installed).
+
+Batch sizes x context lengths over a paged bf16 cache (page size 1, slots shuffled as after a while
+of serving), Hq=32, Hkv=8, D=64 by default. Each kernel is timed as a CUDA-graph replay (how decode
+runs in serving; it hides Python launch cost) and, for Triton, also eagerly. Times are medians of
+triton.testing.do_bench, which clears L2 between runs. Bandwidth counts the K and V bytes each
+kernel must read once. Prints a markdown table and writes JSON to --out.
+
+    python benchmarks/bench_triton_decode.py --out decode.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+import triton
+import triton.testing
+
+from compile_attn.attention.triton_ops import compute_num_kv_splits, decode_attention_fwd
+from compile_attn.attention.triton_ops import decode_attention as decode_mod
+
+PEAK_TB_S = 3.0  # measured HBM bandwidth of the H100 this was tuned on
+
+
+def time_us(fn, graph: bool, rep: int = 200) -> float:
+    """Median microseconds of fn(), or of the replay of a CUDA graph that captured fn()."""
+    fn()  # compile / warm up outside any capture
+    torch.cuda.synchronize()
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        fn = g.replay
+    return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median") * 1e3
+
+
+def make_case(bs, ctx, num_q_heads, num_kv_heads, head_dim, shuffled, gen):
+    num_slots = bs * ctx + 1  # slot 0 is scratch
+    slots = torch.randperm(num_slots - 1, generator=gen) + 1 if shuffled else torch.arange(1, num_slots)
+    k_buffer = torch.randn(num_slots, num_kv_heads, head_dim, dtype=torch.bfloat16, device="cuda")
+    v_buffer = torch.randn(num_slots, num_kv_heads, head_dim, dtype=torch.bfloat16, device="cuda")
+    return {
+        "q": torch.randn(bs, num_q_heads, head_dim, dtype=torch.bfloat16, device="cuda"),
+        "k_buffer": k_buffer,
+        "v_buffer": v_buffer,
+        "seq_lens": torch.full((bs,), ctx, dtype=torch.int32, device="cuda"),
+        "kv_indptr": (torch.arange(bs + 1, dtype=torch.int32) * ctx).cuda(),
+        "kv_indices": slots.to(torch.int32).cuda(),
+    }
+
+
+def bench_triton(case, max_kv_splits, num_sms, graph=True, rep=200):
+    q, k_buffer = case["q"], case["k_buffer"]
+    bs, num_q_heads, head_dim = q.shape
+    out = torch.empty_like(q)
+    logits = torch.empty(bs, num_q_heads, max_kv_splits, head_dim, device="cuda")
+    lse = torch.empty(bs, num_q_heads, max_kv_splits, device="cuda")
+    splits = compute_num_kv_splits(case["seq_lens"], num_sms, max_kv_splits, num_kv_heads=k_buffer.shape[1])
+
+    def run():
+        decode_attention_fwd(
+            q,
+            k_buffer,
+            case["v_buffer"],
+            out,
+            case["kv_indptr"],
+            case["kv_indices"],
+            splits,
+            max_kv_splits,
+            logits,
+            lse,
+            1 / math.sqrt(head_dim),
+        )
+
+    return time_us(run, graph, rep), out
+
+
+def bench_sdpa(case):
+    """SDPA over KV gathered once into contiguous [B, Hkv, ctx, D] (the gather is not timed)."""
+    q = case["q"]
+    bs, _num_q_heads, head_dim = q.shape
+    ctx = case["kv_indices"].numel() // bs
+    idx = case["kv_indices"].long()
+    k = case["k_buffer"][idx].view(bs, ctx, -1, head_dim).transpose(1, 2)
+    v = case["v_buffer"][idx].view(bs, ctx, -1, head_dim).transpose(1, 2)
+    qs = q[:, :, None, :]
+
+    out = torch.empty_like(qs)
+
+    def run():
+        out.copy_(torch.nn.functional.scaled_dot_product_attention(qs, k, v, enable_gqa=True))
+
+    try:
+        us = time_us(run, graph=True)
+    except RuntimeError as exc:  # e.g. out of memory at the largest shapes
+        return None, str(exc).splitlines()[0]
+    return us, out[:, :, 0, :]
+
+
+def bench_flashinfer(case):
+    try:
+        import flashinfer
+    except ImportError:
+        return None, None
+    q = case["q"]
+    bs, num_q_heads, head_dim = q.shape
+    num_kv_heads = case["k_buffer"].shape[1]
+    workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
+    wrapper.plan(
+        case["kv_indptr"],
+        case["kv_indices"],
+        torch.ones(bs, dtype=torch.int32, device="cuda"),
+        num_q_heads,
+        num_kv_heads,
+        head_dim,
+        1,
+        q_data_type=torch.bfloat16,
+        kv_data_type=torch.bfloat16,
+    )
+    paged = (case["k_buffer"][:, None], case["v_buffer"][:, None])  # page size 1: [pages, 1, Hkv, D]
+    out = torch.empty_like(q)
+
+    def run():
+        wrapper.run(q, paged, out=out)
+
+    try:
+        us = time_us(run, graph=True)
+    except Exception:  # noqa: BLE001  (capture unsupported in this version: time it eagerly)
+        us = time_us(run, graph=False)
+    return us, out
+
+
+def max_rel_diff(a, b):
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+def sweep(args, num_sms):
+    """Stage-1 tile configs (at the default split heuristic), then the heuristic's programs per SM."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(1, 4096), (16, 4096), (64, 4096), (256, 4096), (64, 512)]
+    cases = {s: make_case(*s, args.num_q_heads, args.num_kv_heads, args.head_dim, True, gen) for s in shapes}
+    original_config, original_pps = decode_mod._split_kernel_config, decode_mod.PROGRAMS_PER_SM
+
+    def measure(config, pps):
+        decode_mod._split_kernel_config = lambda *a: config
+        decode_mod.PROGRAMS_PER_SM = pps
+        us = [bench_triton(cases[s], args.max_kv_splits, num_sms, rep=60)[0] for s in shapes]
+        return dict(**config, programs_per_sm=pps, us=us)
+
+    configs = [
+        {"BLOCK_N": n, "num_warps": w, "num_stages": st}
+        for n, w, st in (tuple(map(int, c.split(","))) for c in args.sweep_configs.split())
+    ]
+    rows = [measure(c, original_pps) for c in configs]
+    best = min(rows, key=lambda r: sum(r["us"]))
+    best_config = {k: best[k] for k in ("BLOCK_N", "num_warps", "num_stages")}
+    rows += [measure(best_config, pps) for pps in (1, 2, 8, 16)]
+    decode_mod._split_kernel_config, decode_mod.PROGRAMS_PER_SM = original_config, original_pps
+    rows.sort(key=lambda r: sum(r["us"]))
+    print("\nSweep (median us):")
+    print("| BLOCK_N | warps | stages | prog/SM | " + " | ".join(f"{b}x{c}" for b, c in shapes) + " |")
+    print("|---" * (4 + len(shapes)) + "|")
+    for r in rows:
+        print(
+            f"| {r['BLOCK_N']} | {r['num_warps']} | {r['num_stages']} | {r['programs_per_sm']} | "
+            + " | ".join(f"{t:.1f}" for t in r["us"])
+            + " |"
+        )
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="JSON file to write")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64, 256])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 4096])
+    parser.add_argument("--num-q-heads", type=int, default=32)
+    parser.add_argument("--num-kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--max-kv-splits", type=int, default=16)
+    parser.add_argument("--contiguous", action="store_true", help="slots in order instead of shuffled")
+    parser.add_argument("--sweep", action="store_true", help="also sweep stage-1 configs")
+    parser.add_argument("--sweep-only", action="store_true", help="skip the comparison table")
+    parser.add_argument(
+        "--sweep-configs",
+        default=" ".join(f"{n},{w},{s}" for n in (16, 32, 64, 128) for w in (4, 8) for s in (2, 3, 4)),
+        help="space-separated BLOCK_N,num_warps,num_stages triples",
+    )
+    args = parser.parse_args()
+
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    gen = torch.Generator().manual_seed(0)
+    results = []
+    for bs in [] if args.sweep_only else args.batch_sizes:
+        for ctx in args.contexts:
+            case = make_case(
+                bs, ctx, args.num_q_heads, args.num_kv_heads, args.head_dim, not args.contiguous, gen
+            )
+            kv_bytes = 2 * bs * ctx * args.num_kv_heads * args.head_dim * 2
+            triton_us, out = bench_triton(case, args.max_kv_splits, num_sms)
+            eager_us, _ = bench_triton(case, args.max_kv_splits, num_sms, graph=False)
+            sdpa_us, sdpa_out = bench_sdpa(case)
+            fi_us, fi_out = bench_flashinfer(case)
+            row = {
+                "bs": bs,
+                "ctx": ctx,
+                "kv_bytes": kv_bytes,
+                "triton_us": triton_us,
+                "triton_eager_us": eager_us,
+                "triton_tb_s": kv_bytes / triton_us / 1e6,
+                "sdpa_us": sdpa_us,
+                "flashinfer_us": fi_us,
+                "diff_vs_sdpa": max_rel_diff(out, sdpa_out) if isinstance(sdpa_out, torch.Tensor) else None,
+                "diff_vs_flashinfer": max_rel_diff(out, fi_out) if fi_out is not None else None,
+            }
+            results.append(row)
+            del case
+            torch.cuda.empty_cache()
+
+    def fmt(x, spec=".1f"):
+        return "-" if x is None else format(x, spec)
+
+    print(
+        f"\nDecode, bf16, Hq={args.num_q_heads}, Hkv={args.num_kv_heads}, D={args.head_dim}, page 1, "
+        f"{'contiguous' if args.contiguous else 'shuffled'} slots, {torch.cuda.get_device_name()}; "
+        "median us of CUDA-graph replays (triton eager: launched from Python)"
+    )
+    print(
+        "| bs | ctx | triton us | triton TB/s | % of 3.0 TB/s | triton eager us | SDPA (gathered KV) us "
+        "| FlashInfer us | rel diff vs SDPA | rel diff vs FlashInfer |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        print(
+            f"| {r['bs']} | {r['ctx']} | {r['triton_us']:.1f} | {r['triton_tb_s']:.2f} | "
+            f"{100 * r['triton_tb_s'] / PEAK_TB_S:.0f}% | {r['triton_eager_us']:.1f} | {fmt(r['sdpa_us'])} | "
+            f"{fmt(r['flashinfer_us'])} | {fmt(r['diff_vs_sdpa'], '.1e')} | {fmt(r['diff_vs_flashinfer'], '.1e')} |"
+        )
+    report = {"device": torch.cuda.get_device_name(), "args": vars(args), "results": results}
+    if args.sweep:
+        report["sweep"] = sweep(args, num_sms)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

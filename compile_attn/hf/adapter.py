@@ -1,0 +1,90 @@
+"""HFModelAdapter: an HF causal LM seen through compile_attn's model protocol.
+
+``adapter(input_ids[T], positions[T]) -> logits[T, V]`` runs the HF model on one flattened ragged
+batch (``[1, T]`` ids with explicit position ids, no HF KV cache) and ``attention_layers()`` gives the
+per-layer constants the attention backend needs. It owns no KV cache and no batch state: those come
+from the forward context set by the engine or graph runner.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from compile_attn.hf.attention import ATTN_IMPLEMENTATION
+from compile_attn.hf.families import attention_layers, check_supported
+from compile_attn.hf.registration import register
+from compile_attn.kv_cache import KVCache
+from compile_attn.layer import AttentionLayer
+
+
+class HFModelAdapter(nn.Module):
+    """Wrap an HF ``*ForCausalLM``; switches it to ``attn_implementation="compile_attn"`` if needed."""
+
+    def __init__(self, model: nn.Module, tokenizer: Any | None = None) -> None:
+        super().__init__()
+        check_supported(model.config)
+        if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+            register()
+            model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        self.model = model
+        self.tokenizer = tokenizer
+        self._layers = attention_layers(model)
+
+    # ------------------------------------------------------------------ model protocol
+    def attention_layers(self) -> list[AttentionLayer]:
+        return list(self._layers)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        logits_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits ``[T, V]`` of a flattened batch, or ``[len(logits_indices), V]`` for just those tokens."""
+        extra = {} if logits_indices is None else {"logits_to_keep": logits_indices}
+        out = self.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False, **extra)
+        return out.logits[0]
+
+    # ------------------------------------------------------------------ conveniences
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.config.vocab_size)
+
+    def make_kv_cache(
+        self,
+        *,
+        max_requests: int,
+        max_context: int,
+        num_tokens: int,
+        page_size: int = 1,
+        dtype: torch.dtype | None = None,
+    ) -> KVCache:
+        """A KVCache shaped for this model (layers, KV heads, head_dim), on its device and dtype."""
+        first = self._layers[0]
+        return KVCache(
+            num_layers=len(self._layers),
+            num_kv_heads=first.num_kv_heads,
+            head_dim=first.head_dim,
+            v_head_dim=first.v_head_dim,
+            max_requests=max_requests,
+            max_context=max_context,
+            num_tokens=num_tokens,
+            page_size=page_size,
+            dtype=dtype or self.dtype,
+            device=self.device,
+        )

@@ -1,0 +1,187 @@
+"""Split-K paged decode attention and its split heuristic against a float64 reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kernel_reference import DEVICE, TOLERANCE, make_paged_cache, reference_attention, rel_err
+
+from compile_attn.attention.triton_ops import (
+    SUPPORTED_HEAD_DIMS,
+    check_supported,
+    compute_num_kv_splits,
+    decode_attention_fwd,
+)
+
+
+def run_decode(cache, q, starts, num_kv_splits, max_kv_splits, sm_scale, logit_cap=0.0):
+    """Host-built CSR (independent of build_kv_indices), poisoned scratch and output."""
+    bs, num_q_heads, _ = q.shape
+    v_head_dim = cache.v_buffer.shape[-1]
+    slots = [cache.slots(b, starts[b]) for b in range(bs)]
+    indptr = torch.tensor([0] + [len(s) for s in slots], device=DEVICE).cumsum(0).to(torch.int32)
+    indices = torch.cat([*slots, torch.zeros(1, dtype=torch.long, device=DEVICE)]).to(torch.int32)
+    out = torch.full((bs, num_q_heads, v_head_dim), float("nan"), dtype=q.dtype, device=DEVICE)
+    logits = torch.full((bs, num_q_heads, max_kv_splits, v_head_dim), float("nan"), device=DEVICE)
+    lse = torch.full((bs, num_q_heads, max_kv_splits), float("nan"), device=DEVICE)
+    decode_attention_fwd(
+        q,
+        cache.k_buffer,
+        cache.v_buffer,
+        out,
+        indptr,
+        indices,
+        num_kv_splits,
+        max_kv_splits,
+        logits,
+        lse,
+        sm_scale,
+        logit_cap,
+    )
+    return out
+
+
+def reference_decode(cache, q, starts, sm_scale, logit_cap=0.0):
+    outs = []
+    for b in range(q.shape[0]):
+        slots = cache.slots(b, starts[b])
+        allowed = torch.ones(1, len(slots), dtype=torch.bool, device=DEVICE)
+        outs.append(
+            reference_attention(
+                q[b : b + 1], cache.k_buffer[slots], cache.v_buffer[slots], allowed, sm_scale, logit_cap
+            )
+        )
+    return torch.cat(outs)
+
+
+@st.composite
+def decode_cases(draw):
+    bs = draw(st.integers(1, 4))
+    return {
+        "lengths": draw(st.lists(st.integers(0, 300), min_size=bs, max_size=bs)),
+        "page_size": draw(st.sampled_from([1, 16])),
+        # (num_kv_heads, group): GQA ratios 1/4/8 with at most 8 query heads (the interpreter is slow)
+        "heads": draw(st.sampled_from([(1, 1), (2, 1), (1, 4), (2, 4), (1, 8)])),
+        "dims": draw(st.sampled_from([(64, 64), (128, 128), (96, 96)])),
+        "dtype": draw(st.sampled_from([torch.float32, torch.bfloat16])),
+        "window": draw(st.sampled_from([-1, -1, 1, 70])),
+        "logit_cap": draw(st.sampled_from([0.0, 0.0, 2.0])),
+        "max_kv_splits": draw(st.sampled_from([1, 3, 8])),
+        "auto_splits": draw(st.booleans()),
+        "seed": draw(st.integers(0, 2**31 - 1)),
+    }
+
+
+@settings(max_examples=25, deadline=None)
+@given(case=decode_cases())
+def test_decode_matches_reference(case):
+    gen = torch.Generator().manual_seed(case["seed"])
+    lengths, bs = case["lengths"], len(case["lengths"])
+    head_dim, v_head_dim = case["dims"]
+    num_kv_heads, group = case["heads"]
+    num_q_heads = num_kv_heads * group
+    max_kv_splits = case["max_kv_splits"]
+    cache = make_paged_cache(
+        lengths, num_kv_heads, head_dim, v_head_dim, case["page_size"], case["dtype"], gen
+    )
+    # Sliding-window decode: the query at position n-1 sees the last `window` keys (kv_start).
+    window = case["window"]
+    starts = [max(0, n - window) if window > 0 else 0 for n in lengths]
+    q = (3 * torch.randn(bs, num_q_heads, head_dim, generator=gen)).to(case["dtype"]).to(DEVICE)
+    kv_lens = torch.tensor([n - s for n, s in zip(lengths, starts)], dtype=torch.int32, device=DEVICE)
+    if case["auto_splits"]:
+        num_kv_splits = compute_num_kv_splits(
+            kv_lens, 2, max_kv_splits, num_kv_heads=num_kv_heads, split_size=64
+        )
+    else:  # includes out-of-range counts (0, > max) that the kernels clamp
+        num_kv_splits = torch.randint(0, max_kv_splits + 3, (bs,), generator=gen).int().to(DEVICE)
+    sm_scale = 1 / math.sqrt(head_dim)
+    out = run_decode(cache, q, starts, num_kv_splits, max_kv_splits, sm_scale, case["logit_cap"])
+    ref = reference_decode(cache, q, starts, sm_scale, case["logit_cap"])
+    assert not out.isnan().any()
+    assert rel_err(out, ref) <= TOLERANCE[case["dtype"]]
+
+
+@pytest.mark.parametrize("head_dim", SUPPORTED_HEAD_DIMS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_decode_every_head_dim(head_dim, dtype):
+    gen = torch.Generator().manual_seed(head_dim)
+    lengths = [1, 100]
+    v_head_dim = 128 if head_dim == 192 else head_dim  # 192/128: the DeepSeek-style K/V split
+    cache = make_paged_cache(lengths, 2, head_dim, v_head_dim, 16, dtype, gen)
+    q = torch.randn(2, 8, head_dim, generator=gen).to(dtype).to(DEVICE)
+    splits = torch.tensor([1, 2], dtype=torch.int32, device=DEVICE)
+    out = run_decode(cache, q, [0, 0], splits, 2, head_dim**-0.5)
+    ref = reference_decode(cache, q, [0, 0], head_dim**-0.5)
+    assert rel_err(out, ref) <= TOLERANCE[dtype]
+
+
+def test_decode_empty_and_padded_requests():
+    """seq_len 0 gives zeros; a padded request (seq_len 1 at scratch slot 0) gives finite values."""
+    gen = torch.Generator().manual_seed(3)
+    cache = make_paged_cache([0, 1, 50], 2, 64, 64, 1, torch.bfloat16, gen)
+    cache.req_to_token[int(cache.rows[1]), 0] = 0  # the padded request reads scratch slot 0
+    q = torch.randn(3, 8, 64, generator=gen).to(torch.bfloat16).to(DEVICE)
+    splits = torch.tensor([4, 4, 4], dtype=torch.int32, device=DEVICE)
+    out = run_decode(cache, q, [0, 0, 0], splits, 4, 0.125)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    assert out.isfinite().all()
+    ref = reference_decode(cache, q, [0, 0, 0], 0.125)
+    assert rel_err(out, ref) <= TOLERANCE[torch.bfloat16]
+
+
+def test_decode_split_count_does_not_change_result():
+    """1..18 non-empty splits (more than one merge chunk of 16) all give the reference result."""
+    gen = torch.Generator().manual_seed(4)
+    cache = make_paged_cache([1100], 1, 64, 64, 1, torch.float32, gen)
+    q = torch.randn(1, 4, 64, generator=gen).to(DEVICE)
+    # The last split (in the second merge chunk) gets the largest scores, so the merge must rescale.
+    tail = cache.slots(0, 1100 - 60)
+    cache.k_buffer[tail] = q[0, 0] * 0.5
+    ref = reference_decode(cache, q, [0], 0.125)
+    for n in (1, 2, 5, 32):
+        out = run_decode(cache, q, [0], torch.tensor([n], dtype=torch.int32, device=DEVICE), 32, 0.125)
+        assert rel_err(out, ref) <= TOLERANCE[torch.float32]
+
+
+def test_num_kv_splits_deterministic_depends_only_on_own_length():
+    lens = torch.tensor([0, 1, 64, 65, 1000, 100000], device=DEVICE)
+    splits = compute_num_kv_splits(lens, 132, 16, deterministic=True, split_size=64)
+    assert splits.dtype == torch.int32 and splits.device == lens.device
+    assert splits.tolist() == [1, 1, 1, 2, 16, 16]
+    alone = compute_num_kv_splits(lens[4:5], 132, 16, deterministic=True, split_size=64)
+    assert alone.item() == splits[4].item()
+
+
+def test_num_kv_splits_heuristic_follows_load():
+    one_long = compute_num_kv_splits(torch.tensor([8192], device=DEVICE), 132, 32, num_kv_heads=8)
+    assert one_long.item() > 1  # a lone long request is spread over the SMs
+    many = compute_num_kv_splits(torch.full((512,), 4096, device=DEVICE), 132, 32, num_kv_heads=8)
+    assert many.eq(1).all()  # enough requests to fill the GPU without splitting
+    mixed = compute_num_kv_splits(torch.tensor([10, 5000, 0], device=DEVICE), 132, 16, num_kv_heads=8)
+    assert mixed[0] <= mixed[1] and mixed.min() >= 1 and mixed.max() <= 16
+    out = torch.zeros(3, dtype=torch.int32, device=DEVICE)
+    assert (
+        compute_num_kv_splits(torch.tensor([10, 5000, 0], device=DEVICE), 132, 16, num_kv_heads=8, out=out)
+        is out
+    )
+    assert torch.equal(out, mixed)
+
+
+@pytest.mark.parametrize(
+    "args,bad",
+    [
+        ((80, 80, torch.bfloat16), "head_dim 80"),
+        ((128, 48, torch.float16), "v_head_dim 48"),
+        ((128, 128, torch.float64), "dtype torch.float64"),
+    ],
+)
+def test_check_supported_names_bad_value(args, bad):
+    with pytest.raises(ValueError, match=bad) as info:
+        check_supported(*args)
+    assert "torch_native" in str(info.value) and "supported" in str(info.value)
+    check_supported(128, 128, torch.bfloat16)

@@ -1,0 +1,252 @@
+"""GPU-only kernel tests: long contexts in bf16, CUDA-graph capture/replay of decode, and the
+batch-invariance of deterministic decode. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from kernel_reference import TOLERANCE, PagedCache, make_paged_cache, reference_attention, rel_err
+
+from compile_attn.attention.triton_ops import (
+    build_kv_indices,
+    build_kv_indptr,
+    compute_num_kv_splits,
+    decode_attention_fwd,
+    extend_attention_fwd,
+)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+MAX_KV_SPLITS = 16
+
+
+def num_sms() -> int:
+    return torch.cuda.get_device_properties(0).multi_processor_count
+
+
+def reference_decode(cache, q, sm_scale, logit_cap=0.0):
+    outs = []
+    for b in range(q.shape[0]):
+        slots = cache.slots(b)
+        allowed = torch.ones(1, len(slots), dtype=torch.bool, device="cuda")
+        outs.append(
+            reference_attention(
+                q[b : b + 1], cache.k_buffer[slots], cache.v_buffer[slots], allowed, sm_scale, logit_cap
+            )
+        )
+    return torch.cat(outs)
+
+
+def decode(cache, q, seq_lens, deterministic=False, logit_cap=0.0):
+    """Device-built metadata (build_kv_indptr/indices, compute_num_kv_splits), then decode."""
+    bs, num_q_heads, head_dim = q.shape
+    v_head_dim = cache.v_buffer.shape[-1]
+    indptr = torch.empty(bs + 1, dtype=torch.int32, device="cuda")
+    build_kv_indptr(seq_lens, indptr)
+    indices = torch.empty(int(seq_lens.sum()), dtype=torch.int32, device="cuda")
+    build_kv_indices(cache.req_to_token, cache.rows, seq_lens, indptr, indices)
+    splits = compute_num_kv_splits(
+        seq_lens,
+        num_sms(),
+        MAX_KV_SPLITS,
+        deterministic,
+        split_size=256,
+        num_kv_heads=cache.k_buffer.shape[1],
+    )
+    out = torch.full((bs, num_q_heads, v_head_dim), float("nan"), dtype=q.dtype, device="cuda")
+    logits = torch.full((bs, num_q_heads, MAX_KV_SPLITS, v_head_dim), float("nan"), device="cuda")
+    lse = torch.full((bs, num_q_heads, MAX_KV_SPLITS), float("nan"), device="cuda")
+    decode_attention_fwd(
+        q,
+        cache.k_buffer,
+        cache.v_buffer,
+        out,
+        indptr,
+        indices,
+        splits,
+        MAX_KV_SPLITS,
+        logits,
+        lse,
+        1 / math.sqrt(head_dim),
+        logit_cap,
+    )
+    return out
+
+
+@pytest.mark.parametrize("head_dim,v_head_dim", [(64, 64), (128, 128), (256, 256), (192, 128)])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("logit_cap", [0.0, 30.0])
+def test_decode_long_context_bf16(head_dim, v_head_dim, page_size, logit_cap):
+    gen = torch.Generator().manual_seed(head_dim + page_size)
+    lengths = [1, 8192, *torch.randint(1, 8193, (10,), generator=gen).tolist()]
+    cache = make_paged_cache(lengths, 8, head_dim, v_head_dim, page_size, torch.bfloat16, gen, device="cuda")
+    q = torch.randn(len(lengths), 32, head_dim, generator=gen).to(torch.bfloat16).cuda()
+    seq_lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    out = decode(cache, q, seq_lens, logit_cap=logit_cap)
+    ref = reference_decode(cache, q, 1 / math.sqrt(head_dim), logit_cap)
+    assert not out.isnan().any()
+    assert rel_err(out, ref) <= TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("sliding_window,logit_cap", [(-1, 0.0), (700, 0.0), (-1, 30.0)])
+def test_extend_long_prefix_bf16(head_dim, sliding_window, logit_cap):
+    gen = torch.Generator().manual_seed(head_dim)
+    prefix, extend = [0, 3000, 517, 2048], [1024, 1, 777, 300]
+    num_kv_heads, num_q_heads = 8, 32
+    cache = make_paged_cache(
+        [p + e for p, e in zip(prefix, extend)],
+        num_kv_heads,
+        head_dim,
+        head_dim,
+        16,
+        torch.bfloat16,
+        gen,
+        device="cuda",
+    )
+    total = sum(extend)
+    q = torch.randn(total, num_q_heads, head_dim, generator=gen).to(torch.bfloat16).cuda()
+    k = torch.randn(total, num_kv_heads, head_dim, generator=gen).to(torch.bfloat16).cuda()
+    v = torch.randn(total, num_kv_heads, head_dim, generator=gen).to(torch.bfloat16).cuda()
+    qo_indptr = torch.tensor([0, *extend]).cumsum(0).int().cuda()
+    kv_indptr = torch.tensor([0, *prefix]).cumsum(0).int().cuda()
+    kv_indices = torch.cat([cache.slots(b, 0, p) for b, p in enumerate(prefix)]).int()
+    out = torch.full((total, num_q_heads, head_dim), float("nan"), dtype=torch.bfloat16, device="cuda")
+    sm_scale = 1 / math.sqrt(head_dim)
+    extend_attention_fwd(
+        q,
+        k,
+        v,
+        out,
+        cache.k_buffer,
+        cache.v_buffer,
+        qo_indptr,
+        kv_indptr,
+        kv_indices,
+        max(extend),
+        sm_scale,
+        sliding_window=sliding_window,
+        logit_cap=logit_cap,
+    )
+    assert not out.isnan().any()
+    q_lo = 0
+    for b, (p, e) in enumerate(zip(prefix, extend)):
+        slots = cache.slots(b, 0, p)
+        keys = torch.cat([cache.k_buffer[slots], k[q_lo : q_lo + e]])
+        values = torch.cat([cache.v_buffer[slots], v[q_lo : q_lo + e]])
+        q_pos = torch.arange(p, p + e, device="cuda")[:, None]
+        k_pos = torch.arange(p + e, device="cuda")[None, :]
+        allowed = k_pos <= q_pos
+        if sliding_window > 0:
+            allowed &= k_pos > q_pos - sliding_window
+        ref = reference_attention(q[q_lo : q_lo + e], keys, values, allowed, sm_scale, logit_cap)
+        assert rel_err(out[q_lo : q_lo + e], ref) <= TOLERANCE[torch.bfloat16], b
+        q_lo += e
+
+
+def test_decode_cuda_graph_replay_with_new_metadata():
+    """Capture metadata building + decode once; replay after rewriting every index buffer's contents."""
+    max_bs, max_context, head_dim = 8, 3000, 128
+    gen = torch.Generator().manual_seed(7)
+    batches = [torch.randint(1, max_context, (max_bs,), generator=gen).tolist() for _ in range(3)]
+    batches[1][3] = 1  # a padded-style request
+    # One cache whose table rows serve every batch: make_paged_cache with the largest lengths.
+    cache = make_paged_cache(
+        [max_context] * max_bs, 8, head_dim, head_dim, 16, torch.bfloat16, gen, device="cuda"
+    )
+    table = cache.req_to_token.clone()
+
+    seq_lens = torch.zeros(max_bs, dtype=torch.int32, device="cuda")
+    req_pool_indices = cache.rows.clone()
+    indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device="cuda")
+    indices = torch.zeros(max_bs * max_context, dtype=torch.int32, device="cuda")
+    splits = torch.zeros(max_bs, dtype=torch.int32, device="cuda")
+    q = torch.zeros(max_bs, 32, head_dim, dtype=torch.bfloat16, device="cuda")
+    out = torch.zeros(max_bs, 32, head_dim, dtype=torch.bfloat16, device="cuda")
+    logits = torch.empty(max_bs, 32, MAX_KV_SPLITS, head_dim, device="cuda")
+    lse = torch.empty(max_bs, 32, MAX_KV_SPLITS, device="cuda")
+
+    def step():
+        build_kv_indptr(seq_lens, indptr)
+        build_kv_indices(cache.req_to_token, req_pool_indices, seq_lens, indptr, indices)
+        compute_num_kv_splits(seq_lens, num_sms(), MAX_KV_SPLITS, num_kv_heads=8, out=splits)
+        decode_attention_fwd(
+            q,
+            cache.k_buffer,
+            cache.v_buffer,
+            out,
+            indptr,
+            indices,
+            splits,
+            MAX_KV_SPLITS,
+            logits,
+            lse,
+            1 / math.sqrt(head_dim),
+        )
+
+    def load(lengths, seed):
+        """New contents for every static input: rows, their table entries, lengths, queries."""
+        g = torch.Generator().manual_seed(seed)
+        req_pool_indices.copy_(cache.rows[torch.randperm(max_bs, generator=g)])
+        rows = cache.rows.long()
+        cache.req_to_token[rows] = table[rows[torch.randperm(max_bs, generator=g)]]
+        seq_lens.copy_(torch.tensor(lengths, dtype=torch.int32))
+        q.copy_(torch.randn(q.shape, generator=g).to(torch.bfloat16))
+
+    load(batches[0], 0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compiles the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+
+    for i, lengths in enumerate(batches):
+        load(lengths, 100 + i)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for b in range(max_bs):
+            slots = cache.req_to_token[int(req_pool_indices[b]), : lengths[b]].long()
+            allowed = torch.ones(1, lengths[b], dtype=torch.bool, device="cuda")
+            ref = reference_attention(
+                q[b : b + 1], cache.k_buffer[slots], cache.v_buffer[slots], allowed, 1 / math.sqrt(head_dim)
+            )
+            assert rel_err(out[b : b + 1], ref) <= TOLERANCE[torch.bfloat16], (i, b)
+
+
+def test_deterministic_decode_is_batch_invariant():
+    """The same request gives identical bits alone, at another batch position, and among others."""
+    gen = torch.Generator().manual_seed(11)
+    target_len, head_dim = 3001, 128
+    others = torch.randint(1, 6000, (40,), generator=gen).tolist()
+    cache = make_paged_cache(
+        [target_len, *others], 8, head_dim, head_dim, 1, torch.bfloat16, gen, device="cuda"
+    )
+    q_all = torch.randn(1 + len(others), 32, head_dim, generator=gen).to(torch.bfloat16).cuda()
+    results = []
+    for members in ([0], [0, 1, 2], [5, 0], [*range(1, 30), 0, *range(30, 41)]):
+        sub = make_sub_batch(cache, members)
+        seq_lens = torch.tensor(sub.lengths, dtype=torch.int32, device="cuda")
+        out = decode(sub, q_all[members], seq_lens, deterministic=True)
+        results.append(out[members.index(0)])
+    for other in results[1:]:
+        assert torch.equal(other, results[0])
+
+
+def make_sub_batch(cache, members):
+    """The requests ``members`` of ``cache`` as their own batch (same buffers and table)."""
+    return PagedCache(
+        cache.k_buffer,
+        cache.v_buffer,
+        cache.req_to_token,
+        cache.rows[members],
+        [cache.lengths[m] for m in members],
+    )
