@@ -12,7 +12,9 @@ from compile_attn.attention import (
     register_backend,
 )
 from compile_attn.batch import ForwardBatch, ForwardMode
+from compile_attn.config import GraphConfig
 from compile_attn.context import ForwardContext, forward_context, get_forward_context, has_forward_context
+from compile_attn.engine import LLM, RequestOutput, RequestTooLargeError, SamplingParams
 from compile_attn.errors import (
     BackendUnavailableError,
     CompileAttnError,
@@ -23,6 +25,7 @@ from compile_attn.errors import (
     UnsupportedConfigError,
 )
 from compile_attn.kv_cache import PAD_REQUEST, PAD_SLOT, KVCache, PagedKVPool, PageAllocator, ReqToTokenPool
+from compile_attn.graph_runner.mode import GraphMode
 from compile_attn.layer import AttentionLayer
 from compile_attn.ops import register_split_op
 
@@ -38,7 +41,13 @@ __all__ = [
     "ForwardBatch",
     "ForwardContext",
     "ForwardMode",
+    "GraphConfig",
+    "GraphMode",
     "GraphSupport",
+    "LLM",
+    "RequestOutput",
+    "RequestTooLargeError",
+    "SamplingParams",
     "InvalidBatchError",
     "KVCache",
     "KVCacheExhaustedError",
