@@ -1,0 +1,117 @@
+"""Compile the pieces of one split graph: Inductor (default) or eager, identical pieces once, disk cache.
+
+Pieces are compiled with the token count symbolic (the graph's own dynamic dimension), so one
+compiled piece serves every token count. A piece whose structural key was seen before in the same
+graph reuses that compiled code; a unique piece is loaded from the persistent cache when present,
+else compiled with ``torch._inductor.standalone_compile`` and saved.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import fx
+
+from compile_attn.compiler.cache import CompileCache, environment_fingerprint
+from compile_attn.compiler.counters import compile_counters
+from compile_attn.compiler.piece_key import piece_key
+from compile_attn.passes.split import Piece
+
+logger = logging.getLogger(__name__)
+
+
+def _with_tuple_output(gm: fx.GraphModule) -> tuple[fx.GraphModule, bool]:
+    """``gm`` returning a tuple (as compiled and loaded artifacts do), and whether it returned one value."""
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    if isinstance(output.args[0], (tuple, list)):
+        return gm, False
+    graph = fx.Graph()
+    value = graph.graph_copy(gm.graph, {})
+    graph.output((value,))
+    return fx.GraphModule(gm, graph), True
+
+
+class CompiledPiece:
+    """Calls compiled code with a piece's inputs and returns what the original piece returned."""
+
+    def __init__(self, fn: Callable[..., Any], single_output: bool, source: str) -> None:
+        self.fn = fn
+        self.single_output = single_output
+        self.source = source  # "inductor", "cache", "eager"
+
+    def __call__(self, *args: Any) -> Any:
+        out = self.fn(*args)
+        return out[0] if self.single_output else out
+
+
+def inductor_options_for_mode(mode: str | None) -> dict[str, Any]:
+    """Inductor config patches of a ``torch.compile(mode=...)``, minus Inductor's own CUDA graphs."""
+    if mode in (None, "default"):
+        return {}
+    options = dict(torch._inductor.list_mode_options(mode))
+    if options.pop("triton.cudagraphs", False):
+        logger.info("compile_attn: mode=%r: Inductor's CUDA graphs are replaced by piecewise graphs", mode)
+    return options
+
+
+class PieceCompiler:
+    """Compiles the non-split pieces of one Dynamo graph; keeps the map of identical pieces."""
+
+    def __init__(self, compiler: str, cache: CompileCache | None, config_patches: dict[str, Any]) -> None:
+        self.compiler = compiler
+        self.cache = cache
+        self.config_patches = config_patches
+        self.groups: dict[str, list[str]] = {}  # structural digest -> names of the pieces sharing it
+        self._compiled: dict[str, CompiledPiece] = {}
+
+    def group_of(self, piece_name: str) -> int | None:
+        """Index (in order of first appearance) of the group of identical pieces holding ``piece_name``."""
+        for i, names in enumerate(self.groups.values()):
+            if piece_name in names:
+                return i
+        return None
+
+    def compile(self, piece: Piece, example_inputs: Sequence[Any]) -> CompiledPiece:
+        if self.compiler == "eager":
+            return CompiledPiece(piece.graph_module, single_output=False, source="eager")
+        key = piece_key(piece.graph_module, list(example_inputs))
+        self.groups.setdefault(key.digest, []).append(piece.name)
+        if key.digest in self._compiled:
+            compile_counters.pieces_reused += 1
+            return self._compiled[key.digest]
+        gm, single = _with_tuple_output(piece.graph_module)
+        entry = None
+        if self.cache is not None:
+            devices = [x.device for x in example_inputs if isinstance(x, torch.Tensor)]
+            entry = self.cache.entry_key(key, environment_fingerprint(devices, self.config_patches))
+        artifact = self.cache.load(entry) if entry is not None and self.cache is not None else None
+        if artifact is not None:
+            compile_counters.cache_hits += 1
+            compiled = CompiledPiece(artifact, single, source="cache")
+        else:
+            if entry is not None:
+                compile_counters.cache_misses += 1
+            artifact = self._inductor_compile(piece.name, gm, example_inputs)
+            compile_counters.pieces_compiled += 1
+            if entry is not None and self.cache is not None and self.cache.save(entry, artifact):
+                compile_counters.cache_saves += 1
+            compiled = CompiledPiece(artifact, single, source="inductor")
+        self._compiled[key.digest] = compiled
+        return compiled
+
+    def _inductor_compile(self, name: str, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+        from torch._inductor import standalone_compile
+
+        start = time.perf_counter()
+        artifact = standalone_compile(
+            gm,
+            list(example_inputs),
+            dynamic_shapes="from_tracing_context",
+            options={"config_patches": dict(self.config_patches)},
+        )
+        logger.debug("compile_attn: Inductor compiled %s in %.2f s", name, time.perf_counter() - start)
+        return artifact

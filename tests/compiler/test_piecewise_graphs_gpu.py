@@ -1,0 +1,75 @@
+"""Piecewise CUDA graphs on a GPU: per-bucket capture and replay vs eager, graph counts, refused replays."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from compile_helpers import SMALL, run_step, toy_model
+
+from compile_attn.compiler import compile_counters
+from compile_attn.graph_runner.piecewise import GraphReplayError
+
+pytestmark = pytest.mark.gpu
+
+BUCKETS = (64, 32, 16)  # captured largest first, as the GraphRunner does
+COMPILED_PIECES = SMALL.num_layers + 1
+TOL = {"rtol": 2e-4, "atol": 2e-4}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _compiled(model, **options):
+    options = {"cache_dir": None, "prefill_token_sizes": BUCKETS, **options}
+    return torch.compile(model, backend="compile_attn", dynamic=True, options=options)
+
+
+def _static_buffers(size: int = max(BUCKETS)) -> tuple[torch.Tensor, torch.Tensor]:
+    return tuple(torch.zeros(size, dtype=torch.int64, device="cuda") for _ in range(2))
+
+
+def test_buckets_capture_once_and_replay_with_correct_results():
+    model = toy_model(device="cuda")
+    compiled = _compiled(model)
+    ids, pos = _static_buffers()
+    run_step(compiled, SMALL, 5, seed=0, device="cuda")  # compile at a size outside the buckets: no graphs
+    with compile_counters.expect(graphs_captured=len(BUCKETS) * COMPILED_PIECES,
+                                 graph_replays=len(BUCKETS) * 2 * COMPILED_PIECES):
+        for size in BUCKETS:
+            for seed in (1, 2, 3):  # capture, then two replays with new tokens, positions and KV
+                out = run_step(compiled, SMALL, size, seed, device="cuda", input_ids=ids[:size],
+                               positions=pos[:size])
+                torch.testing.assert_close(out, run_step(model, SMALL, size, seed, device="cuda"), **TOL)
+    with compile_counters.expect():  # a size between buckets runs the compiled pieces without graphs
+        out = run_step(compiled, SMALL, 24, 4, device="cuda", input_ids=ids[:24], positions=pos[:24])
+    torch.testing.assert_close(out, run_step(model, SMALL, 24, 4, device="cuda"), **TOL)
+
+
+def test_replay_with_moved_inputs_is_refused_and_still_correct():
+    model = toy_model(device="cuda")
+    compiled = _compiled(model)
+    ids, pos = _static_buffers()
+    run_step(compiled, SMALL, 32, 1, device="cuda", input_ids=ids[:32], positions=pos[:32])  # capture
+    # other buffers of the same shape (so Dynamo's guards still hold): the inputs moved. Piece 0 is
+    # refused, runs without its graph, and so every later piece sees moved inputs too.
+    other_ids, other_pos = _static_buffers()
+    with compile_counters.expect(replays_refused=COMPILED_PIECES, graph_replays=0):
+        out = run_step(compiled, SMALL, 32, 2, device="cuda", input_ids=other_ids[:32],
+                       positions=other_pos[:32])
+    torch.testing.assert_close(out, run_step(model, SMALL, 32, 2, device="cuda"), **TOL)
+
+
+def test_replay_with_moved_inputs_is_an_error_in_debug_mode(tmp_path):
+    model = toy_model(device="cuda")
+    compiled = _compiled(model, compiler="eager", debug_dir=str(tmp_path))
+    ids, pos = _static_buffers()
+    run_step(compiled, SMALL, 16, 1, device="cuda", input_ids=ids[:16], positions=pos[:16])
+    other_ids, other_pos = _static_buffers()
+    with pytest.raises(GraphReplayError, match="at 16 tokens"):
+        run_step(compiled, SMALL, 16, 2, device="cuda", input_ids=other_ids[:16], positions=other_pos[:16])
+    (graph_dir,) = tmp_path.iterdir()
+    assert "submod_0: [16]" in (graph_dir / "summary.txt").read_text()

@@ -1,0 +1,113 @@
+"""PiecewiseGraphWrapper on CPU with a stand-in graph that reads capture-time addresses like a CUDA graph."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from compile_attn.compiler import compile_counters
+from compile_attn.context import forward_context
+from compile_attn.graph_runner.piecewise import GraphReplayError, PiecewiseGraphWrapper, weak_ref_tensor
+
+
+class RecordedGraph:
+    """Replays ``fn`` on the tensors it was captured with and writes into the captured outputs in place."""
+
+    def __init__(self, fn, args, outputs) -> None:
+        self.fn, self.args, self.outputs = fn, args, outputs
+
+    def replay(self) -> None:
+        for dst, src in zip(self.outputs, self.fn(*self.args), strict=True):
+            dst.copy_(src)
+
+
+class RecordingOps:
+    def __init__(self) -> None:
+        self.captures = 0
+        self.replays = 0
+
+    def capture(self, fn, args):
+        self.captures += 1
+        out = fn(*args)
+        return RecordedGraph(fn, args, out), out
+
+    def replay(self, graph) -> None:
+        self.replays += 1
+        graph.replay()
+
+    def weak_refs(self, outputs):
+        return outputs
+
+
+def piece(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    h = x @ w
+    return torch.relu(h), h.sum(-1)
+
+
+def make_wrapper(debug: bool = False) -> tuple[PiecewiseGraphWrapper, RecordingOps]:
+    ops = RecordingOps()
+    wrapper = PiecewiseGraphWrapper(piece, "submod_0", capture_sizes=(4, 8),
+                                    token_count=lambda a: a[0].shape[0], debug=debug, ops=ops)
+    return wrapper, ops
+
+
+def test_capture_once_per_bucket_then_replay_with_new_values_at_the_same_addresses():
+    wrapper, ops = make_wrapper()
+    w = torch.randn(3, 5)
+    buf = torch.zeros(8, 3)
+    with compile_counters.expect(graphs_captured=2, graph_replays=4):
+        for size in (8, 4, 8, 4, 4, 8):
+            buf[:size].normal_()
+            out = wrapper(buf[:size], w)
+            expected = piece(buf[:size].clone(), w)
+            for got, want in zip(out, expected, strict=True):
+                torch.testing.assert_close(got, want)
+    assert ops.captures == 2 and sorted(wrapper.captured) == [4, 8]
+
+
+def test_other_sizes_run_without_a_graph():
+    wrapper, ops = make_wrapper()
+    x, w = torch.randn(5, 3), torch.randn(3, 5)
+    with compile_counters.expect():
+        out = wrapper(x, w)
+    torch.testing.assert_close(out[0], piece(x, w)[0])
+    assert ops.captures == 0 and ops.replays == 0
+
+
+def test_moved_input_is_refused_not_replayed_with_stale_data():
+    wrapper, ops = make_wrapper()
+    w = torch.randn(3, 5)
+    wrapper(torch.randn(4, 3), w)  # capture
+    fresh = torch.randn(4, 3)  # same size, another address
+    with compile_counters.expect(replays_refused=1):
+        out = wrapper(fresh, w)
+    torch.testing.assert_close(out[0], piece(fresh, w)[0])
+    assert ops.replays == 1  # only the replay right after the capture
+
+
+def test_moved_input_is_an_error_in_debug_mode():
+    wrapper, _ = make_wrapper(debug=True)
+    w = torch.randn(3, 5)
+    wrapper(torch.randn(4, 3), w)
+    with pytest.raises(GraphReplayError, match=r"submod_0 at 4 tokens .* input 0"):
+        wrapper(torch.randn(4, 3), w)
+
+
+def test_passes_through_inside_a_full_graph_step():
+    wrapper, ops = make_wrapper()
+    fake_backend = SimpleNamespace(layers=[], kv_cache=None)
+    with forward_context(batch=None, backend=fake_backend, graph_mode="full"):
+        wrapper(torch.randn(4, 3), torch.randn(3, 5))
+    with forward_context(batch=None, backend=fake_backend, graph_mode="piecewise"):
+        wrapper(torch.randn(8, 3), torch.randn(3, 5))
+    assert sorted(wrapper.captured) == [8]
+
+
+def test_weak_ref_aliases_without_copying():
+    t = torch.arange(12.0).view(3, 4)[1:]
+    ref = weak_ref_tensor(t)
+    assert ref.data_ptr() == t.data_ptr() and ref.shape == t.shape and ref.stride() == t.stride()
+    t.mul_(2)
+    torch.testing.assert_close(ref, t)
