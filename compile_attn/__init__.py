@@ -18,6 +18,7 @@ from compile_attn.engine import LLM, RequestOutput, RequestTooLargeError, Sampli
 from compile_attn.errors import (
     BackendUnavailableError,
     CompileAttnError,
+    GraphReplayError,
     InvalidBatchError,
     KVCacheExhaustedError,
     NoForwardContextError,
@@ -31,6 +32,17 @@ from compile_attn.ops import register_split_op
 
 __version__ = "0.1.0"
 
+# The compile backend pulls in torch._dynamo: load it only when one of its names is used.
+_COMPILER_NAMES = {"compile_counters", "clear_cache", "compile_attn_backend"}
+
+
+def __getattr__(name: str):  # noqa: ANN202
+    if name in _COMPILER_NAMES:
+        import compile_attn.compiler as _compiler
+
+        return getattr(_compiler, name)
+    raise AttributeError(f"module 'compile_attn' has no attribute {name!r}")
+
 __all__ = [
     "PAD_REQUEST",
     "PAD_SLOT",
@@ -41,6 +53,7 @@ __all__ = [
     "ForwardBatch",
     "ForwardContext",
     "ForwardMode",
+    "GraphReplayError",
     "GraphConfig",
     "GraphMode",
     "GraphSupport",

@@ -42,7 +42,7 @@ class GraphConfig:
     prefill_token_sizes: tuple[int, ...] = DEFAULT_PREFILL_TOKEN_SIZES
     compiler: str = "inductor"
     cache_dir: str | None = field(default_factory=default_cache_dir)
-    debug_dir: str | None = None
+    debug_dir: str | None = field(default_factory=lambda: os.environ.get("COMPILE_ATTN_DEBUG_DIR"))
     verify: bool = False
 
     def __post_init__(self) -> None:

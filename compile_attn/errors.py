@@ -34,3 +34,7 @@ class UnsupportedConfigError(CompileAttnError, ValueError):
 
 class BackendUnavailableError(CompileAttnError, ImportError):
     """A backend's optional dependency is missing or the device cannot run it."""
+
+
+class GraphReplayError(CompileAttnError, RuntimeError):
+    """A captured graph was asked to replay with inputs it cannot read (moved or resized)."""

@@ -21,13 +21,9 @@ from torch.utils._pytree import tree_map
 
 from compile_attn.compiler.counters import compile_counters
 from compile_attn.context import get_forward_context, has_forward_context
-from compile_attn.errors import CompileAttnError
+from compile_attn.errors import GraphReplayError  # noqa: F401  (re-exported: raised by the wrapper)
 
 logger = logging.getLogger(__name__)
-
-
-class GraphReplayError(CompileAttnError, RuntimeError):
-    """A captured graph was asked to replay with inputs it cannot read (moved or resized)."""
 
 
 def weak_ref_tensor(t: torch.Tensor) -> torch.Tensor:
