@@ -45,7 +45,12 @@ class HFModelAdapter(nn.Module):
     ) -> torch.Tensor:
         """Logits ``[T, V]`` of a flattened batch, or ``[len(logits_indices), V]`` for just those tokens."""
         extra = {} if logits_indices is None else {"logits_to_keep": logits_indices}
-        out = self.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False, **extra)
+        # An all-ones 2D mask: HF then skips its packed-sequence probe of position_ids (a host sync in
+        # eager mode, a graph break under torch.compile); the compile_attn mask function ignores it.
+        ones = torch.ones_like(input_ids, dtype=torch.bool)[None]
+        out = self.model(
+            input_ids=input_ids[None], position_ids=positions[None], attention_mask=ones, use_cache=False, **extra
+        )
         return out.logits[0]
 
     # ------------------------------------------------------------------ conveniences
