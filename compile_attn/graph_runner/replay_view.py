@@ -1,0 +1,119 @@
+"""Padding a live batch into the static buffers and building the replay view a graph runs on.
+
+Decode batches are padded to a bucket of requests: padded requests use row ``PAD_REQUEST`` with the
+backend's seq_len fill value and write their token's KV to ``PAD_SLOT``. Extend batches are padded to
+a bucket of tokens: the extra tokens belong to no request, sit at position 0 and write to
+``PAD_SLOT``. Either way padding never touches a live request's KV. Only entries that may hold stale
+live values are re-padded, so a steady decode loop copies the live fields and little else.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+
+import torch
+
+from compile_attn.batch import ForwardBatch
+from compile_attn.graph_runner.static_buffers import StaticBuffers
+from compile_attn.kv_cache import PAD_REQUEST, PAD_SLOT
+
+
+def next_bucket(buckets: Sequence[int], n: int) -> int | None:
+    """Smallest bucket ``>= n`` in the sorted ``buckets``; None when ``n`` is larger than all of them."""
+    i = bisect.bisect_left(buckets, n)
+    return buckets[i] if i < len(buckets) else None
+
+
+class ReplayViews:
+    """Copies live batches into ``StaticBuffers`` and returns padded views of them.
+
+    Invariants kept between calls: token entries from ``_tokens_dirty`` on hold padding values;
+    request entries from ``_requests_dirty`` on hold decode padding (row PAD_REQUEST, seq_len fill);
+    ``extend_seq_lens``/``extend_start_loc`` entries from ``_extend_dirty`` on hold the decode
+    layout (1 and ``arange``).
+    """
+
+    def __init__(self, buffers: StaticBuffers, seq_len_fill: int) -> None:
+        self.buffers = buffers
+        self.seq_len_fill = seq_len_fill
+        self.pad_prefix = max(seq_len_fill - 1, 0)
+        self.mark_all_dirty()
+
+    def mark_all_dirty(self) -> None:
+        """Forget the invariants (after capture wrote dummy batches into the buffers)."""
+        self._tokens_dirty = self.buffers.max_num_tokens
+        self._requests_dirty = self.buffers.max_batch_size
+        self._extend_dirty = self.buffers.max_batch_size
+
+    # ------------------------------------------------------------------ token fields
+    def _copy_tokens(self, fb: ForwardBatch, n: int) -> None:
+        b = self.buffers
+        b.input_ids[:n].copy_(fb.input_ids)
+        b.positions[:n].copy_(fb.positions)
+        b.out_cache_loc[:n].copy_(fb.out_cache_loc)
+        if self._tokens_dirty > n:
+            pad = slice(n, self._tokens_dirty)
+            b.input_ids[pad].zero_()
+            b.positions[pad].zero_()
+            b.out_cache_loc[pad].fill_(PAD_SLOT)
+        self._tokens_dirty = n
+
+    # ------------------------------------------------------------------ views
+    def decode_view(self, fb: ForwardBatch, bucket: int) -> ForwardBatch:
+        """``fb`` (DECODE, ``batch_size <= bucket``) padded with requests up to ``bucket``."""
+        b, bs = self.buffers, fb.batch_size
+        self._copy_tokens(fb, bs)
+        b.req_pool_indices[:bs].copy_(fb.req_pool_indices)
+        b.seq_lens[:bs].copy_(fb.seq_lens)
+        b.extend_prefix_lens[:bs].copy_(fb.extend_prefix_lens)
+        if self._requests_dirty > bs:
+            pad = slice(bs, self._requests_dirty)
+            b.req_pool_indices[pad].fill_(PAD_REQUEST)
+            b.seq_lens[pad].fill_(self.seq_len_fill)
+            b.extend_prefix_lens[pad].fill_(self.pad_prefix)
+        self._requests_dirty = bs
+        if self._extend_dirty:
+            b.extend_seq_lens[: self._extend_dirty].fill_(1)
+            b.extend_start_loc[: self._extend_dirty].copy_(
+                torch.arange(self._extend_dirty, dtype=torch.int32, device=b.device)
+            )
+            self._extend_dirty = 0
+        npad = bucket - bs
+        seq_lens_cpu = fb.seq_lens_cpu
+        if npad:
+            seq_lens_cpu = torch.cat(
+                [seq_lens_cpu, torch.full((npad,), self.seq_len_fill, dtype=seq_lens_cpu.dtype)]
+            )
+        return b.view(
+            forward_mode=fb.forward_mode,
+            batch_size=bucket,
+            num_tokens=bucket,
+            seq_lens_cpu=seq_lens_cpu,
+            extend_prefix_lens_cpu=list(fb.extend_prefix_lens_cpu) + [self.pad_prefix] * npad,
+            extend_seq_lens_cpu=list(fb.extend_seq_lens_cpu) + [1] * npad,
+            real_batch_size=bs,
+            bucket=bucket,
+        )
+
+    def extend_view(self, fb: ForwardBatch, bucket: int) -> ForwardBatch:
+        """``fb`` (EXTEND/MIXED, ``num_tokens <= bucket``) with trailing padding tokens up to ``bucket``."""
+        b, bs = self.buffers, fb.batch_size
+        self._copy_tokens(fb, fb.num_tokens)
+        b.req_pool_indices[:bs].copy_(fb.req_pool_indices)
+        b.seq_lens[:bs].copy_(fb.seq_lens)
+        b.extend_prefix_lens[:bs].copy_(fb.extend_prefix_lens)
+        b.extend_seq_lens[:bs].copy_(fb.extend_seq_lens)
+        b.extend_start_loc[:bs].copy_(fb.extend_start_loc)
+        self._requests_dirty = max(self._requests_dirty, bs)
+        self._extend_dirty = max(self._extend_dirty, bs)
+        return b.view(
+            forward_mode=fb.forward_mode,
+            batch_size=bs,
+            num_tokens=bucket,
+            seq_lens_cpu=fb.seq_lens_cpu,
+            extend_prefix_lens_cpu=list(fb.extend_prefix_lens_cpu),
+            extend_seq_lens_cpu=list(fb.extend_seq_lens_cpu),
+            real_batch_size=bs,
+            bucket=bucket,
+        )

@@ -1,0 +1,258 @@
+"""GraphRunner: captures graphs per bucket and runs each step through the right one.
+
+Decode batches fit a bucket of requests; extend and mixed batches a bucket of tokens. Per step the
+runner picks the mode (full graph, piecewise, breakable, or eager), pads the batch into its static
+buffers, calls ``backend.init_forward_metadata_out_graph`` on the padded view, replays, and returns the
+outputs sliced to the real token count. It sets the forward context's ``graph_mode`` so the compile
+backend's piecewise wrappers capture only when the step runs piecewise. See docs/graph_runner.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils import _pytree as pytree
+from tqdm import tqdm
+
+from compile_attn.batch import ForwardBatch
+from compile_attn.context import forward_context
+from compile_attn.graph_runner.breakable import capture_segments
+from compile_attn.graph_runner.full_graph import capture_full
+from compile_attn.graph_runner.memory_pool import get_graph_pool
+from compile_attn.graph_runner.plan import ExecMode, ModePlan, is_compiled, plan_modes
+from compile_attn.graph_runner.replay_view import ReplayViews, next_bucket
+from compile_attn.graph_runner.segments import CapturedGraph, RerunGraph, capture_session
+from compile_attn.graph_runner.static_buffers import StaticBuffers
+from compile_attn.graph_runner.stats import GraphRunnerStats
+
+if TYPE_CHECKING:
+    from compile_attn.attention.base import AttentionBackend
+    from compile_attn.config import GraphConfig
+
+logger = logging.getLogger(__name__)
+
+Route = tuple[ExecMode, int]
+
+
+class GraphRunner:
+    """Runs ``model(input_ids[T], positions[T])`` for ForwardBatches through CUDA graphs.
+
+    ``model`` follows the model protocol (``attention_layers()``), possibly torch.compile'd.
+    ``max_batch_size`` / ``max_num_tokens`` size the static buffers; buckets above them are dropped and
+    larger batches run eagerly. Call ``capture()`` once, then ``run(batch)`` per step. Outputs of
+    ``run`` live in graph memory: read them before the next ``run``.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        backend: AttentionBackend,
+        config: GraphConfig | None = None,
+        *,
+        max_batch_size: int,
+        max_num_tokens: int,
+    ) -> None:
+        from compile_attn.config import GraphConfig  # late: config imports graph_runner.mode
+
+        self.model = model
+        self.backend = backend
+        self.config = config = config or GraphConfig()
+        self.device = torch.device(backend.device)
+        self.compiled = is_compiled(model)
+        self.plan: ModePlan = plan_modes(
+            config.mode, backend.graph_support, compiled=self.compiled, backend_name=backend.name
+        )
+        decode_limit = min(max_batch_size, max_num_tokens)
+        self.decode_buckets: tuple[int, ...] = (
+            tuple(s for s in config.decode_batch_sizes if s <= decode_limit)
+            if self.plan.decode is not ExecMode.NONE
+            else ()
+        )
+        self.extend_buckets: tuple[int, ...] = (
+            tuple(s for s in config.prefill_token_sizes if s <= max_num_tokens)
+            if self.plan.extend is not ExecMode.NONE
+            else ()
+        )
+        self.buffers = StaticBuffers(max_batch_size, max_num_tokens, self.device)
+        self.views = ReplayViews(self.buffers, backend.get_cuda_graph_seq_len_fill_value())
+        self.stats = GraphRunnerStats()
+        self.captured = False
+        self._graphs: dict[Route, CapturedGraph | RerunGraph] = {}
+        self._warned_fallback = False
+        logger.info(
+            "GraphRunner: decode -> %s (%d buckets), extend -> %s (%d buckets), backend %r on %s",
+            self.plan.decode.value,
+            len(self.decode_buckets),
+            self.plan.extend.value,
+            len(self.extend_buckets),
+            backend.name,
+            self.device,
+        )
+
+    # ------------------------------------------------------------------ buckets and routing
+    def routes(self) -> list[tuple[ExecMode, str, int, int]]:
+        """Every graph route as ``(mode, kind, smallest batch, bucket)``; kind is "decode" or "extend"."""
+        out = []
+        for kind, mode, buckets in (
+            ("decode", self.plan.decode, self.decode_buckets),
+            ("extend", self.plan.extend, self.extend_buckets),
+        ):
+            if mode is ExecMode.NONE:
+                continue
+            for lo, bucket in zip((0, *buckets), buckets):
+                out.append((mode, kind, lo + 1, bucket))
+        return out
+
+    def capture_keys(self) -> list[Route]:
+        """Graphs to capture, largest first (token-keyed graphs serve decode and extend alike)."""
+        keys = {(mode, bucket) for mode, _, _, bucket in self.routes()}
+        return sorted(keys, key=lambda k: (-k[1], k[0] is not ExecMode.FULL))
+
+    def route(self, fb: ForwardBatch) -> Route | None:
+        """``(mode, bucket)`` for this batch, or None to run it eagerly."""
+        if fb.batch_size == 0 or fb.forward_mode.is_idle():
+            return None
+        if fb.forward_mode.is_decode():
+            mode, bucket = self.plan.decode, next_bucket(self.decode_buckets, fb.batch_size)
+        else:
+            mode, bucket = self.plan.extend, next_bucket(self.extend_buckets, fb.num_tokens)
+            if fb.batch_size > self.buffers.max_batch_size:
+                bucket = None
+        if mode is ExecMode.NONE:
+            return None
+        if bucket is None:
+            self._count_fallback(fb)
+            return None
+        return mode, bucket
+
+    def _count_fallback(self, fb: ForwardBatch) -> None:
+        self.stats.eager_fallbacks += 1
+        log = logger.debug if self._warned_fallback else logger.info
+        self._warned_fallback = True
+        log(
+            "%s batch of %d requests / %d tokens is larger than the largest bucket (decode %s requests, "
+            "extend %s tokens, %d requests): running it eagerly",
+            fb.forward_mode.name,
+            fb.batch_size,
+            fb.num_tokens,
+            self.decode_buckets[-1:] or "-",
+            self.extend_buckets[-1:] or "-",
+            self.buffers.max_batch_size,
+        )
+
+    # ------------------------------------------------------------------ capture
+    def capture(self) -> GraphRunnerStats:
+        """Capture every bucket (largest first) into the shared pool; logs time and graph memory."""
+        if self.captured:
+            return self.stats
+        keys = self.capture_keys()
+        if keys:
+            self.backend.init_cuda_graph_state(self.buffers.max_batch_size, self.buffers.max_num_tokens)
+        cuda = self.device.type == "cuda"
+        pool = get_graph_pool() if cuda else None
+        stream = torch.cuda.Stream(self.device) if cuda else None
+        start = time.perf_counter()
+        if cuda:  # torch.cuda.graph empties the cache per capture: start and end empty so only graphs count
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+        free_before = torch.cuda.mem_get_info(self.device)[0] if cuda else 0
+        with torch.no_grad(), capture_session(self.device):
+            for mode, bucket in tqdm(keys, desc="capturing graphs", unit="graph", leave=False):
+                self._capture_one(mode, bucket, pool, stream)
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            self.stats.graph_memory_bytes = max(free_before - torch.cuda.mem_get_info(self.device)[0], 0)
+        self.stats.capture_seconds = time.perf_counter() - start
+        self.views.mark_all_dirty()
+        self.captured = True
+        logger.info(
+            "captured %d graphs (%s) in %.2f s using %.1f MiB of graph memory",
+            len(keys),
+            ", ".join(f"{m}: {n}" for m, n in sorted(self.stats.captures.items())) or "none",
+            self.stats.capture_seconds,
+            self.stats.graph_memory_bytes / 2**20,
+        )
+        if self.config.verify and keys:
+            from compile_attn.graph_runner.verify import verify_runner
+
+            verify_runner(self)
+        return self.stats
+
+    def _capture_one(self, mode: ExecMode, bucket: int, pool: Any, stream: Any) -> None:
+        backend, model = self.backend, self.model
+        full = mode is ExecMode.FULL
+        fill = backend.get_cuda_graph_seq_len_fill_value()
+        view = self.buffers.dummy_decode(bucket, fill) if full else self.buffers.dummy_extend(bucket)
+        backend.init_forward_metadata_out_graph(view, in_capture=True)
+        if not full:  # attention runs eagerly between pieces: its graph-side metadata is eager too
+            backend.init_forward_metadata_in_graph(view)
+
+        def step() -> Any:
+            if full:
+                backend.init_forward_metadata_in_graph(view)
+            return model(view.input_ids, view.positions)
+
+        with forward_context(view, backend, graph_mode=mode.value):
+            if mode is ExecMode.PIECEWISE:  # the compile backend's wrappers warm up and capture this size
+                step()
+            else:
+                for _ in range(2 if self.device.type == "cuda" else 1):  # warm-up
+                    step()
+                if full:
+                    graph = capture_full(
+                        step, device=self.device, pool=pool, stream=stream, traceable=not self.compiled
+                    )
+                else:
+                    graph = capture_segments(step, device=self.device, pool=pool, stream=stream, breaks=True)
+                self._graphs[(mode, bucket)] = graph
+                self.stats.segments += graph.num_segments if not full else 0
+                self.stats.breaks += graph.num_breaks
+        self.stats.captures[mode.value] += 1
+
+    # ------------------------------------------------------------------ run
+    def run(self, fb: ForwardBatch) -> Any:
+        """Run one step; returns the model output for the batch's real tokens."""
+        route = self.route(fb)
+        if route is None:
+            return self.run_eager(fb)
+        if not self.captured:
+            raise RuntimeError(
+                "GraphRunner.run() needs graphs: call runner.capture() once before the first step"
+            )
+        mode, bucket = route
+        view = (
+            self.views.decode_view(fb, bucket)
+            if fb.forward_mode.is_decode()
+            else self.views.extend_view(fb, bucket)
+        )
+        self.backend.init_forward_metadata_out_graph(view)
+        if mode is not ExecMode.FULL:
+            self.backend.init_forward_metadata_in_graph(view)
+        with torch.no_grad(), forward_context(view, self.backend, graph_mode=mode.value):
+            if mode is ExecMode.PIECEWISE:
+                out = self.model(view.input_ids, view.positions)
+            else:
+                out = self._graphs[route].replay()
+        self.stats.runs[mode.value] += 1
+        return _slice_tokens(out, bucket, fb.num_tokens)
+
+    def run_eager(self, fb: ForwardBatch) -> Any:
+        """Run one step without graphs (the reference the graphs are checked against)."""
+        self.backend.init_forward_metadata(fb)
+        with torch.no_grad(), forward_context(fb, self.backend, graph_mode=ExecMode.NONE.value):
+            out = self.model(fb.input_ids, fb.positions)
+        self.stats.runs[ExecMode.NONE.value] += 1
+        return out
+
+
+def _slice_tokens(out: Any, bucket_tokens: int, real_tokens: int) -> Any:
+    def cut(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == bucket_tokens:
+            return x[:real_tokens]
+        return x
+
+    return pytree.tree_map(cut, out)

@@ -1,0 +1,26 @@
+"""GraphRunnerStats: counters a test or a log line can read (captures, runs per mode, fallbacks, memory)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class GraphRunnerStats:
+    """What the runner did. Counter keys are ExecMode values: "full", "piecewise", "breakable", "none".
+
+    captures: graphs captured per mode (piecewise: one dummy run per bucket, the compile backend
+    captures inside it). runs: steps run per mode; "none" counts every eager step, fallbacks included.
+    eager_fallbacks: steps that wanted a graph but fit no bucket. segments / breaks: CUDA graph
+    segments and eager split-op calls across all breakable graphs. verified: buckets checked by verify.
+    """
+
+    captures: Counter = field(default_factory=Counter)
+    runs: Counter = field(default_factory=Counter)
+    eager_fallbacks: int = 0
+    segments: int = 0
+    breaks: int = 0
+    verified: int = 0
+    capture_seconds: float = 0.0
+    graph_memory_bytes: int = 0
