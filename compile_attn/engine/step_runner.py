@@ -1,15 +1,18 @@
-"""StepRunner: runs one ForwardBatch through the model (compiled or not) and the GraphRunner, returning
-the logits of the rows that are sampled."""
+"""StepRunner: runs one ForwardBatch through the (optionally compiled) model via the GraphRunner and returns
+the logits of the rows that are sampled. It owns the compile and graph options of the engine."""
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
 from compile_attn.attention.base import AttentionBackend
-from compile_attn.context import forward_context
+from compile_attn.batch import ForwardBatch
+from compile_attn.config import GraphConfig
 from compile_attn.graph_runner.mode import GraphMode
+from compile_attn.graph_runner.runner import GraphRunner
 
 logger = logging.getLogger(__name__)
 
@@ -22,21 +25,30 @@ class StepRunner:
         *,
         graph_mode: str | GraphMode,
         compile: bool,
-        compile_options: dict | None,
+        compile_options: dict[str, Any] | None,
         max_batch_size: int,
         max_num_tokens: int,
     ) -> None:
-        self.model, self.backend = model, backend
-        self.graph_mode = GraphMode.parse(graph_mode)
-        self.forward = model
-        self.runner = None
+        """``compile_options`` are GraphConfig fields (compiler, capture sizes, cache_dir, debug_dir, verify);
+        the same config drives the compile backend and the graph runner so their buckets agree."""
+        self.config = GraphConfig.from_options({**(compile_options or {}), "mode": graph_mode})
+        self.graph_mode = self.config.mode
+        if compile:
+            from compile_attn.compiler.compiled_model import compile_model
+
+            options = {k: getattr(self.config, k) for k in (compile_options or {})}
+            self.forward = compile_model(model, {**options, "mode": self.config.mode.value})
+        else:
+            self.forward = model
+        self.runner = GraphRunner(
+            self.forward, backend, self.config, max_batch_size=max_batch_size, max_num_tokens=max_num_tokens
+        )
 
     def capture(self) -> None:
-        """Capture the graphs of every bucket (progress bar, timing and memory logged by the runner)."""
+        """Capture every bucket's graph (progress bar; time and memory logged by the runner)."""
+        self.runner.capture()
 
     @torch.inference_mode()
-    def run(self, fb, keep: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
-        self.backend.init_forward_metadata(fb)
-        with forward_context(fb, self.backend, graph_mode="none"):
-            logits = self.forward(fb.input_ids, fb.positions)
-        return logits[keep]
+    def run(self, fb: ForwardBatch, keep: torch.Tensor) -> torch.Tensor:
+        """Logits of the rows ``keep`` of this step (copied out of graph memory)."""
+        return self.runner.run(fb)[keep]

@@ -45,6 +45,10 @@ def is_compiled(model: Any) -> bool:
 
     if isinstance(model, eval_frame.OptimizedModule):
         return True
+    from compile_attn.compiler.compiled_model import CompiledModel
+
+    if isinstance(model, CompiledModel):
+        return True
     if getattr(model, "_compiled_call_impl", None) is not None:
         return True
     return hasattr(model, "_torchdynamo_orig_callable")

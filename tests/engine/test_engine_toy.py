@@ -46,6 +46,33 @@ def make_llm(model: ToyDecoder, **kw) -> LLM:
     return LLM(model, **args)
 
 
+@pytest.mark.parametrize(
+    ("graph_mode", "compile", "compiler"),
+    [
+        ("none", False, None),
+        ("full", False, None),
+        ("breakable", False, None),
+        ("piecewise", True, "eager"),
+        ("full_and_piecewise", True, "inductor"),
+    ],
+)
+def test_greedy_equals_recompute_in_every_graph_mode(model: ToyDecoder, graph_mode: str, compile: bool,
+                                                     compiler: str | None) -> None:
+    options = {"compiler": compiler, "verify": True} if compile else {"verify": True}
+    llm = make_llm(model, graph_mode=graph_mode, compile=compile, compile_options=options)
+    outs = llm.generate(PROMPTS, SamplingParams(max_new_tokens=8))
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.token_ids == greedy_by_recompute(model, prompt, 8)
+    stats = llm.step_runner.runner.stats
+    if graph_mode != "none":
+        assert stats.captures, f"{graph_mode}: no graph was captured"
+        assert sum(n for mode, n in stats.runs.items() if mode != "none") > 0, f"{graph_mode}: no step replayed"
+    if compile:
+        from compile_attn.compiler import compile_counters
+
+        assert compile_counters.split_op_pieces >= CFG.num_layers
+
+
 def test_greedy_equals_recompute_with_chunked_prefill(model: ToyDecoder) -> None:
     llm = make_llm(model)
     outs = llm.generate(PROMPTS, SamplingParams(max_new_tokens=8))
