@@ -1,71 +1,56 @@
-"""Quickstart: a tiny decoder whose attention is compile_attn's op, generating greedily over a paged KV cache.
+"""Quickstart: a small decoder compiled with ``backend="compile_attn"``, generating with compile_attn's engine.
 
-Runs on the GPU if there is one, else on the CPU. Three requests of different prompt lengths are
-prefilled together; a fourth arrives while they decode, so one step mixes prefill and decode.
+Runs on the GPU if there is one (bf16, CUDA graphs: full graphs for decode, piecewise for prefill),
+else on the CPU (fp32; the same graph-runner logic runs eagerly). The model is a tiny Llama-like
+decoder with random weights whose attention is ``torch.ops.compile_attn.attention``; its tokens are
+bytes, so the "text" is what random weights say. For a real HF checkpoint see examples/hf_model.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import time
 
 import torch
 
 import compile_attn
-from compile_attn import ForwardBatch, KVCache, create_backend, forward_context
+from compile_attn import LLM, SamplingParams
 from compile_attn.models import ToyDecoder, ToyDecoderConfig
 
 log = logging.getLogger("quickstart")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--max-new-tokens", type=int, default=12)
-    parser.add_argument("--backend", default="auto", help="attention backend: auto, torch_native, triton, ...")
+    parser.add_argument("--backend", default="auto", help="attention backend: auto, torch_native, triton, flashinfer")
+    parser.add_argument("--graph-mode", default="full_and_piecewise")
+    parser.add_argument("--max-new-tokens", type=int, default=24)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     torch.manual_seed(0)
-    cfg = ToyDecoderConfig(vocab_size=256, hidden_size=128, num_layers=4, num_heads=8, num_kv_heads=2, head_dim=16)
-    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    model = ToyDecoder(cfg).to(args.device, dtype).eval()
-    kv = KVCache(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, max_requests=8,
-                 max_context=256, num_tokens=2048, page_size=16, dtype=dtype, device=args.device)
-    backend = create_backend(args.backend, kv, model.attention_layers())
-    log.info("compile_attn %s | device %s | backend %s", compile_attn.__version__, args.device, backend.name)
+    cfg = ToyDecoderConfig(vocab_size=256, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2, head_dim=32,
+                           intermediate_size=512)
+    start = time.perf_counter()
+    llm = LLM(ToyDecoder(cfg), attn_backend=args.backend, graph_mode=args.graph_mode, compile=True,
+              max_batch_size=8, max_num_tokens=256, max_context=512, page_size=16, device=args.device)
+    log.info("compile_attn %s: backend %s, %s, ready in %.1f s (graphs captured: %s)", compile_attn.__version__,
+             llm.backend.name, args.device, time.perf_counter() - start, dict(llm.step_runner.runner.stats.captures))
 
-    prompts = [list(b"Hello, compile_attn!"), list(b"Paged KV"), list(b"Attention is a custom op."), list(b"Late")]
-    late = 3  # the last request arrives after two decode steps
-    rows = [kv.alloc_request() for _ in prompts]
-    generated: list[list[int]] = [[] for _ in prompts]
-    cached = [0] * len(prompts)  # tokens already in the KV cache per request
-    for step in range(args.max_new_tokens + 2):
-        active = [i for i in range(len(prompts)) if (i != late or step >= 2) and len(generated[i]) < args.max_new_tokens]
-        if not active:
-            break
-        new_tokens = [prompts[i] if cached[i] == 0 else generated[i][-1:] for i in active]
-        loc = kv.alloc_extend([rows[i] for i in active], [len(t) for t in new_tokens])
-        fb = ForwardBatch.build(
-            req_pool_indices=[rows[i] for i in active], prefix_lens=[cached[i] for i in active],
-            extend_lens=[len(t) for t in new_tokens], out_cache_loc=loc,
-            input_ids=[t for toks in new_tokens for t in toks], device=args.device,
-        )
-        backend.init_forward_metadata(fb)
-        with forward_context(fb, backend), torch.no_grad():
-            logits = model(fb.input_ids, fb.positions)
-        last = torch.tensor(fb.extend_seq_lens_cpu).cumsum(0) - 1
-        next_ids = logits[last.to(args.device)].argmax(-1).tolist()
-        log.info("step %2d  %-6s  requests %s  tokens %d", step, fb.forward_mode.name, active, fb.num_tokens)
-        for i, tok, toks in zip(active, next_ids, new_tokens):
-            cached[i] += len(toks)
-            generated[i].append(tok)
-    for i, prompt in enumerate(prompts):
-        text = bytes(generated[i]).decode("latin-1").encode("unicode_escape").decode()
-        log.info("request %d  prompt %r  -> %d tokens: %s", i, bytes(prompt).decode(), len(generated[i]), text)
-        kv.free_request(rows[i])
-    assert kv.available_tokens == kv.allocator.num_pages * kv.page_size, "KV cache not back to empty"
-    log.info("KV cache back to empty (%d tokens free)", kv.available_tokens)
+    prompts = ["Hello, compile_attn!", "Paged KV caches", "Attention is a custom op.", "CUDA graphs"]
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
+    for attempt in ("first (compiles)", "second (warm)"):
+        start = time.perf_counter()
+        outs = llm.generate([list(p.encode()) for p in prompts], params)
+        elapsed = time.perf_counter() - start
+        n = sum(len(o.token_ids) for o in outs)
+        log.info("%s run: %d tokens in %.2f s (%.0f tok/s)", attempt, n, elapsed, n / elapsed)
+    for p, o in zip(prompts, outs):
+        log.info("%-28r -> %r", p, bytes(o.token_ids).decode("latin-1"))
+    log.info("steps by graph mode: %s; KV cache free again: %s",
+             dict(llm.step_runner.runner.stats.runs), llm.kv_cache.available_tokens == llm.kv_cache.allocator.num_pages * 16)
 
 
 if __name__ == "__main__":
