@@ -1,0 +1,404 @@
+"""triton: attention through compile_attn's own Triton kernels (``attention/triton_ops``) over the paged KV pool.
+
+Decode can be captured as one full CUDA graph: ``init_cuda_graph_state`` allocates static token-CSR
+buffers (``kv_indptr``/``kv_indices``/``num_kv_splits``, one set for full attention and one per
+sliding-window size) and split-K scratch, and ``init_forward_metadata_in_graph`` fills them on the
+device with static shapes. Extend and mixed batches are prepared in ``init_forward_metadata_out_graph``
+from host lengths (the kernel's grid depends on them) and run eagerly between captured pieces.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from compile_attn.attention.base import AttentionBackend, GraphSupport
+from compile_attn.attention.registry import register_backend
+from compile_attn.batch import ForwardBatch
+from compile_attn.errors import BackendUnavailableError, UnsupportedConfigError
+from compile_attn.kv_cache import KVCache
+from compile_attn.layer import AttentionLayer
+
+logger = logging.getLogger(__name__)
+
+INSTALL_HINT = 'pip install "compile-attn[triton]"  (triton>=3.4)'
+
+
+def load_triton_ops() -> ModuleType:
+    """The ``triton_ops`` kernel package, or BackendUnavailableError naming the install command."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            f"the triton attention backend needs the triton package (importing it failed: {exc}). Install it "
+            f"with: {INSTALL_HINT}; or use backend='torch_native'"
+        ) from exc
+    from compile_attn.attention import triton_ops
+
+    return triton_ops
+
+
+def kernels_interpreted() -> bool:
+    """True when the kernels were defined under ``TRITON_INTERPRET=1`` (they then run on the host)."""
+    from compile_attn.attention.triton_ops._common import is_interpreted
+    from compile_attn.attention.triton_ops.kv_index import _store_kv_kernel
+
+    return is_interpreted(_store_kv_kernel)
+
+
+def _host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def _exclusive_cumsum(lens: Sequence[int]) -> torch.Tensor:
+    """Host ``[len(lens) + 1]`` int32 offsets."""
+    out = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    if lens:
+        torch.cumsum(torch.tensor(list(lens), dtype=torch.int64), dim=0, dtype=torch.int32, out=out[1:])
+    return out
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _run_into(out: torch.Tensor, fn: Callable[[torch.Tensor], None]) -> None:
+    """Run a kernel that needs a last-dim-contiguous output; copy into ``out`` if it is not one."""
+    if out.stride(-1) == 1:
+        fn(out)
+    else:
+        tmp = torch.empty(out.shape, dtype=out.dtype, device=out.device)
+        fn(tmp)
+        out.copy_(tmp)
+
+
+@dataclass
+class DecodeIndex:
+    """Token CSR of one decode step for the layers of one sliding window (``window`` None: full attention).
+
+    Request b reads slots ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``: positions ``kv_start[b]`` (0
+    for full attention) to ``seq_len - 1``. ``kv_indices`` may be longer than the step needs.
+    """
+
+    window: int | None
+    kv_indptr: torch.Tensor  # [bs + 1] int32
+    kv_indices: torch.Tensor  # [>= tokens read] int32
+    num_kv_splits: torch.Tensor  # [bs] int32
+    kv_start: torch.Tensor | None  # [bs] int32, window layers only
+
+    @classmethod
+    def allocate(cls, window: int | None, bs: int, num_indices: int, device: torch.device, zero: bool) -> DecodeIndex:
+        new = torch.zeros if zero else torch.empty
+        return cls(
+            window=window,
+            kv_indptr=new(bs + 1, dtype=torch.int32, device=device),
+            kv_indices=new(max(num_indices, 1), dtype=torch.int32, device=device),
+            num_kv_splits=new(bs, dtype=torch.int32, device=device),
+            kv_start=new(bs, dtype=torch.int32, device=device) if window is not None else None,
+        )
+
+    def head(self, bs: int) -> DecodeIndex:
+        """Views for the first ``bs`` requests (same storage: what a graph bucket binds)."""
+        return DecodeIndex(
+            window=self.window,
+            kv_indptr=self.kv_indptr[: bs + 1],
+            kv_indices=self.kv_indices,
+            num_kv_splits=self.num_kv_splits[:bs],
+            kv_start=self.kv_start[:bs] if self.kv_start is not None else None,
+        )
+
+
+@dataclass
+class SplitScratch:
+    """fp32 per-split partial outputs and log-sum-exps of split-K decode, for one (num_heads, v_head_dim)."""
+
+    attn_logits: torch.Tensor  # [>= bs, Hq, max_kv_splits, Dv]
+    attn_lse: torch.Tensor  # [>= bs, Hq, max_kv_splits]
+
+    @classmethod
+    def allocate(cls, bs: int, num_heads: int, v_head_dim: int, max_kv_splits: int, device: torch.device) -> SplitScratch:
+        return cls(
+            attn_logits=torch.empty(bs, num_heads, max_kv_splits, v_head_dim, dtype=torch.float32, device=device),
+            attn_lse=torch.empty(bs, num_heads, max_kv_splits, dtype=torch.float32, device=device),
+        )
+
+    @property
+    def capacity(self) -> int:
+        return int(self.attn_logits.shape[0])
+
+
+@dataclass
+class DecodeStep:
+    """Decode metadata of one step: one token CSR per window, scratch per head shape."""
+
+    batch_size: int
+    indexes: dict[int | None, DecodeIndex]
+    scratch: dict[tuple[int, int], SplitScratch]
+    filled: bool = False  # set by init_forward_metadata_in_graph
+
+
+@dataclass
+class ExtendStep:
+    """Extend/mixed metadata: new-token offsets and the token CSR of each request's cached prefix."""
+
+    num_tokens: int  # tokens that belong to a request; padding tokens of a bucket come after them
+    qo_indptr: torch.Tensor  # [bs + 1] int32
+    kv_indptr: torch.Tensor  # [bs + 1] int32, prefix lengths
+    kv_indices: torch.Tensor  # [>= total prefix] int32
+    max_len_extend: int
+
+
+@dataclass
+class DecodeGraphBuffers:
+    """Static buffers of decode graphs with up to ``max_bs`` requests (allocated once)."""
+
+    max_bs: int
+    indexes: dict[int | None, DecodeIndex]
+    scratch: dict[tuple[int, int], SplitScratch]
+
+
+@register_backend("triton")
+class TritonBackend(AttentionBackend):
+    """Split-K paged decode and paged extend with compile_attn's Triton kernels; decode is full-graph capturable."""
+
+    graph_support = GraphSupport.DECODE_FULL
+
+    def __init__(
+        self,
+        kv_cache: KVCache,
+        layers: Sequence[AttentionLayer] | Mapping[int, AttentionLayer],
+        *,
+        max_kv_splits: int | None = None,
+        deterministic: bool = False,
+        split_size: int | None = None,
+        graph_max_context: int | None = None,
+    ) -> None:
+        """Options: ``max_kv_splits`` (most KV splits per decode request; default triton_ops.DEFAULT_MAX_KV_SPLITS),
+        ``deterministic`` (fixed ``split_size``-token splits, so a request's decode output is bitwise the same
+        whatever else is in the batch), ``split_size`` (default triton_ops.DEFAULT_SPLIT_SIZE; the shortest
+        split otherwise), ``graph_max_context`` (longest sequence a decode graph serves; default the cache's
+        max_context)."""
+        self._ops = load_triton_ops()
+        self._check_device(kv_cache.device)
+        super().__init__(kv_cache, layers)
+        self.max_kv_splits = int(self._ops.DEFAULT_MAX_KV_SPLITS if max_kv_splits is None else max_kv_splits)
+        self.split_size = int(self._ops.DEFAULT_SPLIT_SIZE if split_size is None else split_size)
+        if self.max_kv_splits <= 0 or self.split_size <= 0:
+            raise ValueError(f"max_kv_splits and split_size must be positive, got {max_kv_splits}, {split_size}")
+        self.deterministic = deterministic
+        self.graph_max_context = graph_max_context or kv_cache.max_context
+        self.num_sms = (
+            torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 1
+        )
+        ordered = [self.layers[i] for i in sorted(self.layers)]
+        self.windows: list[int | None] = list(dict.fromkeys(layer.sliding_window for layer in ordered))
+        self.head_shapes: list[tuple[int, int]] = list(
+            dict.fromkeys((layer.num_heads, layer.v_head_dim) for layer in ordered)
+        )
+        self._graph: DecodeGraphBuffers | None = None
+        self._eager_scratch: dict[tuple[int, int], SplitScratch] = {}
+        self._step: DecodeStep | ExtendStep | None = None
+        logger.info(
+            "triton backend: %d layers, windows %s, max_kv_splits %d, split_size %d%s, %s",
+            len(self.layers), ["full" if w is None else w for w in self.windows], self.max_kv_splits,
+            self.split_size, ", deterministic" if deterministic else "",
+            "interpreted kernels, so no full decode graphs (graph_support PIECEWISE_ONLY)"
+            if self.graph_support is GraphSupport.PIECEWISE_ONLY else f"{self.num_sms} SMs",
+        )
+
+    # ------------------------------------------------------------------ configuration checks
+    def _check_device(self, device: torch.device) -> None:
+        interpreted = kernels_interpreted()
+        if device.type != "cuda" and not interpreted:
+            raise BackendUnavailableError(
+                f"the triton backend runs its kernels on CUDA GPUs but the KV cache is on {device}; use "
+                f"backend='torch_native' on the CPU (tests may run the kernels on the CPU by setting "
+                f"TRITON_INTERPRET=1 before compile_attn.attention.triton_ops is first imported)"
+            )
+        if interpreted:  # the kernels run on the host: no CUDA graph (or CPU op tape) can record them
+            self.graph_support = GraphSupport.PIECEWISE_ONLY
+
+    def check_layer(self, layer: AttentionLayer) -> None:
+        super().check_layer(layer)
+        pool = self.kv_cache.pool
+        if layer.v_head_dim != pool.v_head_dim:
+            raise UnsupportedConfigError(
+                f"layer {layer.layer_id} has v_head_dim {layer.v_head_dim} but the KV pool holds V heads of dim "
+                f"{pool.v_head_dim}; build the KVCache with v_head_dim={layer.v_head_dim}"
+            )
+        try:
+            self._ops.check_supported(layer.head_dim, layer.v_head_dim, pool.dtype)
+        except ValueError as exc:
+            raise UnsupportedConfigError(f"layer {layer.layer_id}: {exc}") from None
+
+    # ------------------------------------------------------------------ inspection (tests, debugging)
+    @property
+    def step_metadata(self) -> DecodeStep | ExtendStep | None:
+        """What the last ``init_forward_metadata_out_graph`` prepared."""
+        return self._step
+
+    @property
+    def graph_buffers(self) -> DecodeGraphBuffers | None:
+        """The static decode buffers of ``init_cuda_graph_state`` (None before it ran)."""
+        return self._graph
+
+    # ------------------------------------------------------------------ metadata contract
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return 1  # a padded request reads one token: row PAD_REQUEST's scratch slot
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        if self._graph is not None and self._graph.max_bs >= max_bs:
+            return  # graphs captured so far keep their buffers
+        indexes = {
+            w: DecodeIndex.allocate(w, max_bs, max_bs * self._index_capacity(w), self.device, zero=True)
+            for w in self.windows
+        }
+        scratch = {
+            shape: SplitScratch.allocate(max_bs, *shape, self.max_kv_splits, self.device) for shape in self.head_shapes
+        }
+        self._graph = DecodeGraphBuffers(max_bs, indexes, scratch)
+
+    def _index_capacity(self, window: int | None) -> int:
+        """Most KV tokens one request reads in a decode graph."""
+        return self.graph_max_context if window is None else min(window, self.graph_max_context)
+
+    def init_forward_metadata_out_graph(self, fb: ForwardBatch, in_capture: bool = False) -> None:
+        if fb.forward_mode.is_idle() or fb.batch_size == 0:
+            self._step = None
+        elif fb.forward_mode.is_decode():
+            self._step = self._bind_graph_decode(fb) if fb.graph_bucket is not None else self._alloc_eager_decode(fb)
+        else:
+            self._step = self._prepare_extend(fb)
+
+    def init_forward_metadata_in_graph(self, fb: ForwardBatch) -> None:
+        """Fill the decode token CSR and split counts on the device: static shapes, no host sync."""
+        step = self._step
+        if not isinstance(step, DecodeStep):
+            return  # extend metadata is prepared in out_graph
+        ops, seq_lens = self._ops, fb.seq_lens
+        for idx in step.indexes.values():
+            lens = seq_lens
+            if idx.kv_start is not None:
+                idx.kv_start.copy_((seq_lens - idx.window).clamp_(min=0))
+                lens = seq_lens - idx.kv_start
+            ops.build_kv_indptr(seq_lens, idx.kv_indptr, idx.kv_start)
+            ops.build_kv_indices(
+                self.kv_cache.req_to_token, fb.req_pool_indices, seq_lens, idx.kv_indptr, idx.kv_indices, idx.kv_start
+            )
+            ops.compute_num_kv_splits(
+                lens, self.num_sms, self.max_kv_splits, self.deterministic, self.split_size,
+                num_kv_heads=self.kv_cache.pool.num_kv_heads, out=idx.num_kv_splits,
+            )
+        step.filled = True
+
+    def _bind_graph_decode(self, fb: ForwardBatch) -> DecodeStep:
+        graph = self._graph
+        if graph is None:
+            raise RuntimeError(
+                "the batch is a graph bucket view (fb.graph_bucket is set) but the triton backend has no static "
+                "buffers: call backend.init_cuda_graph_state(max_bs, max_num_tokens) first"
+            )
+        bs = fb.batch_size
+        if bs > graph.max_bs:
+            raise ValueError(
+                f"decode graph bucket of {bs} requests exceeds the {graph.max_bs} that init_cuda_graph_state "
+                f"allocated for; call init_cuda_graph_state with a larger max_bs"
+            )
+        longest = int(fb.seq_lens_cpu.max())
+        if longest > self.graph_max_context:
+            raise ValueError(
+                f"seq_len {longest} exceeds graph_max_context {self.graph_max_context}; run this batch eagerly "
+                f"or create the backend with a larger graph_max_context"
+            )
+        return DecodeStep(bs, {w: idx.head(bs) for w, idx in graph.indexes.items()}, graph.scratch)
+
+    def _alloc_eager_decode(self, fb: ForwardBatch) -> DecodeStep:
+        bs, lens = fb.batch_size, fb.seq_lens_cpu
+        indexes = {
+            w: DecodeIndex.allocate(w, bs, int(lens.sum() if w is None else lens.clamp(max=w).sum()), self.device,
+                                    zero=False)
+            for w in self.windows
+        }
+        return DecodeStep(bs, indexes, self._scratch_for(bs))
+
+    def _scratch_for(self, bs: int) -> dict[tuple[int, int], SplitScratch]:
+        """Scratch for an eager decode of ``bs`` requests: the graph's if it fits, else a grow-only set."""
+        if self._graph is not None and self._graph.max_bs >= bs:
+            return self._graph.scratch
+        if not self._eager_scratch or next(iter(self._eager_scratch.values())).capacity < bs:
+            self._eager_scratch = {
+                shape: SplitScratch.allocate(bs, *shape, self.max_kv_splits, self.device) for shape in self.head_shapes
+            }
+        return self._eager_scratch
+
+    def _prepare_extend(self, fb: ForwardBatch) -> ExtendStep:
+        ext, prefix = fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu
+        qo_cpu, kv_cpu = _exclusive_cumsum(ext), _exclusive_cumsum(prefix)
+        qo_indptr = _host_to_device(qo_cpu, self.device)
+        kv_indptr = _host_to_device(kv_cpu, self.device)
+        total_prefix = int(kv_cpu[-1])
+        kv_indices = torch.empty(max(total_prefix, 1), dtype=torch.int32, device=self.device)
+        if total_prefix:
+            prefix_lens = kv_indptr[1:] - kv_indptr[:-1]
+            self._ops.build_kv_indices(
+                self.kv_cache.req_to_token, fb.req_pool_indices, prefix_lens, kv_indptr, kv_indices
+            )
+        return ExtendStep(
+            num_tokens=int(qo_cpu[-1]), qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices,
+            max_len_extend=max(ext, default=0),
+        )
+
+    def _require_step(self, decode: bool) -> DecodeStep | ExtendStep:
+        step = self._step
+        if not isinstance(step, DecodeStep if decode else ExtendStep) or (decode and not step.filled):
+            raise RuntimeError(
+                f"the triton backend has no {'decode' if decode else 'extend'} metadata for this batch: call "
+                f"backend.init_forward_metadata(batch) (or out_graph then in_graph) before the forward"
+            )
+        return step
+
+    # ------------------------------------------------------------------ compute
+    def forward_decode(self, q, k, v, layer, fb, out, save_kv_cache) -> None:
+        step = self._require_step(decode=True)
+        assert isinstance(step, DecodeStep)
+        if not save_kv_cache:
+            raise UnsupportedConfigError(
+                "the triton decode kernel reads the new token's K/V from the pool, so it needs save_kv_cache=True; "
+                "use backend='torch_native' for decode without saving K/V"
+            )
+        k_buf, v_buf = self.kv_cache.pool.get_kv(layer.layer_id)
+        self._ops.store_kv(k_buf, v_buf, fb.out_cache_loc, _last_dim_contiguous(k), _last_dim_contiguous(v))
+        bs = step.batch_size
+        idx = step.indexes[layer.sliding_window]
+        scratch = step.scratch[(layer.num_heads, layer.v_head_dim)]
+        qd = _last_dim_contiguous(q[:bs])
+        _run_into(out[:bs], lambda o: self._ops.decode_attention_fwd(
+            qd, k_buf, v_buf, o, idx.kv_indptr, idx.kv_indices, idx.num_kv_splits, self.max_kv_splits,
+            scratch.attn_logits, scratch.attn_lse, layer.scaling, layer.logit_cap,
+        ))
+        if out.shape[0] > bs:
+            out[bs:].zero_()
+
+    def forward_extend(self, q, k, v, layer, fb, out, save_kv_cache) -> None:
+        step = self._require_step(decode=False)
+        assert isinstance(step, ExtendStep)
+        k_buf, v_buf = self.kv_cache.pool.get_kv(layer.layer_id)
+        k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
+        if save_kv_cache:  # padding tokens of a bucket write the scratch slot (out_cache_loc PAD_SLOT)
+            self._ops.store_kv(k_buf, v_buf, fb.out_cache_loc, k, v)
+        n = step.num_tokens
+        if n:
+            qn = _last_dim_contiguous(q[:n])
+            _run_into(out[:n], lambda o: self._ops.extend_attention_fwd(
+                qn, k[:n], v[:n], o, k_buf, v_buf, step.qo_indptr, step.kv_indptr, step.kv_indices,
+                step.max_len_extend, layer.scaling, is_causal=layer.causal,
+                sliding_window=layer.sliding_window or -1, logit_cap=layer.logit_cap,
+            ))
+        if out.shape[0] > n:
+            out[n:].zero_()  # padding tokens of a graph bucket
