@@ -31,7 +31,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     torch.manual_seed(0)
-    cfg = ToyDecoderConfig(vocab_size=256, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2, head_dim=32,
+    cfg = ToyDecoderConfig(vocab_size=256, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64,
                            intermediate_size=512)
     start = time.perf_counter()
     llm = LLM(ToyDecoder(cfg), attn_backend=args.backend, graph_mode=args.graph_mode, compile=True,

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
-from compile_attn.errors import UnknownBackendError
+from compile_attn.errors import BackendUnavailableError, UnknownBackendError, UnsupportedConfigError
 
 if TYPE_CHECKING:
     from compile_attn.attention.base import AttentionBackend
@@ -77,10 +77,11 @@ def get_backend_class(name: str) -> type[AttentionBackend]:
         ) from None
 
 
-def resolve_auto_backend(device: torch.device) -> str:
-    """Pick a backend name for ``device``: CUDA -> fa3 / flashinfer / triton by what is installed, CPU -> torch_native."""
+def auto_backend_candidates(device: torch.device) -> list[str]:
+    """Backends "auto" tries on ``device``, best first: CUDA -> fa3 (Hopper) / flashinfer (Ampere+) / triton
+    where installed, then torch_native; CPU -> torch_native."""
     if device.type != "cuda":
-        return "torch_native"
+        return ["torch_native"]
     major, _ = torch.cuda.get_device_capability(device)
     candidates: list[tuple[str, str]] = []
     if major == 9:
@@ -88,10 +89,13 @@ def resolve_auto_backend(device: torch.device) -> str:
     if major >= 8:
         candidates.append(("flashinfer", "flashinfer"))
     candidates.append(("triton", "triton"))
-    for name, module in candidates:
-        if _module_exists(module) and name in available_backends():
-            return name
-    return "torch_native"
+    known = available_backends()
+    return [name for name, module in candidates if _module_exists(module) and name in known] + ["torch_native"]
+
+
+def resolve_auto_backend(device: torch.device) -> str:
+    """The first of ``auto_backend_candidates(device)`` (before checking that it supports the model)."""
+    return auto_backend_candidates(device)[0]
 
 
 def create_backend(
@@ -101,7 +105,17 @@ def create_backend(
     **kwargs: object,
 ) -> AttentionBackend:
     """Build backend ``name`` ("auto" picks one) over ``kv_cache`` for ``layers``."""
-    if name == "auto":
-        name = resolve_auto_backend(kv_cache.device)
-        logger.info("attention backend 'auto' resolved to %r on %s", name, kv_cache.device)
-    return get_backend_class(name)(kv_cache, layers, **kwargs)
+    if name != "auto":
+        return get_backend_class(name)(kv_cache, layers, **kwargs)
+    candidates = auto_backend_candidates(kv_cache.device)
+    for candidate in candidates:
+        try:
+            backend = get_backend_class(candidate)(kv_cache, layers, **kwargs)
+        except (UnsupportedConfigError, BackendUnavailableError) as exc:
+            if candidate == candidates[-1]:
+                raise
+            logger.info("attention backend 'auto': skipping %r (%s)", candidate, exc)
+            continue
+        logger.info("attention backend 'auto' resolved to %r on %s", candidate, kv_cache.device)
+        return backend
+    raise AssertionError("unreachable: torch_native is always a candidate")

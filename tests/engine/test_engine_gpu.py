@@ -16,7 +16,7 @@ def _llama(seed: int = 0):
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024)
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
     model = LlamaForCausalLM(cfg)
     for p in model.parameters():  # larger weights: peaked logits, fewer near-ties among random tokens
         p.data.mul_(4.0)
