@@ -25,9 +25,10 @@ def _llama(seed: int = 0):
 
 @pytest.mark.parametrize("graph_mode", ["full_and_piecewise", "breakable", "none"])
 def test_greedy_matches_hf_up_to_the_first_near_tie(graph_mode: str) -> None:
-    """Margin: HF's own top-1/top-2 logit gap, from an fp32 forward of the same bf16 weights. Where the gap is
-    below 4 bf16 ulps of the top logit (4 * 2**-8 * |top1|), bf16 rounding may legitimately flip the argmax,
-    so tokens are compared up to that position."""
+    """Margin, measured on HF itself: teacher-force HF's greedy tokens through HF in bf16 and in fp32 (same
+    weights); at each position the bf16 rounding error is max |logits_bf16 - logits_fp32|. A position is
+    decidable when the fp32 top-1/top-2 gap exceeds twice that error; beyond the first undecidable position
+    a bf16 implementation may legitimately pick another token, so tokens are compared up to it."""
     model = _llama()
     prompts = [[(13 * i + 7 * j) % 1024 for j in range(n)] for i, n in enumerate([5, 33, 17, 64, 2, 120])]
     n_new = 16
@@ -35,21 +36,22 @@ def test_greedy_matches_hf_up_to_the_first_near_tie(graph_mode: str) -> None:
     for p in prompts:
         ref = model.generate(torch.tensor([p], device="cuda"), max_new_tokens=n_new, do_sample=False,
                              eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+        ids = torch.tensor([p + ref], device="cuda")
         with torch.no_grad():
-            logits = model.float()(torch.tensor([p + ref], device="cuda")).logits[0, len(p) - 1 : -1]
+            bf16 = model(ids).logits[0, len(p) - 1 : -1].float()
+            fp32 = model.float()(ids).logits[0, len(p) - 1 : -1]
         model.to(torch.bfloat16)
-        top2 = logits.topk(2, dim=-1).values
-        ok = (top2[:, 0] - top2[:, 1]) > 4 * 2**-8 * top2[:, 0].abs()
-        first_tie = int((~ok).nonzero()[0]) if (~ok).any() else n_new
+        top2 = fp32.topk(2, dim=-1).values
+        decidable = (top2[:, 0] - top2[:, 1]) > 2 * (bf16 - fp32).abs().max(dim=-1).values
+        first_tie = int((~decidable).nonzero()[0]) if (~decidable).any() else n_new
         refs.append((ref, first_tie))
     llm = LLM(model, graph_mode=graph_mode, compile=graph_mode != "none", max_batch_size=8, max_context=256,
               max_num_tokens=256)
     outs = llm.generate(prompts, SamplingParams(max_new_tokens=n_new, ignore_eos=True))
-    compared = 0
     for out, (ref, first_tie) in zip(outs, refs):
-        assert out.token_ids[: first_tie + 1] == ref[: first_tie + 1]
-        compared += first_tie + 1
-    assert compared >= len(prompts) * 4, f"only {compared} tokens were comparable: the margin test is too weak"
+        assert out.token_ids[:first_tie] == ref[:first_tie], f"first undecidable position {first_tie}"
+    compared = sum(first_tie for _, first_tie in refs)
+    assert compared >= 8, f"only {compared} decidable tokens ({[t for _, t in refs]}): the check says too little"
 
 
 def test_256_concurrent_requests_all_finish_and_free_the_pool() -> None:
