@@ -1,4 +1,5 @@
-"""Shared pytest setup: GPU tests skip cleanly without CUDA; hypothesis profiles for CI and GPU runs."""
+"""Shared pytest setup: GPU tests skip cleanly without CUDA; Triton runs interpreted without CUDA;
+hypothesis profiles for CI and GPU runs."""
 
 from __future__ import annotations
 
@@ -7,6 +8,11 @@ import sys
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run on CPU tensors under the interpreter. TRITON_INTERPRET is read when a kernel is
+    # decorated, so it is set here, before any test module can import compile_attn's Triton kernels.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/reference.py, tests/batch_factory.py
