@@ -74,6 +74,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from compile_attn import bench
+
+    cfg = bench.BenchConfig(
+        shape=dict(bench.TINY if args.tiny else bench.LLAMA_1B),
+        batch_sizes=[int(x) for x in args.batch_sizes.split(",")],
+        context=args.context,
+        backends=args.backend.split(","),
+        modes=args.modes.split(","),
+        hf_baselines=[b for b in args.hf.split(",") if b],
+        iters=args.iters,
+    )
+    rows = bench.run(cfg)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(bench.to_json(rows, cfg))
+    print(bench.to_markdown(rows))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="compile-attn", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -96,6 +116,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--page-size", type=int, default=1)
     gen.add_argument("--device", default=None)
     gen.set_defaults(func=cmd_generate)
+    bench = sub.add_parser("bench", help="decode step time: compile_attn modes/backends vs HF, and the bandwidth floor")
+    bench.add_argument("--tiny", action="store_true", help="a tiny model instead of the Llama-3.2-1B shape")
+    bench.add_argument("--batch-sizes", default="1,16,64,256")
+    bench.add_argument("--context", type=int, default=512)
+    bench.add_argument("--backend", default="auto", help="comma-separated backends")
+    bench.add_argument("--modes", default="none,piecewise,full", help="comma-separated graph modes")
+    bench.add_argument("--hf", default="eager,static_compiled", help="HF baselines: eager, static_compiled")
+    bench.add_argument("--iters", type=int, default=20)
+    bench.add_argument("--out", default=None, help="write JSON here")
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 
