@@ -22,17 +22,9 @@ from torch.utils._pytree import tree_map
 from compile_attn.compiler.counters import compile_counters
 from compile_attn.context import get_forward_context, has_forward_context
 from compile_attn.errors import GraphReplayError  # noqa: F401  (re-exported: raised by the wrapper)
+from compile_attn.graph_runner.segments import weak_ref_tensor
 
 logger = logging.getLogger(__name__)
-
-
-def weak_ref_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A tensor viewing ``t``'s memory without owning it: the memory stays free for the pool to reuse."""
-    storage = t.untyped_storage()
-    alias = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), t.device, storage.nbytes())
-    ref = torch.empty((0,), dtype=t.dtype, device=t.device)
-    ref.set_(alias, t.storage_offset(), t.size(), t.stride())
-    return ref
 
 
 @contextlib.contextmanager
