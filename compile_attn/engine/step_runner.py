@@ -1,5 +1,10 @@
 """StepRunner: runs one ForwardBatch through the (optionally compiled) model via the GraphRunner and returns
-the logits of the rows that are sampled. It owns the compile and graph options of the engine."""
+the logits of the rows that are sampled. It owns the compile and graph options of the engine.
+
+Models that split ``hidden_states`` from ``compute_logits`` (HFModelAdapter, ToyDecoder) are captured and
+compiled without their LM head: graphs hold ``[T, hidden]`` outputs, and the head runs eagerly on the
+sampled rows only (a prefill of 8k tokens would otherwise compute and store 8k x vocab logits).
+"""
 
 from __future__ import annotations
 
@@ -33,13 +38,15 @@ class StepRunner:
         the same config drives the compile backend and the graph runner so their buckets agree."""
         self.config = GraphConfig.from_options({**(compile_options or {}), "mode": graph_mode})
         self.graph_mode = self.config.mode
+        self.compute_logits = getattr(model, "compute_logits", None)
+        body = _HiddenStates(model) if self.compute_logits is not None else model
         if compile:
             from compile_attn.compiler.compiled_model import compile_model
 
             options = {k: getattr(self.config, k) for k in (compile_options or {})}
-            self.forward = compile_model(model, {**options, "mode": self.config.mode.value})
+            self.forward = compile_model(body, {**options, "mode": self.config.mode.value})
         else:
-            self.forward = model
+            self.forward = body
         self.runner = GraphRunner(
             self.forward, backend, self.config, max_batch_size=max_batch_size, max_num_tokens=max_num_tokens
         )
@@ -51,4 +58,19 @@ class StepRunner:
     @torch.inference_mode()
     def run(self, fb: ForwardBatch, keep: torch.Tensor) -> torch.Tensor:
         """Logits of the rows ``keep`` of this step (copied out of graph memory)."""
-        return self.runner.run(fb)[keep]
+        rows = self.runner.run(fb)[keep]
+        return self.compute_logits(rows) if self.compute_logits is not None else rows
+
+
+class _HiddenStates(torch.nn.Module):
+    """The model without its LM head, seen through the model protocol."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model.hidden_states(input_ids, positions)
+
+    def attention_layers(self) -> list:
+        return self.model.attention_layers()

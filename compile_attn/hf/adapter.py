@@ -53,6 +53,22 @@ class HFModelAdapter(nn.Module):
         )
         return out.logits[0]
 
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Final hidden states ``[T, hidden]`` (the decoder stack and its final norm, no LM head)."""
+        ones = torch.ones_like(input_ids, dtype=torch.bool)[None]
+        out = self.model.model(input_ids=input_ids[None], position_ids=positions[None], attention_mask=ones,
+                               use_cache=False)
+        return out.last_hidden_state[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of the given hidden states: the LM head plus the final softcap where the family has one
+        (Gemma2/3 ``final_logit_softcapping``), exactly as the HF ``*ForCausalLM.forward`` applies them."""
+        logits = self.model.lm_head(hidden)
+        cap = getattr(self.model.config, "final_logit_softcapping", None)
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
     # ------------------------------------------------------------------ conveniences
     @property
     def config(self) -> Any:

@@ -83,8 +83,14 @@ class ToyDecoder(nn.Module):
             for i in range(cfg.num_layers)
         ]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed(input_ids)
         for layer in self.layers:
             x = layer(x, positions)
-        return self.lm_head(self.norm(x))
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.compute_logits(self.hidden_states(input_ids, positions))

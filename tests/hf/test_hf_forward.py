@@ -81,3 +81,29 @@ def test_outside_context_equals_stock(family: str) -> None:
         got_gen = ours.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
         want_gen = stock.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
     assert torch.equal(got_gen, want_gen)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3"])
+def test_hidden_states_then_compute_logits_equals_the_full_forward(family: str) -> None:
+    """The engine runs the decoder in graphs and the LM head (with Gemma's final softcap) on sampled rows."""
+    from compile_attn import KVCache, create_backend, forward_context
+    from compile_attn.batch import ForwardBatch
+    from compile_attn.hf import HFModelAdapter
+
+    ours, _ = build_pair(family)
+    adapter = HFModelAdapter(ours)
+    layers = adapter.attention_layers()
+    kv = KVCache(num_layers=len(layers), num_kv_heads=layers[0].num_kv_heads, head_dim=layers[0].head_dim,
+                 max_requests=2, max_context=64, num_tokens=128, dtype=torch.float32)
+    backend = create_backend("torch_native", kv, layers)
+    rows = [kv.alloc_request(), kv.alloc_request()]
+    fb = ForwardBatch.build(req_pool_indices=rows, prefix_lens=[0, 0], extend_lens=[11, 6],
+                            out_cache_loc=kv.alloc_extend(rows, [11, 6]), input_ids=torch.arange(17) % 90)
+    with torch.no_grad():
+        backend.init_forward_metadata(fb)
+        with forward_context(fb, backend):
+            full = adapter(fb.input_ids, fb.positions)
+        backend.init_forward_metadata(fb)
+        with forward_context(fb, backend):
+            split = adapter.compute_logits(adapter.hidden_states(fb.input_ids, fb.positions)[[10, 16]])
+    torch.testing.assert_close(split, full[[10, 16]], rtol=1e-5, atol=1e-5)
