@@ -100,13 +100,15 @@ class LLM:
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
-        requests = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
-        start, tokens = time.perf_counter(), 0
+        requests = [self._make_request(p, sp) for p, sp in zip(prompts, params_list)]
+        for req in requests:  # refuse the whole call before queueing anything
+            self.scheduler.check_fits(req)
+        for req in requests:
+            self.scheduler.add(req)
+        start = time.perf_counter()
         with tqdm(total=len(requests), desc="generate", disable=not use_tqdm) as bar:
             while self.scheduler.has_work():
-                done = self.step()
-                tokens += sum(1 for _ in done)
-                bar.update(len(done))
+                bar.update(len(self.step()))
         elapsed = time.perf_counter() - start
         logger.info("generated %d tokens for %d requests in %.2f s", sum(len(r.output_ids) for r in requests),
                     len(requests), elapsed)
@@ -115,11 +117,13 @@ class LLM:
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Request:
         """Queue a request; it runs in the following ``step()`` calls. Raises RequestTooLargeError if it
         can never fit the KV cache."""
-        params = params or SamplingParams()
-        ids = self._encode(prompt)
-        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
-        req = Request(self._next_id, ids, params, seed)
+        req = self._make_request(prompt, params or SamplingParams())
         self.scheduler.add(req)
+        return req
+
+    def _make_request(self, prompt: str | Sequence[int], params: SamplingParams) -> Request:
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
+        req = Request(self._next_id, self._encode(prompt), params, seed)
         self._next_id += 1
         return req
 

@@ -109,7 +109,8 @@ def test_request_that_can_never_fit_is_rejected_before_anything_runs(model: ToyD
     llm = make_llm(model, kv_cache_tokens=32, max_context=64)
     with pytest.raises(RequestTooLargeError, match="needs up to 40 tokens .* KV cache holds 32 tokens"):
         llm.generate([[1, 2], list(range(30))], SamplingParams(max_new_tokens=10))
-    assert not llm.scheduler.has_work() or len(llm.scheduler.waiting) == 1  # only the valid one was queued
+    assert not llm.scheduler.has_work()  # the call was refused whole: nothing queued, nothing allocated
+    assert llm.kv_cache.available_tokens == 32
 
 
 def test_stop_tokens_and_eos(model: ToyDecoder) -> None:
