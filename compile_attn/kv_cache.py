@@ -193,6 +193,10 @@ class KVCache:
         del self._lens[row]
         self.req_to_token_pool.free([row])
 
+    def room_in_last_page(self, row: int) -> int:
+        """Tokens request ``row`` can still add without a new page."""
+        return len(self._pages[row]) * self.page_size - self._lens[row]
+
     def pages_needed(self, row: int, extend_len: int) -> int:
         have = len(self._pages[row])
         return max(0, -(-(self._lens[row] + extend_len) // self.page_size) - have)

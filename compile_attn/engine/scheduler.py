@@ -69,11 +69,8 @@ class Scheduler:
     # ------------------------------------------------------------------ per-step decisions
     def _free_tokens_for(self, req: Request, free_pages: int) -> int:
         """Tokens ``req`` could still add: room in its last page plus ``free_pages`` whole pages."""
-        ps = self.kv.page_size
-        if req.row is None:
-            return free_pages * ps
-        slack = len(self.kv._pages[req.row]) * ps - self.kv.num_allocated_tokens(req.row)
-        return slack + free_pages * ps
+        slack = 0 if req.row is None else self.kv.room_in_last_page(req.row)
+        return slack + free_pages * self.kv.page_size
 
     def _preempt(self, victim: Request) -> None:
         logger.info("KV cache full: preempting request %d (%d tokens cached) to recompute later",
