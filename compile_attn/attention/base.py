@@ -92,6 +92,26 @@ class AttentionBackend(ABC):
         """seq_len given to padded requests in a graph bucket (they point at the scratch slot)."""
         return 1
 
+    def check_graph_view(self, fb: ForwardBatch, allocated_bs: int | None, graph_max_context: int) -> None:
+        """Raise if the graph-bucket view ``fb`` does not fit static buffers allocated for ``allocated_bs``
+        requests (None: ``init_cuda_graph_state`` never ran) of up to ``graph_max_context`` tokens."""
+        if allocated_bs is None:
+            raise RuntimeError(
+                f"the batch is a graph bucket view (fb.graph_bucket is set) but the {self.name} backend has no "
+                f"static buffers: call backend.init_cuda_graph_state(max_bs, max_num_tokens) first"
+            )
+        if fb.batch_size > allocated_bs:
+            raise ValueError(
+                f"decode graph bucket of {fb.batch_size} requests exceeds the {allocated_bs} that "
+                f"init_cuda_graph_state allocated for; call init_cuda_graph_state with a larger max_bs"
+            )
+        longest = int(fb.seq_lens_cpu.max()) if fb.batch_size else 0
+        if longest > graph_max_context:
+            raise ValueError(
+                f"seq_len {longest} exceeds graph_max_context {graph_max_context}; run this batch eagerly "
+                f"or create the backend with a larger graph_max_context"
+            )
+
     # ------------------------------------------------------------------ compute
     def forward(
         self,

@@ -157,6 +157,7 @@ class FlashInferBackend(AttentionBackend):
 
     def _plan_decode(self, fb: ForwardBatch) -> _StepPlan:
         if fb.graph_bucket is not None and self._graph is not None:
+            self.check_graph_view(fb, self._graph.max_bs, self._graph.max_context)
             wrappers = self._graph.plan(self.kv_cache.req_to_token, fb.req_pool_indices, fb.seq_lens_cpu, self.dtypes)
         else:
             kv = build_paged_kv(self.kv_cache.req_to_token, fb.req_pool_indices, fb.seq_lens_cpu, self.page_size)

@@ -81,16 +81,8 @@ class TorchNativeBackend(AttentionBackend):
             self._decode = None  # extend reads host lengths at call time
             return
         if fb.graph_bucket is not None:
-            if self._cg_table is None:
-                raise RuntimeError("init_cuda_graph_state() must run before capturing or replaying graphs")
-            if fb.batch_size > self._cg_table.shape[0]:
-                raise ValueError(f"graph batch {fb.batch_size} exceeds the static buffers' {self._cg_table.shape[0]}")
-            longest = int(fb.seq_lens_cpu.max()) if fb.batch_size else 0
-            if longest > self.graph_max_context:
-                raise ValueError(
-                    f"seq_len {longest} exceeds graph_max_context {self.graph_max_context}; run this batch "
-                    f"eagerly or create the backend with a larger graph_max_context"
-                )
+            allocated = None if self._cg_table is None else self._cg_table.shape[0]
+            self.check_graph_view(fb, allocated, self.graph_max_context)
             self._decode = _DecodeMetadata(self._cg_table[: fb.batch_size], fb.seq_lens)
         else:
             width = int(fb.seq_lens_cpu.max()) if fb.batch_size else 1

@@ -299,23 +299,8 @@ class TritonBackend(AttentionBackend):
 
     def _bind_graph_decode(self, fb: ForwardBatch) -> DecodeStep:
         graph = self._graph
-        if graph is None:
-            raise RuntimeError(
-                "the batch is a graph bucket view (fb.graph_bucket is set) but the triton backend has no static "
-                "buffers: call backend.init_cuda_graph_state(max_bs, max_num_tokens) first"
-            )
+        self.check_graph_view(fb, None if graph is None else graph.max_bs, self.graph_max_context)
         bs = fb.batch_size
-        if bs > graph.max_bs:
-            raise ValueError(
-                f"decode graph bucket of {bs} requests exceeds the {graph.max_bs} that init_cuda_graph_state "
-                f"allocated for; call init_cuda_graph_state with a larger max_bs"
-            )
-        longest = int(fb.seq_lens_cpu.max())
-        if longest > self.graph_max_context:
-            raise ValueError(
-                f"seq_len {longest} exceeds graph_max_context {self.graph_max_context}; run this batch eagerly "
-                f"or create the backend with a larger graph_max_context"
-            )
         return DecodeStep(bs, {w: idx.head(bs) for w, idx in graph.indexes.items()}, graph.scratch)
 
     def _alloc_eager_decode(self, fb: ForwardBatch) -> DecodeStep:

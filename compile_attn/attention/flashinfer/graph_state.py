@@ -84,18 +84,7 @@ class DecodeGraphState:
         dtypes: PlanDTypes,
     ) -> list[Any]:
         """Fill the static buffers with the batch's page CSR and plan every group's wrapper of its bucket."""
-        bs = int(seq_lens_cpu.shape[0])
-        if bs > self.max_bs:
-            raise ValueError(
-                f"decode graph bucket of {bs} requests exceeds the {self.max_bs} that init_cuda_graph_state "
-                f"allocated for; call init_cuda_graph_state with a larger max_bs"
-            )
-        longest = int(seq_lens_cpu.max()) if bs else 0
-        if longest > self.max_context:
-            raise ValueError(
-                f"seq_len {longest} exceeds graph_max_context {self.max_context}; run this batch eagerly "
-                f"or create the backend with a larger graph_max_context"
-            )
+        bs = int(seq_lens_cpu.shape[0])  # the caller checked it fits (AttentionBackend.check_graph_view)
         wrappers = self.wrappers(bs)
         kv = build_paged_kv(req_to_token, req_pool_indices, seq_lens_cpu, self.page_size,
                             indptr_out=self.indptr, indices_out=self.indices)
