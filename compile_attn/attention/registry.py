@@ -104,7 +104,17 @@ def create_backend(
     layers: Sequence[AttentionLayer] | Mapping[int, AttentionLayer],
     **kwargs: object,
 ) -> AttentionBackend:
-    """Build backend ``name`` ("auto" picks one) over ``kv_cache`` for ``layers``."""
+    """Build backend ``name`` over ``kv_cache`` for ``layers``. ``"auto"`` picks one by device;
+    ``"<prefill>+<decode>"`` (e.g. ``"fa3+flashinfer"``) builds a HybridBackend of the two; ``kwargs`` go to
+    the backend's constructor (for a hybrid: ``prefill_options`` / ``decode_options``)."""
+    if "+" in name:
+        prefill, sep, decode = name.partition("+")
+        if not prefill or not decode or "+" in decode:
+            raise UnknownBackendError(
+                f"hybrid backend name {name!r} must be '<prefill>+<decode>' with two backend names, "
+                f"e.g. 'fa3+flashinfer'; known backends: {', '.join(available_backends())}"
+            )
+        return get_backend_class("hybrid")(kv_cache, layers, prefill=prefill, decode=decode, **kwargs)
     if name != "auto":
         return get_backend_class(name)(kv_cache, layers, **kwargs)
     candidates = auto_backend_candidates(kv_cache.device)

@@ -3,6 +3,8 @@ concurrent requests all finish with the KV pool back to empty."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -21,9 +23,29 @@ def _llama(seed: int = 0):
     return model.to("cuda", torch.bfloat16).eval()
 
 
+def _have(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
 @pytest.mark.parametrize("backend", ["auto", "torch_native"])
 @pytest.mark.parametrize("graph_mode", ["full_and_piecewise", "breakable", "none"])
 def test_greedy_matches_hf_up_to_the_first_near_tie(graph_mode: str, backend: str) -> None:
+    check_greedy_against_hf(graph_mode, backend)
+
+
+@pytest.mark.parametrize("backend", [
+    pytest.param("fa3+flashinfer", marks=pytest.mark.skipif(not (_have("sgl_kernel") and _have("flashinfer")),
+                                                             reason="needs sgl_kernel and flashinfer")),
+    pytest.param("fa3+triton", marks=pytest.mark.skipif(not _have("sgl_kernel"), reason="needs sgl_kernel")),
+    pytest.param("flashinfer+triton", marks=pytest.mark.skipif(not _have("flashinfer"), reason="needs flashinfer")),
+    pytest.param("fa3", marks=pytest.mark.skipif(not _have("sgl_kernel"), reason="needs sgl_kernel")),
+])
+@pytest.mark.parametrize("graph_mode", ["full_and_piecewise", "none"])
+def test_hybrid_and_fa3_greedy_match_hf(graph_mode: str, backend: str) -> None:
+    check_greedy_against_hf(graph_mode, backend)
+
+
+def check_greedy_against_hf(graph_mode: str, backend: str) -> None:
     """Margin, measured on HF itself: teacher-force HF's greedy tokens through HF in bf16 and in fp32 (same
     weights); at each position the bf16 rounding error is max |logits_bf16 - logits_fp32|. A position is
     decidable when the fp32 top-1/top-2 gap exceeds twice that error; beyond the first undecidable position
@@ -50,6 +72,7 @@ def test_greedy_matches_hf_up_to_the_first_near_tie(graph_mode: str, backend: st
     outs = llm.generate(prompts, SamplingParams(max_new_tokens=n_new, ignore_eos=True))
     for out, (ref, first_tie) in zip(outs, refs):
         assert out.token_ids[:first_tie] == ref[:first_tie], f"first undecidable position {first_tie}, {llm.backend.name}"
+    assert llm.backend.name == backend or backend == "auto"
     compared = sum(first_tie for _, first_tie in refs)
     assert compared >= 8, f"only {compared} decidable tokens ({[t for _, t in refs]}): the check says too little"
 
