@@ -38,6 +38,7 @@ class BenchConfig:
     warmup: int = 3
     bandwidth: float = 3.0e12
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
+    profile: bool = True  # kernel time per step from the profiler (CUDA only)
 
 
 @dataclass
@@ -46,6 +47,9 @@ class Row:
     batch_size: int
     ms: float
     floor_ms: float
+    kernel_ms: float | None = None  # GPU busy time per step (profiler); ms - kernel_ms = gaps + host
+    top_kernels: list[str] = field(default_factory=list)
+    graph_mib: float | None = None
 
     @property
     def floor_ratio(self) -> float:
@@ -74,10 +78,12 @@ def _timed(fn: Callable[[], object], cfg: BenchConfig) -> float:
 
 
 def _hf_model(cfg: BenchConfig, attn: str, dtype: torch.dtype):  # noqa: ANN202
+    """The benchmark's HF Llama with random weights, initialised directly on ``cfg.device`` (fast on a GPU)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**cfg.shape)).to(cfg.device, dtype).eval()
+    with torch.device(cfg.device):
+        model = LlamaForCausalLM(LlamaConfig(**cfg.shape)).to(dtype).eval()
     if attn != "sdpa":
         model.set_attn_implementation(attn)
     return model
@@ -91,50 +97,94 @@ def floor_ms(model: torch.nn.Module, cfg: BenchConfig, bs: int, dtype: torch.dty
     return (weights + kv) / cfg.bandwidth * 1e3
 
 
-def bench_compile_attn(cfg: BenchConfig, backend_name: str, mode: str, bs: int, dtype: torch.dtype) -> tuple[float, str]:
-    """Decode step time through the GraphRunner (model compiled with backend="compile_attn" unless mode is none)."""
-    from compile_attn import ForwardBatch, GraphConfig, KVCache, create_backend
+def kernel_ms(fn: Callable[[], object], steps: int = 5) -> tuple[float, list[str]]:
+    """GPU busy time per call of ``fn`` (sum of CUDA kernel times from the profiler, graph replays included)
+    and the five costliest kernels: step time minus this is launch gaps and host time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    total_us = sum(e.self_device_time_total for e in events) / steps
+    top = sorted(events, key=lambda e: -e.self_device_time_total)[:5]
+    return total_us / 1e3, [f"{e.key[:60]}: {e.self_device_time_total / steps:.0f} us" for e in top]
+
+
+class DecodeSetup:
+    """One KV cache and backend for the largest batch: ``max(batch_sizes)`` requests holding ``context``
+    cached tokens (random K/V: as good as real for timing) and one new slot each."""
+
+    def __init__(self, adapter: torch.nn.Module, cfg: BenchConfig, backend_name: str, dtype: torch.dtype) -> None:
+        from compile_attn import KVCache, create_backend
+
+        layers = adapter.attention_layers()
+        max_bs = max(cfg.batch_sizes)
+        self.kv = KVCache(num_layers=len(layers), num_kv_heads=layers[0].num_kv_heads, head_dim=layers[0].head_dim,
+                          max_requests=max_bs, max_context=cfg.context + 8, num_tokens=max_bs * (cfg.context + 1),
+                          dtype=dtype, device=cfg.device)
+        self.backend = create_backend(backend_name, self.kv, layers)
+        self.rows = [self.kv.alloc_request() for _ in range(max_bs)]
+        self.kv.alloc_extend(self.rows, [cfg.context] * max_bs)
+        for k, v in zip(self.kv.pool.k_buffers, self.kv.pool.v_buffers):
+            k.normal_(), v.normal_()
+        self.new_slots = self.kv.alloc_extend(self.rows, [1] * max_bs)
+        self.cfg = cfg
+
+    def batch(self, bs: int):  # noqa: ANN201
+        from compile_attn import ForwardBatch
+
+        return ForwardBatch.build(req_pool_indices=self.rows[:bs], prefix_lens=[self.cfg.context] * bs,
+                                  extend_lens=[1] * bs, out_cache_loc=self.new_slots[:bs], device=self.cfg.device)
+
+
+def bench_compile_attn(adapter: torch.nn.Module, setup: DecodeSetup, cfg: BenchConfig, mode: str, floors: dict,
+                       ) -> list[Row]:
+    """Decode step time per batch size through one GraphRunner in ``mode`` (the model compiled with
+    backend="compile_attn" unless the mode is none or breakable), every batch size a captured bucket."""
+    from compile_attn import GraphConfig
     from compile_attn.compiler.compiled_model import compile_model
     from compile_attn.graph_runner.runner import GraphRunner
-    from compile_attn.hf import HFModelAdapter
 
-    adapter = HFModelAdapter(_hf_model(cfg, "compile_attn", dtype))
-    layers = adapter.attention_layers()
-    kv = KVCache(num_layers=len(layers), num_kv_heads=layers[0].num_kv_heads, head_dim=layers[0].head_dim,
-                 max_requests=bs, max_context=cfg.context + cfg.warmup + cfg.iters + 8,
-                 num_tokens=bs * (cfg.context + 1), dtype=dtype, device=cfg.device)
-    backend = create_backend(backend_name, kv, layers)
-    rows = [kv.alloc_request() for _ in range(bs)]
-    kv.alloc_extend(rows, [cfg.context] * bs)  # cached tokens: random K/V is as good as real for timing
-    for k, v in zip(kv.pool.k_buffers, kv.pool.v_buffers):
-        k.normal_(), v.normal_()
-    model = adapter if mode in ("none", "breakable") else compile_model(adapter)  # breakable: eager model
-    runner = GraphRunner(model, backend, GraphConfig(mode=mode, decode_batch_sizes=(bs,), prefill_token_sizes=(bs,),
-                                                     cache_dir=None), max_batch_size=bs, max_num_tokens=bs)
-    runner.capture()
-    fb = ForwardBatch.build(req_pool_indices=rows, prefix_lens=[cfg.context] * bs, extend_lens=[1] * bs,
-                            out_cache_loc=kv.alloc_extend(rows, [1] * bs), device=cfg.device)
-    with torch.inference_mode():
-        ms = _timed(lambda: runner.run(fb), cfg)
-    route = runner.route(fb)
-    return ms, route[0].value if route else "eager"
+    torch._dynamo.reset()
+    model = adapter if mode in ("none", "breakable") else compile_model(adapter)
+    sizes = tuple(sorted(cfg.batch_sizes))
+    runner = GraphRunner(model, setup.backend, GraphConfig(mode=mode, decode_batch_sizes=sizes, prefill_token_sizes=sizes,
+                                                           cache_dir=None), max_batch_size=sizes[-1],
+                         max_num_tokens=sizes[-1])
+    stats = runner.capture()
+    rows = []
+    for bs in cfg.batch_sizes:
+        fb = setup.batch(bs)
+        route = runner.route(fb)
+        name = f"compile_attn {setup.backend.name} {mode} ({route[0].value if route else 'eager'})"
+        with torch.inference_mode():
+            ms = _timed(lambda: runner.run(fb), cfg)
+            busy, top = kernel_ms(lambda: runner.run(fb)) if cfg.profile and cfg.device == "cuda" else (None, [])
+        rows.append(Row(name, bs, ms, floors[bs], busy, top, stats.graph_memory_bytes / 2**20))
+        logger.info("%s", rows[-1])
+    del runner, model
+    return rows
 
 
-def bench_hf(cfg: BenchConfig, kind: str, bs: int, dtype: torch.dtype) -> float:
+def bench_hf(model: torch.nn.Module, cfg: BenchConfig, kind: str, bs: int) -> tuple[float, float | None, list[str]]:
     """HF decode step with a cache holding ``context`` tokens: dynamic cache (eager) or static cache compiled
-    with ``mode="reduce-overhead"``."""
+    with ``mode="reduce-overhead"`` (CUDA graphs). Returns (ms, kernel ms, top kernels)."""
     from transformers import DynamicCache, StaticCache
 
-    model = _hf_model(cfg, "sdpa", dtype)
+    torch._dynamo.reset()
     prompt = torch.randint(0, cfg.shape["vocab_size"], (bs, cfg.context), device=cfg.device)
     if kind == "eager":
         cache = DynamicCache(config=model.config)
         forward = model
     else:
-        cache = StaticCache(config=model.config, max_cache_len=cfg.context + cfg.warmup + cfg.iters + 8)
+        cache = StaticCache(config=model.config, max_cache_len=cfg.context + 4 * (cfg.warmup + cfg.iters) + 16)
         forward = torch.compile(model, mode="reduce-overhead", fullgraph=True)
     with torch.inference_mode():
-        model(prompt, past_key_values=cache, use_cache=True)
+        model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
         token = prompt[:, -1:]
         step = {"pos": cfg.context}
 
@@ -143,28 +193,49 @@ def bench_hf(cfg: BenchConfig, kind: str, bs: int, dtype: torch.dtype) -> float:
             forward(token, past_key_values=cache, use_cache=True, cache_position=pos)
             step["pos"] += 1
 
-        return _timed(decode, cfg)
+        ms = _timed(decode, cfg)
+        busy, top = kernel_ms(decode) if cfg.profile and cfg.device == "cuda" else (None, [])
+    del cache, forward
+    return ms, busy, top
 
 
 def run(cfg: BenchConfig) -> list[Row]:
+    """Every HF baseline and compile_attn (backend x mode) at every batch size, one model, one process."""
+    from compile_attn.hf import HFModelAdapter
+
     dtype = torch.bfloat16 if cfg.device == "cuda" else torch.float32
+    model = _hf_model(cfg, "sdpa", dtype)
+    floors = {bs: floor_ms(model, cfg, bs, dtype) for bs in cfg.batch_sizes}
     rows: list[Row] = []
-    for bs in cfg.batch_sizes:
-        floor = floor_ms(_hf_model(cfg, "sdpa", dtype), cfg, bs, dtype)
-        for backend in cfg.backends:
-            for mode in cfg.modes:
-                ms, route = bench_compile_attn(cfg, backend, mode, bs, dtype)
-                rows.append(Row(f"compile_attn {backend} {mode} ({route})", bs, ms, floor))
-                logger.info("%s", rows[-1])
-        for kind in cfg.hf_baselines:
-            rows.append(Row(f"HF {kind}", bs, bench_hf(cfg, kind, bs, dtype), floor))
+    for kind in cfg.hf_baselines:
+        for bs in cfg.batch_sizes:
+            ms, busy, top = bench_hf(model, cfg, kind, bs)
+            rows.append(Row(f"HF {kind}", bs, ms, floors[bs], busy, top))
             logger.info("%s", rows[-1])
+            _release(cfg)
+    adapter = HFModelAdapter(model)  # switches the same weights to attn_implementation="compile_attn"
+    for backend in cfg.backends:
+        setup = DecodeSetup(adapter, cfg, backend, dtype)
+        for mode in cfg.modes:
+            rows += bench_compile_attn(adapter, setup, cfg, mode, floors)
+            _release(cfg)
+        del setup
+    torch._dynamo.reset()
     return rows
 
 
+def _release(cfg: BenchConfig) -> None:
+    import gc
+
+    gc.collect()
+    if cfg.device == "cuda":
+        torch.cuda.empty_cache()
+
+
 def to_markdown(rows: list[Row]) -> str:
-    lines = ["| system | bs | ms / step | floor ms | x floor |", "|---|---|---|---|---|"]
-    lines += [f"| {r.system} | {r.batch_size} | {r.ms:.3f} | {r.floor_ms:.3f} | {r.floor_ratio:.2f} |" for r in rows]
+    lines = ["| system | bs | ms / step | GPU busy ms | floor ms | x floor |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r.system} | {r.batch_size} | {r.ms:.3f} | {'-' if r.kernel_ms is None else f'{r.kernel_ms:.3f}'} | "
+              f"{r.floor_ms:.3f} | {r.floor_ratio:.2f} |" for r in rows]
     return "\n".join(lines)
 
 

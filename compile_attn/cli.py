@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import importlib.metadata
 import logging
 import platform
@@ -85,12 +86,26 @@ def cmd_bench(args: argparse.Namespace) -> int:
         modes=args.modes.split(","),
         hf_baselines=[b for b in args.hf.split(",") if b],
         iters=args.iters,
+        profile=not args.no_profile,
     )
-    rows = bench.run(cfg)
+    if args.engine_only:
+        rows = []
+    else:
+        rows = bench.run(cfg)
+        print(bench.to_markdown(rows), flush=True)
+    engine = None
+    if args.engine or args.engine_only:
+        from compile_attn import bench_engine
+
+        ecfg = bench_engine.EngineBenchConfig(shape=cfg.shape, backend=cfg.backends[0])
+        if args.tiny:
+            ecfg = bench_engine.EngineBenchConfig(shape=cfg.shape, backend=cfg.backends[0], requests=2, prompt_len=64,
+                                                  max_batch_size=8, max_num_tokens=128, kv_cache_tokens=1024)
+        engine = bench_engine.run(ecfg)
+        print(bench_engine.to_markdown(engine, ecfg), flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            f.write(bench.to_json(rows, cfg))
-    print(bench.to_markdown(rows))
+            f.write(json.dumps({"decode": json.loads(bench.to_json(rows, cfg)), "engine": engine}, indent=1))
     return 0
 
 
@@ -124,6 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--modes", default="none,piecewise,full", help="comma-separated graph modes")
     bench.add_argument("--hf", default="eager,static_compiled", help="HF baselines: eager, static_compiled")
     bench.add_argument("--iters", type=int, default=20)
+    bench.add_argument("--no-profile", action="store_true", help="skip the per-step kernel-time profile")
+    bench.add_argument("--engine", action="store_true",
+                       help="also cold/warm start, prefill throughput and memory through LLM (fresh processes)")
+    bench.add_argument("--engine-only", action="store_true", help="only the --engine part")
     bench.add_argument("--out", default=None, help="write JSON here")
     bench.set_defaults(func=cmd_bench)
     return parser
