@@ -50,6 +50,7 @@ class Row:
     kernel_ms: float | None = None  # GPU busy time per step (profiler); ms - kernel_ms = gaps + host
     top_kernels: list[str] = field(default_factory=list)
     graph_mib: float | None = None
+    replay_ms: float | None = None  # full mode: the decode graph's replay alone (ms - replay_ms = host work)
 
     @property
     def floor_ratio(self) -> float:
@@ -110,8 +111,10 @@ def kernel_ms(fn: Callable[[], object], steps: int = 5) -> tuple[float, list[str
         torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
     total_us = sum(e.self_device_time_total for e in events) / steps
+    launches = sum(e.count for e in events) / steps
     top = sorted(events, key=lambda e: -e.self_device_time_total)[:5]
-    return total_us / 1e3, [f"{e.key[:60]}: {e.self_device_time_total / steps:.0f} us" for e in top]
+    return total_us / 1e3, [f"{launches:.0f} kernels per step"] + [
+        f"{e.key[:60]}: {e.self_device_time_total / steps:.0f} us x{e.count // steps}" for e in top]
 
 
 class DecodeSetup:
@@ -150,8 +153,10 @@ def bench_compile_attn(adapter: torch.nn.Module, setup: DecodeSetup, cfg: BenchC
     from compile_attn.graph_runner.runner import GraphRunner
 
     torch._dynamo.reset()
-    model = adapter if mode in ("none", "breakable") else compile_model(adapter)
     sizes = tuple(sorted(cfg.batch_sizes))
+    # the compile backend captures its piecewise graphs at its own sizes: give it the runner's buckets
+    options = {"mode": mode, "decode_batch_sizes": sizes, "prefill_token_sizes": sizes, "cache_dir": None}
+    model = adapter if mode in ("none", "breakable") else compile_model(adapter, options)
     runner = GraphRunner(model, setup.backend, GraphConfig(mode=mode, decode_batch_sizes=sizes, prefill_token_sizes=sizes,
                                                            cache_dir=None), max_batch_size=sizes[-1],
                          max_num_tokens=sizes[-1])
@@ -164,7 +169,9 @@ def bench_compile_attn(adapter: torch.nn.Module, setup: DecodeSetup, cfg: BenchC
         with torch.inference_mode():
             ms = _timed(lambda: runner.run(fb), cfg)
             busy, top = kernel_ms(lambda: runner.run(fb)) if cfg.profile and cfg.device == "cuda" else (None, [])
-        rows.append(Row(name, bs, ms, floors[bs], busy, top, stats.graph_memory_bytes / 2**20))
+            graph = runner._graphs.get(route) if route and route[0].value == "full" else None
+            replay = _timed(graph.replay, cfg) if graph is not None and cfg.device == "cuda" else None
+        rows.append(Row(name, bs, ms, floors[bs], busy, top, stats.graph_memory_bytes / 2**20, replay))
         logger.info("%s", rows[-1])
     del runner, model
     return rows
@@ -233,8 +240,12 @@ def _release(cfg: BenchConfig) -> None:
 
 
 def to_markdown(rows: list[Row]) -> str:
-    lines = ["| system | bs | ms / step | GPU busy ms | floor ms | x floor |", "|---|---|---|---|---|---|"]
-    lines += [f"| {r.system} | {r.batch_size} | {r.ms:.3f} | {'-' if r.kernel_ms is None else f'{r.kernel_ms:.3f}'} | "
+    def opt(x: float | None) -> str:
+        return "-" if x is None else f"{x:.3f}"
+
+    lines = ["| system | bs | ms / step | graph replay ms | GPU busy ms | floor ms | x floor |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r.system} | {r.batch_size} | {r.ms:.3f} | {opt(r.replay_ms)} | {opt(r.kernel_ms)} | "
               f"{r.floor_ms:.3f} | {r.floor_ratio:.2f} |" for r in rows]
     return "\n".join(lines)
 

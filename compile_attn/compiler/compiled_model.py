@@ -22,6 +22,7 @@ class CompiledModel(nn.Module):
     def __init__(self, model: nn.Module, options: dict[str, Any] | None = None) -> None:
         super().__init__()
         self.model = model
+        self.options = dict(options or {})
         self.compiled = torch.compile(model, backend="compile_attn", dynamic=False, options=options or {})
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:

@@ -91,6 +91,27 @@ class GraphRunner:
             backend.name,
             self.device,
         )
+        self._check_piecewise_sizes()
+
+    def _check_piecewise_sizes(self) -> None:
+        """Warn when the compiled model's backend captures piecewise graphs at other sizes than this runner's
+        piecewise buckets: those buckets would run their pieces without graphs (slow, still correct)."""
+        options = getattr(self.model, "options", None) if self.compiled else None
+        if options is None or self.device.type != "cuda":
+            return
+        from compile_attn.compiler.backend import piecewise_capture_sizes
+        from compile_attn.config import GraphConfig
+
+        wanted = set(self.decode_buckets) if self.plan.decode is ExecMode.PIECEWISE else set()
+        wanted |= set(self.extend_buckets) if self.plan.extend is ExecMode.PIECEWISE else set()
+        missing = sorted(wanted - set(piecewise_capture_sizes(GraphConfig.from_options(options))))
+        if missing:
+            logger.warning(
+                "GraphRunner: piecewise buckets %s are not capture sizes of the compiled model (its options give "
+                "%s), so their pieces run without CUDA graphs; compile with the runner's sizes, e.g. "
+                "compile_model(model, {'mode': ..., 'decode_batch_sizes': ..., 'prefill_token_sizes': ...})",
+                missing, sorted(piecewise_capture_sizes(GraphConfig.from_options(options))),
+            )
 
     # ------------------------------------------------------------------ buckets and routing
     def routes(self) -> list[tuple[ExecMode, str, int, int]]:
