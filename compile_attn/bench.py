@@ -78,7 +78,7 @@ def _timed(fn: Callable[[], object], cfg: BenchConfig) -> float:
     return statistics.median(times)
 
 
-def _hf_model(cfg: BenchConfig, attn: str, dtype: torch.dtype):  # noqa: ANN202
+def _hf_model(cfg: BenchConfig, attn: str, dtype: torch.dtype):
     """The benchmark's HF Llama with random weights, initialised directly on ``cfg.device`` (fast on a GPU)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -117,6 +117,23 @@ def kernel_ms(fn: Callable[[], object], steps: int = 5) -> tuple[float, list[str
         f"{e.key[:60]}: {e.self_device_time_total / steps:.0f} us x{e.count // steps}" for e in top]
 
 
+def host_profile(fn: Callable[[], object], calls: int = 50, top: int = 12) -> str:
+    """cProfile of ``calls`` calls of ``fn`` (each followed by a device sync): where the host time goes."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    for _ in range(calls):
+        prof.enable()
+        fn()
+        prof.disable()
+        torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    return buf.getvalue()
+
+
 class DecodeSetup:
     """One KV cache and backend for the largest batch: ``max(batch_sizes)`` requests holding ``context``
     cached tokens (random K/V: as good as real for timing) and one new slot each."""
@@ -137,7 +154,7 @@ class DecodeSetup:
         self.new_slots = self.kv.alloc_extend(self.rows, [1] * max_bs)
         self.cfg = cfg
 
-    def batch(self, bs: int):  # noqa: ANN201
+    def batch(self, bs: int):
         from compile_attn import ForwardBatch
 
         return ForwardBatch.build(req_pool_indices=self.rows[:bs], prefix_lens=[self.cfg.context] * bs,
@@ -171,6 +188,8 @@ def bench_compile_attn(adapter: torch.nn.Module, setup: DecodeSetup, cfg: BenchC
             busy, top = kernel_ms(lambda: runner.run(fb)) if cfg.profile and cfg.device == "cuda" else (None, [])
             graph = runner._graphs.get(route) if route and route[0].value == "full" else None
             replay = _timed(graph.replay, cfg) if graph is not None and cfg.device == "cuda" else None
+            if cfg.profile and cfg.device == "cuda" and bs == min(cfg.batch_sizes):
+                logger.info("host profile of runner.run, %s bs %d:\n%s", name, bs, host_profile(lambda: runner.run(fb)))
         rows.append(Row(name, bs, ms, floors[bs], busy, top, stats.graph_memory_bytes / 2**20, replay))
         logger.info("%s", rows[-1])
     del runner, model

@@ -115,8 +115,8 @@ class HybridBackend(AttentionBackend):
             return
         self.part_for(fb).forward(q, k, v, layer, fb, out, save_kv_cache)
 
-    def forward_decode(self, q, k, v, layer, fb, out, save_kv_cache) -> None:  # noqa: ANN001
+    def forward_decode(self, q, k, v, layer, fb, out, save_kv_cache) -> None:
         self.decode.forward_decode(q, k, v, layer, fb, out, save_kv_cache)
 
-    def forward_extend(self, q, k, v, layer, fb, out, save_kv_cache) -> None:  # noqa: ANN001
+    def forward_extend(self, q, k, v, layer, fb, out, save_kv_cache) -> None:
         self.prefill.forward_extend(q, k, v, layer, fb, out, save_kv_cache)

@@ -48,7 +48,7 @@ def register_backend(name: str) -> Callable[[B], B]:
     return deco
 
 
-def _module_exists(module: str) -> bool:
+def module_available(module: str) -> bool:
     """True if ``module`` is importable as a real module (a bare namespace directory does not count,
     e.g. a ``tests/flashinfer/`` folder on sys.path)."""
     try:
@@ -61,12 +61,12 @@ def _module_exists(module: str) -> bool:
 def available_backends() -> list[str]:
     """Names that ``create_backend`` knows (registered, or importable on demand)."""
     names = set(_BACKENDS)
-    names.update(n for n, mod in _LAZY_BACKENDS.items() if _module_exists(mod))
+    names.update(n for n, mod in _LAZY_BACKENDS.items() if module_available(mod))
     return sorted(names)
 
 
 def get_backend_class(name: str) -> type[AttentionBackend]:
-    if name not in _BACKENDS and name in _LAZY_BACKENDS and _module_exists(_LAZY_BACKENDS[name]):
+    if name not in _BACKENDS and name in _LAZY_BACKENDS and module_available(_LAZY_BACKENDS[name]):
         importlib.import_module(_LAZY_BACKENDS[name])
     try:
         return _BACKENDS[name]
@@ -90,7 +90,7 @@ def auto_backend_candidates(device: torch.device) -> list[str]:
         candidates.append(("flashinfer", "flashinfer"))
     candidates.append(("triton", "triton"))
     known = available_backends()
-    return [name for name, module in candidates if _module_exists(module) and name in known] + ["torch_native"]
+    return [name for name, module in candidates if module_available(module) and name in known] + ["torch_native"]
 
 
 def resolve_auto_backend(device: torch.device) -> str:

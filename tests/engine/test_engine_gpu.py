@@ -3,11 +3,10 @@ concurrent requests all finish with the KV pool back to empty."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
+from compile_attn.attention.registry import module_available
 from compile_attn.engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -24,7 +23,7 @@ def _llama(seed: int = 0):
 
 
 def _have(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
+    return module_available(module)  # a tests/flashinfer/ folder on sys.path is not the package
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch_native"])
