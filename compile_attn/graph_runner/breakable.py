@@ -30,6 +30,7 @@ from compile_attn.graph_runner.segments import (
     weak_ref_tree,
 )
 from compile_attn.ops import is_split_op
+from compile_attn.ops.split_registry import split_op_python_impl
 
 logger = logging.getLogger(__name__)
 
@@ -105,14 +106,17 @@ class SplitOpCapture(TorchDispatchMode):
         return out
 
     def _descend(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        impl = split_op_python_impl(func)
         opdef = OPDEFS.get(func._schema.name)
-        if opdef is None:  # not a Python custom op: record the call itself
+        if impl is None and opdef is not None:
+            impl = opdef._init_fn
+        if impl is None:  # no Python body known: record the call itself
             out = func(*args, **kwargs)
             assert isinstance(self._open, Tape)
             self._open.record(func, args, kwargs, out)
             return out
         with self:  # re-enter so the body's ops are recorded on the tape
-            return opdef._init_fn(*args, **kwargs)
+            return impl(*args, **kwargs)
 
 
 def capture_segments(

@@ -14,7 +14,17 @@ from compile_attn.context import get_forward_context
 from compile_attn.ops.split_registry import register_split_op
 
 
-@torch.library.custom_op("compile_attn::attention", mutates_args=("out",))
+# Registered through ``torch.library.Library`` (define + one CompositeExplicitAutograd kernel) rather than
+# ``torch.library.custom_op``: the latter wraps every eager call in Python layers (autograd wrapper, the
+# per-backend ``backend_impl`` with its aliasing checks) that cost tens to hundreds of microseconds per call
+# on the H100 machine; eager attention runs once per layer between piecewise graphs, so that overhead is
+# on the critical path of piecewise and breakable decode steps.
+_LIB = torch.library.Library("compile_attn", "FRAGMENT")  # noqa: TOR901 - kept alive for the process
+_LIB.define(
+    "attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, int layer_id, bool save_kv_cache=True) -> ()"
+)
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -29,9 +39,12 @@ def attention(
     ctx.backend.forward(q, k, v, layer, ctx.batch, out, save_kv_cache=save_kv_cache)
 
 
-@attention.register_fake
+_LIB.impl("attention", attention, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("compile_attn::attention", lib=_LIB)
 def _attention_fake(q, k, v, out, layer_id, save_kv_cache=True) -> None:  # noqa: ANN001
     return None
 
 
-register_split_op(torch.ops.compile_attn.attention)
+register_split_op(torch.ops.compile_attn.attention, python_impl=attention)
