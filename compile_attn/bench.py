@@ -39,6 +39,7 @@ class BenchConfig:
     bandwidth: float = 3.0e12
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     profile: bool = True  # kernel time per step from the profiler (CUDA only)
+    fuse_linears: bool = True  # q/k/v and gate/up as one GEMM each (compiled modes)
 
 
 @dataclass
@@ -161,10 +162,8 @@ class DecodeSetup:
                                   extend_lens=[1] * bs, out_cache_loc=self.new_slots[:bs], device=self.cfg.device)
 
 
-def bench_compile_attn(adapter: torch.nn.Module, setup: DecodeSetup, cfg: BenchConfig, mode: str, floors: dict,
-                       ) -> list[Row]:
-    """Decode step time per batch size through one GraphRunner in ``mode`` (the model compiled with
-    backend="compile_attn" unless the mode is none or breakable), every batch size a captured bucket."""
+def make_runner(adapter: torch.nn.Module, setup: DecodeSetup, cfg: BenchConfig, mode: str) -> tuple:
+    """(GraphRunner with every batch size captured, the model it runs, its capture stats) for ``mode``."""
     from compile_attn import GraphConfig
     from compile_attn.compiler.compiled_model import compile_model
     from compile_attn.graph_runner.runner import GraphRunner
@@ -172,12 +171,19 @@ def bench_compile_attn(adapter: torch.nn.Module, setup: DecodeSetup, cfg: BenchC
     torch._dynamo.reset()
     sizes = tuple(sorted(cfg.batch_sizes))
     # the compile backend captures its piecewise graphs at its own sizes: give it the runner's buckets
-    options = {"mode": mode, "decode_batch_sizes": sizes, "prefill_token_sizes": sizes, "cache_dir": None}
+    options = {"mode": mode, "decode_batch_sizes": sizes, "prefill_token_sizes": sizes, "cache_dir": None,
+               "fuse_linears": cfg.fuse_linears}
     model = adapter if mode in ("none", "breakable") else compile_model(adapter, options)
-    runner = GraphRunner(model, setup.backend, GraphConfig(mode=mode, decode_batch_sizes=sizes, prefill_token_sizes=sizes,
-                                                           cache_dir=None), max_batch_size=sizes[-1],
-                         max_num_tokens=sizes[-1])
-    stats = runner.capture()
+    config = GraphConfig(mode=mode, decode_batch_sizes=sizes, prefill_token_sizes=sizes, cache_dir=None)
+    runner = GraphRunner(model, setup.backend, config, max_batch_size=sizes[-1], max_num_tokens=sizes[-1])
+    return runner, model, runner.capture()
+
+
+def bench_compile_attn(adapter: torch.nn.Module, setup: DecodeSetup, cfg: BenchConfig, mode: str, floors: dict,
+                       ) -> list[Row]:
+    """Decode step time per batch size through one GraphRunner in ``mode`` (the model compiled with
+    backend="compile_attn" unless the mode is none or breakable), every batch size a captured bucket."""
+    runner, model, stats = make_runner(adapter, setup, cfg, mode)
     rows = []
     for bs in cfg.batch_sizes:
         fb = setup.batch(bs)

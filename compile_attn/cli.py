@@ -87,6 +87,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         hf_baselines=[b for b in args.hf.split(",") if b],
         iters=args.iters,
         profile=not args.no_profile,
+        fuse_linears=not args.no_fuse_linears,
     )
     if args.engine_only:
         rows = []
@@ -140,6 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--hf", default="eager,static_compiled", help="HF baselines: eager, static_compiled")
     bench.add_argument("--iters", type=int, default=20)
     bench.add_argument("--no-profile", action="store_true", help="skip the per-step kernel-time profile")
+    bench.add_argument("--no-fuse-linears", action="store_true",
+                       help="keep q/k/v and gate/up as separate GEMMs (GraphConfig.fuse_linears=False)")
     bench.add_argument("--engine", action="store_true",
                        help="also cold/warm start, prefill throughput and memory through LLM (fresh processes)")
     bench.add_argument("--engine-only", action="store_true", help="only the --engine part")

@@ -34,7 +34,9 @@ class GraphConfig:
     prefill_token_sizes: piecewise buckets (tokens). compiler: "inductor" or "eager" for the pieces
     between split ops. cache_dir: persistent compile cache (None disables it). debug_dir: where the
     decompiled code and each piece's graph are written (None: no dump). verify: after capture,
-    replay every bucket once and compare with eager execution.
+    replay every bucket once and compare with eager execution. fuse_linears: run linear layers that read
+    the same input (q/k/v, gate/up) as one GEMM; their weights become views of one fused tensor
+    (see ``compile_attn.passes.fuse_linears``).
     """
 
     mode: GraphMode = GraphMode.FULL_AND_PIECEWISE
@@ -44,6 +46,7 @@ class GraphConfig:
     cache_dir: str | None = field(default_factory=default_cache_dir)
     debug_dir: str | None = field(default_factory=lambda: os.environ.get("COMPILE_ATTN_DEBUG_DIR"))
     verify: bool = False
+    fuse_linears: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", GraphMode.parse(self.mode))

@@ -26,6 +26,7 @@ from compile_attn.compiler.token_dim import find_token_symbol, token_count_gette
 from compile_attn.config import GraphConfig
 from compile_attn.errors import CompileAttnError
 from compile_attn.graph_runner.mode import GraphMode
+from compile_attn.passes.fuse_linears import bind_fused_weights, fuse_linears
 from compile_attn.passes.scalars import specialize_tensorified_floats
 from compile_attn.passes.split import Piece, split_graph
 
@@ -113,7 +114,10 @@ def compile_attn_backend(
         dump.expect_bytecode()
 
     token_symbol = find_token_symbol(gm)
+    gm, fused = fuse_linears(gm, example_inputs) if config.fuse_linears else (gm, [])
+    compile_counters.linear_groups_fused += sum(1 for w in fused if w.name.endswith("_weight"))
     split = split_graph(gm)
+    bind_fused_weights(split.split_gm, fused)
     compile_counters.pieces_split += len(split.pieces)
     compile_counters.split_op_pieces += len(split.split_op_pieces)
     capture_sizes = piecewise_capture_sizes(config) if _on_cuda(gm) else ()

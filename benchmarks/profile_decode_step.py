@@ -1,0 +1,104 @@
+"""Kernel-by-kernel profile of one compile_attn decode step (Llama-3.2-1B shape): what the GPU runs and for how long.
+
+For each batch size, one GraphRunner step (full graph by default) is profiled with torch.profiler; the kernels
+of one step are listed in launch order for the first decoder layer, and aggregated by kernel name for the whole
+step (count, total and mean microseconds), next to the step's weight bytes over the bandwidth limit. This is the
+"where does the time go" view behind benchmarks/RESULTS.md.
+
+    python benchmarks/profile_decode_step.py --backend triton --mode full --batch-sizes 1,64 --out prof.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from collections import defaultdict
+
+import torch
+
+from compile_attn import bench
+
+logger = logging.getLogger("profile_decode_step")
+
+
+def step_kernels(fn, steps: int = 3) -> list[tuple[str, float]]:
+    """(kernel name, microseconds) of the last of ``steps`` calls of ``fn``, in launch order."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+            torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA and e.device_time > 0),
+                     key=lambda e: e.time_range.start)
+    # steps are separated by the host sync: split at the largest gaps between consecutive kernels
+    gaps = sorted(range(1, len(kernels)),
+                  key=lambda i: kernels[i].time_range.start - kernels[i - 1].time_range.end)[-(steps - 1):]
+    start = max(gaps) if gaps else 0
+    return [(e.name, e.device_time) for e in kernels[start:]]
+
+
+def first_layer(kernels: list[tuple[str, float]], marker: str) -> list[tuple[str, float]]:
+    """Kernels from the start of the step up to the second attention kernel: embedding, layer 0 whole,
+    and layer 1 up to its attention (so one full layer's sequence is visible)."""
+    hits = [i for i, (name, _) in enumerate(kernels) if marker in name.lower()]
+    return kernels[:hits[1] + 1] if len(hits) > 1 else kernels
+
+
+def aggregate(kernels: list[tuple[str, float]]) -> list[dict]:
+    by_name: dict[str, list[float]] = defaultdict(list)
+    for name, us in kernels:
+        by_name[name].append(us)
+    rows = [dict(kernel=name, count=len(t), total_us=sum(t), mean_us=sum(t) / len(t)) for name, t in by_name.items()]
+    return sorted(rows, key=lambda r: -r["total_us"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", default="triton")
+    parser.add_argument("--mode", default="full")
+    parser.add_argument("--batch-sizes", default="1,64")
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--no-fuse-linears", action="store_true")
+    parser.add_argument("--attention-marker", default="decode_split", help="substring of the attention kernel's name")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+
+    from compile_attn.hf import HFModelAdapter
+
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    cfg = bench.BenchConfig(batch_sizes=sizes, context=args.context, backends=[args.backend], modes=[args.mode],
+                            hf_baselines=[], fuse_linears=not args.no_fuse_linears)
+    model = bench._hf_model(cfg, "sdpa", torch.bfloat16)
+    floors = {bs: bench.floor_ms(model, cfg, bs, torch.bfloat16) for bs in sizes}
+    adapter = HFModelAdapter(model)
+    setup = bench.DecodeSetup(adapter, cfg, args.backend, torch.bfloat16)
+    runner, _, _ = bench.make_runner(adapter, setup, cfg, args.mode)
+    report = {}
+    with torch.inference_mode():
+        for bs in sizes:
+            fb = setup.batch(bs)
+            kernels = step_kernels(lambda: runner.run(fb))
+            layer = first_layer(kernels, args.attention_marker)
+            busy = sum(us for _, us in kernels)
+            report[bs] = dict(kernels_per_step=len(kernels), busy_us=busy, floor_us=floors[bs] * 1e3,
+                              first_layer=[dict(kernel=n, us=us) for n, us in layer], by_name=aggregate(kernels))
+            print(f"\n## bs {bs}: {len(kernels)} kernels, GPU busy {busy:.0f} us, floor {floors[bs] * 1e3:.0f} us")
+            print("| # | kernel (start of step through layer 0) | us |\n|---|---|---|")
+            for i, (name, us) in enumerate(layer):
+                print(f"| {i} | {name[:90]} | {us:.1f} |")
+            print("\n| kernel | per step | total us | mean us |\n|---|---|---|---|")
+            for row in report[bs]["by_name"][:25]:
+                print(f"| {row['kernel'][:90]} | {row['count']} | {row['total_us']:.0f} | {row['mean_us']:.1f} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
