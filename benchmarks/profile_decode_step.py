@@ -49,6 +49,19 @@ def first_layer(kernels: list[tuple[str, float]], marker: str) -> list[tuple[str
     return kernels[:hits[1] + 1] if len(hits) > 1 else kernels
 
 
+def host_table(fn, steps: int = 10) -> str:
+    """torch.profiler's CPU-side table of ``steps`` calls of ``fn``, by self CPU time (Python functions included)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU], with_stack=False) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70)
+
+
 def aggregate(kernels: list[tuple[str, float]]) -> list[dict]:
     by_name: dict[str, list[float]] = defaultdict(list)
     for name, us in kernels:
@@ -65,6 +78,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--no-fuse-linears", action="store_true")
     parser.add_argument("--attention-marker", default="decode_split", help="substring of the attention kernel's name")
+    parser.add_argument("--host", action="store_true",
+                        help="also print the host (CPU) side of a step: torch.profiler table by self CPU time")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
@@ -92,6 +107,8 @@ def main() -> None:
             print("| # | kernel (start of step through layer 0) | us |\n|---|---|---|")
             for i, (name, us) in enumerate(layer):
                 print(f"| {i} | {name[:90]} | {us:.1f} |")
+            if args.host:
+                print(f"\n### host side of 10 steps, bs {bs}\n```\n{host_table(lambda: runner.run(fb))}\n```")
             print("\n| kernel | per step | total us | mean us |\n|---|---|---|---|")
             for row in report[bs]["by_name"][:25]:
                 print(f"| {row['kernel'][:90]} | {row['count']} | {row['total_us']:.0f} | {row['mean_us']:.1f} |")

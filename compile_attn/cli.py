@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import json
 import importlib.metadata
+import json
 import logging
 import platform
 import sys
@@ -88,6 +88,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         iters=args.iters,
         profile=not args.no_profile,
         fuse_linears=not args.no_fuse_linears,
+        inductor_config=json.loads(args.inductor_config),
     )
     if args.engine_only:
         rows = []
@@ -141,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--hf", default="eager,static_compiled", help="HF baselines: eager, static_compiled")
     bench.add_argument("--iters", type=int, default=20)
     bench.add_argument("--no-profile", action="store_true", help="skip the per-step kernel-time profile")
+    bench.add_argument("--inductor-config", default="{}",
+                       help='Inductor config patches for the compiled pieces, JSON, e.g. \'{"combo_kernels": true}\'')
     bench.add_argument("--no-fuse-linears", action="store_true",
                        help="keep q/k/v and gate/up as separate GEMMs (GraphConfig.fuse_linears=False)")
     bench.add_argument("--engine", action="store_true",

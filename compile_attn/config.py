@@ -36,7 +36,8 @@ class GraphConfig:
     decompiled code and each piece's graph are written (None: no dump). verify: after capture,
     replay every bucket once and compare with eager execution. fuse_linears: run linear layers that read
     the same input (q/k/v, gate/up) as one GEMM; their weights become views of one fused tensor
-    (see ``compile_attn.passes.fuse_linears``).
+    (see ``compile_attn.passes.fuse_linears``). inductor_config: ``torch._inductor.config`` patches
+    for the compiled pieces (e.g. ``{"combo_kernels": True}``), over those of ``torch.compile(mode=...)``.
     """
 
     mode: GraphMode = GraphMode.FULL_AND_PIECEWISE
@@ -47,6 +48,7 @@ class GraphConfig:
     debug_dir: str | None = field(default_factory=lambda: os.environ.get("COMPILE_ATTN_DEBUG_DIR"))
     verify: bool = False
     fuse_linears: bool = True
+    inductor_config: dict[str, Any] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", GraphMode.parse(self.mode))
@@ -55,6 +57,10 @@ class GraphConfig:
             if any(s <= 0 for s in sizes):
                 raise ValueError(f"GraphConfig.{name} must be positive integers, got {sizes}")
             object.__setattr__(self, name, tuple(sorted(set(sizes))))
+        if not isinstance(self.inductor_config, Mapping):
+            raise TypeError(f"GraphConfig.inductor_config must be a dict of Inductor config patches, "
+                            f"got {type(self.inductor_config).__name__}")
+        object.__setattr__(self, "inductor_config", dict(self.inductor_config))
         if self.compiler not in COMPILERS:
             raise ValueError(f"GraphConfig.compiler must be one of {COMPILERS}, got {self.compiler!r}")
 

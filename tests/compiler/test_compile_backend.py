@@ -116,6 +116,29 @@ def test_debug_dump_has_decompiled_code_piece_graphs_and_summary(tmp_path, monke
     assert summary.count("compile_attn::attention") == 3
 
 
+def test_inductor_config_patches_reach_the_piece_compiler(monkeypatch):
+    seen = []
+    from compile_attn.compiler import piece_compiler
+
+    real = piece_compiler.PieceCompiler._inductor_compile
+
+    def spy(self, name, gm, example_inputs):
+        seen.append(dict(self.config_patches))
+        return real(self, name, gm, example_inputs)
+
+    monkeypatch.setattr(piece_compiler.PieceCompiler, "_inductor_compile", spy)
+    torch.manual_seed(0)
+    model = GatedMLP().eval()
+    options = {"cache_dir": None, "inductor_config": {"combo_kernels": True}}
+    compiled = torch.compile(model, backend="compile_attn", dynamic=True, options=options)
+    x = torch.randn(13, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+    assert seen and all(p.get("combo_kernels") is True for p in seen)
+    with pytest.raises(TypeError, match="inductor_config"):
+        GraphConfig(inductor_config=[("combo_kernels", True)])
+
+
 def test_options_and_config_object():
     assert resolve_config({"compiler": "eager"}).compiler == "eager"
     config = GraphConfig(compiler="eager", prefill_token_sizes=(8, 16))

@@ -27,7 +27,7 @@ from compile_attn.attention.triton_ops._common import (
 
 # Split boundaries are multiples of this many tokens; every stage-1 BLOCK_N divides it.
 SPLIT_ALIGN = 64
-DEFAULT_SPLIT_SIZE = 128
+DEFAULT_SPLIT_SIZE = 64  # swept with benchmarks/sweep_triton_decode.py (128: 15.3 vs 12.4 us at 1 x 512)
 DEFAULT_MAX_KV_SPLITS = 16
 # compute_num_kv_splits aims for about this many stage-1 programs per SM.
 PROGRAMS_PER_SM = 4
@@ -214,13 +214,18 @@ def _split_kernel_config(block_d: int, block_dv: int, use_dot: bool) -> dict:
 
     Swept on an H100 (bf16, Hq=32, Hkv=8, shuffled page-1 slots, 64 x 4096 tokens), three pipeline
     stages throughout: D=64 BLOCK_N=32 213 us (BLOCK_N=64: 234), D=128 BLOCK_N=64 384 us
-    (BLOCK_N=32: 394), D=256 BLOCK_N=32 740 us (BLOCK_N=64: 776).
+    (BLOCK_N=32: 394), D=256 BLOCK_N=32 740 us (BLOCK_N=64: 776). D=64 swept again over warps and
+    stages at 1/16/64/256 x 512 and 64 x 4096 (``benchmarks/sweep_triton_decode.py``): 2 warps,
+    2 stages is within 0-8% of the best at every shape, 4 warps / 3 stages up to 24% slower
+    (64 x 512: 43.2 vs 53.1 us; 256 x 512: 135 vs 167 us).
     """
     if is_interpreted(_decode_split_kernel):
         return {"BLOCK_N": 32}  # the interpreter's per-op cost favours few, large tiles
     widest = max(block_d, block_dv)
     if not use_dot:
         return {"BLOCK_N": 32 if widest <= 128 else 16, "num_warps": 4, "num_stages": 3}
+    if widest <= 64:
+        return {"BLOCK_N": 32, "num_warps": 2, "num_stages": 2}
     return {"BLOCK_N": 64 if widest == 128 else 32, "num_warps": 4, "num_stages": 3}
 
 
