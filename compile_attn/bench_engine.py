@@ -12,9 +12,11 @@ measured bf16 matmul peak.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import logging
 import os
+import pstats
 import subprocess
 import sys
 import tempfile
@@ -63,12 +65,20 @@ def child(cfg: EngineBenchConfig, cache_dir: str) -> dict:
     model = bench._hf_model(bench.BenchConfig(shape=cfg.shape, device=cfg.device), "sdpa", dtype)
     sync = torch.cuda.synchronize if cfg.device == "cuda" else (lambda: None)
     sync()
+    profile_to = os.environ.get("COMPILE_ATTN_START_PROFILE")  # a file prefix: where the start's cProfile goes
+    profiler = cProfile.Profile() if profile_to else None
     start = time.perf_counter()
+    if profiler is not None:
+        profiler.enable()
     llm = LLM(model, attn_backend=cfg.backend, max_batch_size=cfg.max_batch_size, max_num_tokens=cfg.max_num_tokens,
               kv_cache_tokens=cfg.kv_cache_tokens, max_context=cfg.prompt_len + 64, device=cfg.device, dtype=dtype,
               compile_options={"cache_dir": cache_dir})
     sync()
     ready_s = time.perf_counter() - start
+    if profiler is not None:
+        profiler.disable()
+        with open(f"{profile_to}.{os.getpid()}.txt", "w") as f:
+            pstats.Stats(profiler, stream=f).sort_stats("cumulative").print_stats(45)
     stats = llm.step_runner.runner.stats
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, cfg.shape["vocab_size"], (cfg.requests, cfg.prompt_len), generator=gen).tolist()
