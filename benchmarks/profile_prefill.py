@@ -1,0 +1,88 @@
+"""Where an 8 x 1024-token prefill step of the engine goes: wall time, GPU busy time, kernels by total time.
+
+Builds the Llama-3.2-1B-shaped model (random bf16 weights) in ``LLM`` with the given backend, runs one warm-up
+``generate`` of ``requests`` prompts with ``max_new_tokens=1`` (one prefill step), then profiles one more and
+prints: wall ms, GPU busy ms (sum of kernel times), the kernels by total time (with achieved TFLOP/s for GEMMs is
+left to the reader: shapes are in the names), and the host side by self CPU time.
+
+    python benchmarks/profile_prefill.py --backend triton --out $OUT/prefill.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+
+import torch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", default="triton")
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=1024)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from compile_attn import bench
+    from compile_attn.bench_engine import prefill_flops
+    from compile_attn.engine import LLM, SamplingParams
+
+    tokens = args.requests * args.prompt_len
+    shape = dict(bench.LLAMA_1B)
+    model = bench._hf_model(bench.BenchConfig(shape=shape, device="cuda"), "sdpa", torch.bfloat16)
+    llm = LLM(model, attn_backend=args.backend, max_batch_size=args.requests, max_num_tokens=tokens,
+              kv_cache_tokens=tokens + 1024, max_context=args.prompt_len + 64, device="cuda", dtype=torch.bfloat16,
+              compile_options={"cache_dir": None, "prefill_token_sizes": (tokens,), "decode_batch_sizes": (1,)})
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, shape["vocab_size"], (args.requests, args.prompt_len), generator=gen).tolist()
+    params = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    llm.generate(prompts, params)
+    torch.cuda.synchronize()
+    walls = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        llm.generate(prompts, params)
+        torch.cuda.synchronize()
+        walls.append(time.perf_counter() - t0)
+    wall_ms = sorted(walls)[2] * 1e3
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        llm.generate(prompts, params)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA and e.device_time > 0]
+    by_name: dict[str, list[float]] = defaultdict(list)
+    for e in kernels:
+        by_name[e.name].append(e.device_time)
+    busy_ms = sum(e.device_time for e in kernels) / 1e3
+    span_ms = (max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)) / 1e3
+    flops = prefill_flops(shape, args.requests, args.prompt_len)
+    print(f"## prefill {args.requests} x {args.prompt_len}, backend {llm.backend.name}\n")
+    print(f"wall {wall_ms:.1f} ms (median of 5) = {flops / wall_ms / 1e9:.0f} TFLOP/s; GPU busy {busy_ms:.1f} ms "
+          f"(= {flops / busy_ms / 1e9:.0f} TFLOP/s); first to last kernel {span_ms:.1f} ms; {len(kernels)} kernels\n")
+    rows = sorted(((n, len(t), sum(t)) for n, t in by_name.items()), key=lambda r: -r[2])
+    print("| kernel | count | total ms | % of busy |\n|---|---|---|---|")
+    for name, count, total in rows[:25]:
+        print(f"| {name[:100]} | {count} | {total / 1e3:.2f} | {100 * total / 1e3 / busy_ms:.0f}% |")
+    print("\n```\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20,
+                                                   max_name_column_width=60) + "\n```")
+    stacks: dict[str, list[float]] = defaultdict(list)
+    for e in prof.events():  # where the host waits for the GPU or copies from pageable memory
+        if e.name in ("cudaStreamSynchronize", "cudaMemcpyAsync", "cudaDeviceSynchronize"):
+            frames = [f for f in (e.stack or []) if "compile_attn" in f or "benchmarks" in f][:4]
+            stacks[f"{e.name} <- " + " <- ".join(frames)].append(e.cpu_time_total)
+    print("\n| host wait / copy, call site | calls | total ms |\n|---|---|---|")
+    for site, times in sorted(stacks.items(), key=lambda kv: -sum(kv[1])):
+        print(f"| {site[:300]} | {len(times)} | {sum(times) / 1e3:.2f} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(wall_ms=wall_ms, busy_ms=busy_ms, span_ms=span_ms, flops=flops,
+                           kernels=[dict(name=n, count=c, total_us=t) for n, c, t in rows]), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
