@@ -18,6 +18,34 @@ from collections import defaultdict
 import torch
 
 
+def sync_sites(fn) -> dict[str, int]:
+    """Call sites (compile_attn frames of the stack) of every CUDA call in ``fn()`` that waits for the GPU."""
+    import traceback
+    import warnings
+
+    sites: dict[str, int] = defaultdict(int)
+    show = warnings.showwarning
+
+    def record(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001
+        frames = [f for f in traceback.extract_stack()[:-1] if "compile_attn" in f.filename]
+        sites["".join(traceback.format_list(frames[-5:]))] += 1
+
+    torch.cuda.synchronize()
+    warnings.showwarning = record
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                fn()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    finally:
+        warnings.showwarning = show
+    return dict(sites)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="triton")
@@ -51,7 +79,7 @@ def main() -> None:
         torch.cuda.synchronize()
         walls.append(time.perf_counter() - t0)
     wall_ms = sorted(walls)[2] * 1e3
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         llm.generate(prompts, params)
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA and e.device_time > 0]
@@ -70,14 +98,9 @@ def main() -> None:
         print(f"| {name[:100]} | {count} | {total / 1e3:.2f} | {100 * total / 1e3 / busy_ms:.0f}% |")
     print("\n```\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20,
                                                    max_name_column_width=60) + "\n```")
-    stacks: dict[str, list[float]] = defaultdict(list)
-    for e in prof.events():  # where the host waits for the GPU or copies from pageable memory
-        if e.name in ("cudaStreamSynchronize", "cudaMemcpyAsync", "cudaDeviceSynchronize"):
-            frames = [f for f in (e.stack or []) if "compile_attn" in f or "benchmarks" in f][:4]
-            stacks[f"{e.name} <- " + " <- ".join(frames)].append(e.cpu_time_total)
-    print("\n| host wait / copy, call site | calls | total ms |\n|---|---|---|")
-    for site, times in sorted(stacks.items(), key=lambda kv: -sum(kv[1])):
-        print(f"| {site[:300]} | {len(times)} | {sum(times) / 1e3:.2f} |")
+    print("\n## synchronizing CUDA calls in one prefill step (torch.cuda.set_sync_debug_mode)\n")
+    for site, count in sync_sites(lambda: llm.generate(prompts, params)).items():
+        print(f"- {count} x\n```\n{site}```")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(wall_ms=wall_ms, busy_ms=busy_ms, span_ms=span_ms, flops=flops,
