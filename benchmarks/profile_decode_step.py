@@ -22,24 +22,18 @@ from compile_attn import bench
 logger = logging.getLogger("profile_decode_step")
 
 
-def step_kernels(fn, steps: int = 3) -> list[tuple[str, float]]:
-    """(kernel name, microseconds) of the last of ``steps`` calls of ``fn``, in launch order."""
+def step_kernels(fn) -> list[tuple[str, float]]:
+    """(kernel name, microseconds) of one call of ``fn`` after a warm-up call, in launch order."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            fn()
-            torch.cuda.synchronize()
-    kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA and e.device_time > 0),
-                     key=lambda e: e.time_range.start)
-    # steps are separated by the host sync: split at the largest gaps between consecutive kernels
-    gaps = sorted(range(1, len(kernels)),
-                  key=lambda i: kernels[i].time_range.start - kernels[i - 1].time_range.end)[-(steps - 1):]
-    start = max(gaps) if gaps else 0
-    return [(e.name, e.device_time) for e in kernels[start:]]
+        fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA and e.device_time > 0]
+    return [(e.name, e.device_time) for e in sorted(kernels, key=lambda e: e.time_range.start)]
 
 
 def first_layer(kernels: list[tuple[str, float]], marker: str) -> list[tuple[str, float]]:
