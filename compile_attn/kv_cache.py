@@ -106,12 +106,16 @@ class PagedKVPool:
 
 
 class PageAllocator:
-    """Free list of pages ``1..num_pages`` (page 0 is scratch). All-or-nothing ``alloc``."""
+    """Free list of pages ``1..num_pages`` (page 0 is scratch). All-or-nothing ``alloc``.
+
+    Bookkeeping uses list slices and set operations (C loops), not per-page Python loops: a prefill of
+    thousands of tokens allocates and frees thousands of pages per step.
+    """
 
     def __init__(self, num_pages: int) -> None:
         self.num_pages = num_pages
         self._free = list(range(num_pages, 0, -1))  # stack: low page ids are handed out first
-        self._is_free = [False] + [True] * num_pages
+        self._allocated: set[int] = set()
 
     @property
     def available(self) -> int:
@@ -123,18 +127,38 @@ class PageAllocator:
                 f"KV cache full: asked for {n} pages, {len(self._free)} free of {self.num_pages}; "
                 f"nothing was allocated. Free finished requests or create the cache with more tokens"
             )
-        pages = [self._free.pop() for _ in range(n)]
-        for p in pages:
-            self._is_free[p] = False
+        if n <= 0:
+            return []
+        pages = self._free[-1:-n - 1:-1]  # the top n of the stack, top first
+        del self._free[-n:]
+        self._allocated.update(pages)
         return pages
 
     def free(self, pages: Sequence[int]) -> None:
-        for p in pages:
-            if not 0 < p <= self.num_pages or self._is_free[p]:
-                raise ValueError(f"cannot free page {p}: it is not an allocated page")
-        for p in pages:
-            self._is_free[p] = True
-            self._free.append(p)
+        pages = list(pages)
+        if len(set(pages)) != len(pages) or not self._allocated.issuperset(pages):
+            seen: set[int] = set()
+            for p in pages:
+                if p in seen or p not in self._allocated:
+                    raise ValueError(f"cannot free page {p}: it is not an allocated page")
+                seen.add(p)
+        self._allocated.difference_update(pages)
+        self._free.extend(pages)
+
+
+def _slots_of(pages: list[int], start: int, n: int, page_size: int) -> list[int]:
+    """Slots of positions ``start .. start + n - 1`` of a request holding ``pages``: one run per page."""
+    if page_size == 1:
+        return pages[start:start + n]
+    out: list[int] = []
+    pos, end = start, start + n
+    while pos < end:
+        page, offset = divmod(pos, page_size)
+        take = min(page_size - offset, end - pos)
+        first = pages[page] * page_size + offset
+        out.extend(range(first, first + take))
+        pos += take
+    return out
 
 
 class KVCache:
@@ -233,14 +257,14 @@ class KVCache:
         slots: list[int] = []
         row_ids: list[int] = []
         cols: list[int] = []
+        taken = 0
         for row, n in zip(rows, extend_lens):
             pages = self._pages[row]
             k = self.pages_needed(row, n)
-            pages.extend(new_pages[:k])
-            new_pages = new_pages[k:]
+            pages.extend(new_pages[taken:taken + k])
+            taken += k
             start = self._lens[row]
-            for pos in range(start, start + n):
-                slots.append(pages[pos // ps] * ps + pos % ps)
+            slots.extend(_slots_of(pages, start, n, ps))
             row_ids.extend([row] * n)
             cols.extend(range(start, start + n))
             self._lens[row] = start + n

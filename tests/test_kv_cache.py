@@ -96,3 +96,38 @@ def test_index_formats_agree_with_req_to_token(page_size: int, lens: list[int], 
     table = build_page_table(kv.req_to_token, rows_t, width, page_size)
     for b, ps in enumerate(expected_pages):
         assert table[b, : len(ps)].tolist() == ps
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@given(chunks=st.lists(st.integers(0, 40), min_size=1, max_size=6), seed=st.integers(0, 2**16))
+def test_one_large_extend_equals_the_same_tokens_in_small_extends(page_size: int, chunks: list[int], seed: int) -> None:
+    """Bulk allocation (a prefill) lays out slots exactly as token-by-token allocation does."""
+    total = sum(chunks)
+    kv_bulk, kv_steps = (_cache(page_size, num_tokens=512, max_context=256) for _ in range(2))
+    for kv in (kv_bulk, kv_steps):  # the same shuffled free list in both caches
+        perm = torch.randperm(len(kv.allocator._free), generator=torch.Generator().manual_seed(seed)).tolist()
+        kv.allocator._free = [kv.allocator._free[i] for i in perm]
+    other_b, row_b = kv_bulk.alloc_request(), kv_bulk.alloc_request()
+    other_s, row_s = kv_steps.alloc_request(), kv_steps.alloc_request()
+    kv_bulk.alloc_extend([other_b], [3])
+    kv_steps.alloc_extend([other_s], [3])
+    bulk = kv_bulk.alloc_extend([row_b], [total]).tolist()
+    steps = [s for n in chunks for _ in range(n) for s in kv_steps.alloc_extend([row_s], [1]).tolist()]
+    assert bulk == steps
+    assert torch.equal(kv_bulk.req_to_token, kv_steps.req_to_token)
+    # every slot distinct, off the scratch page, and freed pages come back whole
+    assert len(set(bulk)) == total and all(s // page_size != 0 for s in bulk)
+    available = kv_bulk.allocator.available
+    kv_bulk.free_request(row_b)
+    assert kv_bulk.allocator.available == available + -(-total // page_size)
+
+
+def test_freeing_a_page_twice_in_one_call_is_refused() -> None:
+    kv = _cache(page_size=1)
+    pages = kv.allocator.alloc(3)
+    with pytest.raises(ValueError, match="not an allocated page"):
+        kv.allocator.free([pages[0], pages[1], pages[0]])
+    assert kv.allocator.available == 64 - 3  # nothing was freed
+    kv.allocator.free(pages)
+    with pytest.raises(ValueError, match="not an allocated page"):
+        kv.allocator.free([pages[0]])
