@@ -141,7 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--modes", default="none,piecewise,full", help="comma-separated graph modes")
     bench.add_argument("--hf", default="eager,static_compiled", help="HF baselines: eager, static_compiled")
     bench.add_argument("--iters", type=int, default=20)
-    bench.add_argument("--no-profile", action="store_true", help="skip the per-step kernel-time profile")
+    bench.add_argument("--no-profile", action="store_true",
+                       help="skip the per-step kernel-time profile (cleanest timings: a profiler session slows "
+                            "later graph replays of the same process)")
     bench.add_argument("--inductor-config", default="{}",
                        help='Inductor config patches for the compiled pieces, JSON, e.g. \'{"combo_kernels": true}\'')
     bench.add_argument("--no-fuse-linears", action="store_true",
