@@ -19,8 +19,6 @@ import torch
 
 from compile_attn import bench
 
-logger = logging.getLogger("profile_decode_step")
-
 
 def step_kernels(fn) -> list[tuple[str, float]]:
     """(kernel name, microseconds) of one call of ``fn`` after a warm-up call, in launch order."""
@@ -49,7 +47,7 @@ def host_table(fn, steps: int = 10) -> str:
 
     fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU], with_stack=False) as prof:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             fn()
         torch.cuda.synchronize()

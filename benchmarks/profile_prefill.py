@@ -16,6 +16,7 @@ import time
 from collections import defaultdict
 
 import torch
+from profile_decode_step import aggregate
 
 
 def sync_sites(fn) -> dict[str, int]:
@@ -24,25 +25,20 @@ def sync_sites(fn) -> dict[str, int]:
     import warnings
 
     sites: dict[str, int] = defaultdict(int)
-    show = warnings.showwarning
 
     def record(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001
         frames = [f for f in traceback.extract_stack()[:-1] if "compile_attn" in f.filename]
         sites["".join(traceback.format_list(frames[-5:]))] += 1
 
     torch.cuda.synchronize()
-    warnings.showwarning = record
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = record
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                fn()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-    finally:
-        warnings.showwarning = show
+    with warnings.catch_warnings():  # restores showwarning and the filters on exit
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
     return dict(sites)
 
 
@@ -83,19 +79,17 @@ def main() -> None:
         llm.generate(prompts, params)
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA and e.device_time > 0]
-    by_name: dict[str, list[float]] = defaultdict(list)
-    for e in kernels:
-        by_name[e.name].append(e.device_time)
+    rows = aggregate([(e.name, e.device_time) for e in kernels])
     busy_ms = sum(e.device_time for e in kernels) / 1e3
     span_ms = (max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)) / 1e3
     flops = prefill_flops(shape, args.requests, args.prompt_len)
     print(f"## prefill {args.requests} x {args.prompt_len}, backend {llm.backend.name}\n")
     print(f"wall {wall_ms:.1f} ms (median of 5) = {flops / wall_ms / 1e9:.0f} TFLOP/s; GPU busy {busy_ms:.1f} ms "
           f"(= {flops / busy_ms / 1e9:.0f} TFLOP/s); first to last kernel {span_ms:.1f} ms; {len(kernels)} kernels\n")
-    rows = sorted(((n, len(t), sum(t)) for n, t in by_name.items()), key=lambda r: -r[2])
     print("| kernel | count | total ms | % of busy |\n|---|---|---|---|")
-    for name, count, total in rows[:25]:
-        print(f"| {name[:100]} | {count} | {total / 1e3:.2f} | {100 * total / 1e3 / busy_ms:.0f}% |")
+    for row in rows[:25]:
+        print(f"| {row['kernel'][:100]} | {row['count']} | {row['total_us'] / 1e3:.2f} | "
+              f"{100 * row['total_us'] / 1e3 / busy_ms:.0f}% |")
     print("\n```\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20,
                                                    max_name_column_width=60) + "\n```")
     print("\n## synchronizing CUDA calls in one prefill step (torch.cuda.set_sync_debug_mode)\n")
@@ -104,7 +98,7 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(wall_ms=wall_ms, busy_ms=busy_ms, span_ms=span_ms, flops=flops,
-                           kernels=[dict(name=n, count=c, total_us=t) for n, c, t in rows]), f, indent=1)
+                           kernels=rows), f, indent=1)
 
 
 if __name__ == "__main__":

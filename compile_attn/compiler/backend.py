@@ -26,7 +26,7 @@ from compile_attn.compiler.token_dim import find_token_symbol, token_count_gette
 from compile_attn.config import GraphConfig
 from compile_attn.errors import CompileAttnError
 from compile_attn.graph_runner.mode import GraphMode
-from compile_attn.passes.fuse_linears import bind_fused_weights, fuse_linears
+from compile_attn.passes.fuse_linears import bind_fused_weights, fuse_linears, fused_group_count
 from compile_attn.passes.scalars import specialize_tensorified_floats
 from compile_attn.passes.split import Piece, split_graph
 
@@ -115,7 +115,7 @@ def compile_attn_backend(
 
     token_symbol = find_token_symbol(gm)
     gm, fused = fuse_linears(gm, example_inputs) if config.fuse_linears else (gm, [])
-    compile_counters.linear_groups_fused += sum(1 for w in fused if w.name.endswith("_weight"))
+    compile_counters.linear_groups_fused += fused_group_count(fused)
     split = split_graph(gm)
     bind_fused_weights(split.split_gm, fused)
     compile_counters.pieces_split += len(split.pieces)

@@ -124,8 +124,7 @@ def _fusable(calls: list[_LinearCall], real: dict[fx.Node, Any]) -> bool:
         biases = [real[c.bias] for c in calls]
         if any(not isinstance(b, torch.Tensor) or b.dim() != 1 or b.dtype != first.dtype for b in biases):
             return False
-    tensors = weights + ([real[c.bias] for c in calls] if calls[0].bias is not None else [])
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+    if torch.is_grad_enabled() and any(real[n].requires_grad for n in inputs):
         return False
     return True
 
@@ -157,6 +156,11 @@ def _fake_mode(node: fx.Node) -> Any:
     return getattr(value, "fake_mode", None)
 
 
+def fused_group_count(fused: Sequence[FusedWeight]) -> int:
+    """Number of linear groups behind ``fused`` (each group adds a weight, and a bias when it has one)."""
+    return sum(1 for w in fused if w.name.endswith("_weight"))
+
+
 def fuse_linears(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[fx.GraphModule, list[FusedWeight]]:
     """``gm`` with shared-input linears fused (a new module when any were), and the placeholders added.
 
@@ -174,9 +178,9 @@ def fuse_linears(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[fx.
         return gm, []
     real = dict(zip(placeholders, example_inputs))
     added: list[FusedWeight] = []
-    last_placeholder = placeholders[-1] if placeholders else None
+    last_placeholder = placeholders[-1]  # there are groups, so there are weight placeholders
     for calls in _groups(graph):
-        if last_placeholder is None or not _fusable(calls, real):
+        if not _fusable(calls, real):
             continue
         sizes = [real[c.weight].shape[0] for c in calls]
         weight = _concat_in_place([real[c.weight] for c in calls])
@@ -194,16 +198,17 @@ def fuse_linears(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[fx.
             last_placeholder = node
             new_inputs.append(node)
             added.append(FusedWeight(name, tensor))
-        _rewrite(graph, calls, new_inputs, sizes)
+        _rewrite(graph, calls, new_inputs, sizes, fake_mode)
     if added:
         graph.lint()
         gm.recompile()
-        logger.info("compile_attn: fused %d groups of linear layers sharing an input",
-                    sum(1 for w in added if w.name.endswith("_weight")))
+        logger.info("compile_attn: fused %d groups of linear layers sharing an input", fused_group_count(added))
     return gm, added
 
 
-def _rewrite(graph: fx.Graph, calls: list[_LinearCall], new_inputs: list[fx.Node], sizes: list[int]) -> None:
+def _rewrite(
+    graph: fx.Graph, calls: list[_LinearCall], new_inputs: list[fx.Node], sizes: list[int], fake_mode: Any
+) -> None:
     first = calls[0].node
     x = first.args[0]
     with graph.inserting_before(first):
@@ -211,7 +216,6 @@ def _rewrite(graph: fx.Graph, calls: list[_LinearCall], new_inputs: list[fx.Node
         parts = graph.call_function(torch.split, (fused, sizes), {"dim": -1})
         outs = [graph.call_function(operator.getitem, (parts, i)) for i in range(len(calls))]
     vals = [n.meta.get("example_value") for n in (x, *new_inputs)]
-    fake_mode = _fake_mode(x)
     if fake_mode is not None and all(isinstance(v, torch.Tensor) for v in vals):
         with fake_mode:  # the output's metadata; running linear itself on unbacked sizes fails in torch 2.11
             y = vals[0].new_empty((*vals[0].shape[:-1], sum(sizes)), dtype=vals[1].dtype)
