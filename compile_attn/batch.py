@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from compile_attn.errors import InvalidBatchError
+from compile_attn.host_tensors import int_tensor, ragged_arange
 
 if TYPE_CHECKING:
     from compile_attn.kv_cache import KVCache
@@ -115,33 +116,30 @@ class ForwardBatch:
                 forward_mode = ForwardMode.MIXED
             else:
                 forward_mode = ForwardMode.EXTEND
-        if positions is None:
-            positions = [p + i for p, e in zip(prefix_lens, extend_lens) for i in range(e)]
-        if input_ids is None:
-            input_ids = [0] * num_tokens
         start_loc, acc = [], 0
         for e in extend_lens:
             start_loc.append(acc)
             acc += e
-
-        def dev(x: torch.Tensor | Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-            if isinstance(x, torch.Tensor):
-                return x.to(device=device, dtype=dtype)
-            return torch.tensor(list(x), dtype=dtype, device=device)
-
+        if positions is None:
+            positions = ragged_arange(int_tensor(prefix_lens), int_tensor(extend_lens))
+        if input_ids is None:
+            input_ids = torch.zeros(num_tokens, dtype=torch.int64)
+        # Host values go to the device in one copy per dtype (each pageable copy waits for the stream).
+        longs = _to_device([input_ids, positions, req_idx, out_cache_loc], torch.int64, device)
+        ints = _to_device([seq_lens, prefix_lens, extend_lens, start_loc], torch.int32, device)
         return cls(
             forward_mode=forward_mode,
             batch_size=bs,
-            input_ids=dev(input_ids, torch.int64),
-            positions=dev(positions, torch.int64),
-            req_pool_indices=dev(req_idx, torch.int64),
-            seq_lens=dev(seq_lens, torch.int32),
-            seq_lens_cpu=torch.tensor(seq_lens, dtype=torch.int64),
-            out_cache_loc=dev(out_cache_loc, torch.int64),
+            input_ids=longs[0],
+            positions=longs[1],
+            req_pool_indices=longs[2],
+            seq_lens=ints[0],
+            seq_lens_cpu=int_tensor(seq_lens),
+            out_cache_loc=longs[3],
             seq_lens_sum=sum(seq_lens),
-            extend_prefix_lens=dev(prefix_lens, torch.int32),
-            extend_seq_lens=dev(extend_lens, torch.int32),
-            extend_start_loc=dev(start_loc, torch.int32),
+            extend_prefix_lens=ints[1],
+            extend_seq_lens=ints[2],
+            extend_start_loc=ints[3],
             extend_prefix_lens_cpu=prefix_lens,
             extend_seq_lens_cpu=extend_lens,
         )
@@ -243,3 +241,20 @@ class ForwardBatch:
                     f"seq_len {longest} exceeds the KV cache's max_context {kv_cache.max_context}; "
                     f"create the KVCache with a larger max_context"
                 )
+
+
+def _to_device(parts: list[torch.Tensor | Sequence[int]], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """``parts`` (int lists or tensors) as ``dtype`` tensors on ``device``: the host ones through a single copy."""
+    out: list[torch.Tensor | None] = [None] * len(parts)
+    host: list[tuple[int, torch.Tensor]] = []
+    for i, x in enumerate(parts):
+        if isinstance(x, torch.Tensor) and x.device != torch.device("cpu"):
+            out[i] = x.to(device=device, dtype=dtype)
+        else:
+            t = x.to(dtype) if isinstance(x, torch.Tensor) else int_tensor(list(x), dtype)
+            host.append((i, t.reshape(-1) if t.dim() == 0 else t))
+    if host:
+        flat = torch.cat([t for _, t in host]).to(device)
+        for (i, t), piece in zip(host, flat.split([t.numel() for _, t in host])):
+            out[i] = piece.view(t.shape)
+    return out  # type: ignore[return-value]

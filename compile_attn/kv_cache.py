@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from compile_attn.errors import InvalidBatchError, KVCacheExhaustedError
+from compile_attn.host_tensors import int_tensor, ragged_arange, repeat_each
 
 logger = logging.getLogger(__name__)
 
@@ -255,8 +256,7 @@ class KVCache:
         new_pages = self.allocator.alloc(needed)
         ps = self.page_size
         slots: list[int] = []
-        row_ids: list[int] = []
-        cols: list[int] = []
+        starts: list[int] = []
         taken = 0
         for row, n in zip(rows, extend_lens):
             pages = self._pages[row]
@@ -265,11 +265,14 @@ class KVCache:
             taken += k
             start = self._lens[row]
             slots.extend(_slots_of(pages, start, n, ps))
-            row_ids.extend([row] * n)
-            cols.extend(range(start, start + n))
+            starts.append(start)
             self._lens[row] = start + n
-        out = torch.tensor(slots, dtype=torch.int64)
-        if slots:
-            idx = torch.tensor([row_ids, cols], dtype=torch.int64).to(self.device)
-            self.req_to_token[idx[0], idx[1]] = out.to(device=self.device, dtype=torch.int32)
-        return out.to(self.device)
+        if not slots:
+            return torch.empty(0, dtype=torch.int64, device=self.device)
+        # One host-to-device copy of [row, position, slot] per token; the table is written on the device.
+        lens = int_tensor(extend_lens)
+        host = torch.stack([repeat_each(int_tensor(rows), lens), ragged_arange(int_tensor(starts), lens),
+                            int_tensor(slots)])
+        rows_t, cols_t, out = host.to(self.device).unbind(0)
+        self.req_to_token[rows_t, cols_t] = out.to(torch.int32)
+        return out

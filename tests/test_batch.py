@@ -31,6 +31,18 @@ def test_build_derives_positions_lengths_and_mode() -> None:
         is ForwardMode.IDLE
 
 
+def test_build_accepts_tensors_and_lists_and_keeps_dtypes() -> None:
+    fb = _batch(out_cache_loc=torch.tensor([5, 6, 7, 8, 9], dtype=torch.int32), input_ids=[11, 12, 13, 14, 15],
+                positions=torch.tensor([3, 0, 1, 2, 3]))
+    longs = (fb.input_ids, fb.positions, fb.req_pool_indices, fb.out_cache_loc)
+    ints = (fb.seq_lens, fb.extend_prefix_lens, fb.extend_seq_lens, fb.extend_start_loc)
+    assert all(t.dtype == torch.int64 for t in longs) and all(t.dtype == torch.int32 for t in ints)
+    assert fb.out_cache_loc.tolist() == [5, 6, 7, 8, 9] and fb.input_ids.tolist() == [11, 12, 13, 14, 15]
+    assert fb.req_pool_indices.tolist() == [1, 2] and fb.extend_prefix_lens.tolist() == [3, 0]
+    assert fb.extend_seq_lens.tolist() == [1, 4] and fb.seq_lens_cpu.tolist() == [4, 4]
+    fb.validate()
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [

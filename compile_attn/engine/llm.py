@@ -187,7 +187,7 @@ class LLM:
             if self.tokenizer is None:
                 raise ValueError("string prompts need a tokenizer; pass token id lists or LLM(..., tokenizer=...)")
             return list(self.tokenizer(prompt)["input_ids"])
-        return [int(t) for t in prompt]
+        return list(map(int, prompt))
 
     def _output(self, r: Request) -> RequestOutput:
         text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True) if self.tokenizer else None

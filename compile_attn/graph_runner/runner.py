@@ -221,8 +221,7 @@ class GraphRunner:
             if mode is ExecMode.PIECEWISE:  # the compile backend's wrappers warm up and capture this size
                 step()
             else:
-                for _ in range(2 if self.device.type == "cuda" else 1):  # warm-up
-                    step()
+                step()  # warm-up: lazy initialisation (kernel compiles, library handles) happens outside the capture
                 if full:
                     graph = capture_full(
                         step, device=self.device, pool=pool, stream=stream, traceable=not self.compiled

@@ -1,0 +1,131 @@
+"""Host cost of a piecewise decode step (Llama-3.2-1B shape): where the CPU time of one step goes, and what one
+eager attention call and its parts cost.
+
+Piecewise decode replays one CUDA graph per piece and calls attention eagerly between them; at small batch the GPU
+work per layer (~90 us at bs 1) is less than the host work, so the step is host-bound. This prints, at one batch
+size: the step time with a sync per step, the host time to issue one step (no sync inside the timed region), a
+cProfile of steps by self time, and the host cost per call of the attention op, the backend's decode path and the
+Triton kernel wrappers it launches (each issued 2000 times with one sync at the end: host-bound, so wall / calls is
+the host cost).
+
+    python benchmarks/profile_piecewise_host.py --backend triton --batch-size 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import logging
+import pstats
+import time
+from collections.abc import Callable
+
+import torch
+
+from compile_attn import bench
+
+
+def per_call_us(fn: Callable[[], object], calls: int = 2000) -> float:
+    """Median over 5 rounds of (wall of ``calls`` issues + one sync) / calls, in microseconds."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    rounds = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        rounds.append((time.perf_counter() - t0) / calls * 1e6)
+    return sorted(rounds)[2]
+
+
+def issue_us(fn: Callable[[], object], calls: int = 200) -> tuple[float, float]:
+    """(median host time to issue one call, median wall of one call with a sync after it), microseconds."""
+    issue, wall = [], []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        issue.append((t1 - t0) * 1e6)
+        wall.append((t2 - t0) * 1e6)
+    return sorted(issue)[calls // 2], sorted(wall)[calls // 2]
+
+
+def cprofile(fn: Callable[[], object], calls: int = 30, top: int = 30) -> str:
+    prof = cProfile.Profile()
+    for _ in range(calls):
+        prof.enable()
+        fn()
+        prof.disable()
+        torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    return buf.getvalue()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", default="triton")
+    parser.add_argument("--mode", default="piecewise")
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--context", type=int, default=512)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+
+    from compile_attn.context import forward_context
+    from compile_attn.hf import HFModelAdapter
+
+    bs = args.batch_size
+    cfg = bench.BenchConfig(batch_sizes=[bs], context=args.context, backends=[args.backend], modes=[args.mode],
+                            hf_baselines=[])
+    model = bench._hf_model(cfg, "sdpa", torch.bfloat16)
+    adapter = HFModelAdapter(model)
+    setup = bench.DecodeSetup(adapter, cfg, args.backend, torch.bfloat16)
+    runner, _, _ = bench.make_runner(adapter, setup, cfg, args.mode)
+    fb = setup.batch(bs)
+    backend = setup.backend
+    layer = adapter.attention_layers()[0]
+    hq, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
+    q = torch.randn(bs, hq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(bs, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(bs, hkv, d, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    lines = [f"## {args.backend} {args.mode}, bs {bs}, context {args.context}"]
+    with torch.inference_mode():
+        step = lambda: runner.run(fb)  # noqa: E731
+        issue, wall = issue_us(step)
+        lines.append(f"step: issue {issue:.0f} us on the host, {wall:.0f} us with a sync after it, "
+                     f"{per_call_us(step, 200):.0f} us back to back")
+        backend.init_forward_metadata(fb)
+        with forward_context(fb, backend, graph_mode="none"):
+            parts: dict[str, Callable[[], object]] = {
+                "torch.ops.compile_attn.attention": lambda: torch.ops.compile_attn.attention(q, k, v, out, 0),
+                "backend.forward_decode": lambda: backend.forward_decode(q, k, v, layer, fb, out, True),
+            }
+            ops = getattr(backend, "_ops", None)
+            if ops is not None and hasattr(ops, "store_kv"):
+                kb, vb = setup.kv.pool.get_kv(0)
+                parts["triton_ops.store_kv"] = lambda: ops.store_kv(kb, vb, fb.out_cache_loc, k, v)
+                step_md = backend.step_metadata
+                idx = step_md.indexes[None]
+                sc = step_md.scratch[(hq, layer.v_head_dim)]
+                parts["triton_ops.decode_attention_fwd"] = lambda: ops.decode_attention_fwd(
+                    q, kb, vb, out, idx.kv_indptr, idx.kv_indices, idx.num_kv_splits, backend.max_kv_splits,
+                    sc.attn_logits, sc.attn_lse, layer.scaling, 0.0)
+            parts["torch add_ (one aten launch, reference)"] = lambda: out.add_(1.0)
+            for name, fn in parts.items():
+                lines.append(f"{name}: {per_call_us(fn):.1f} us per call")
+            attention_profile = cprofile(parts["torch.ops.compile_attn.attention"], calls=200)
+    step_profile = cprofile(step)
+    print("\n".join(lines))
+    print(f"\n### cProfile of 30 steps (by self time)\n```\n{step_profile}\n```")
+    print(f"\n### cProfile of 200 attention op calls (by self time)\n```\n{attention_profile}\n```")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""host_tensors: fast int-list conversion and ragged index math, against plain Python loops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from compile_attn.host_tensors import int_tensor, ragged_arange, repeat_each
+
+ints64 = st.integers(min_value=-(2**63), max_value=2**63 - 1)
+ints32 = st.integers(min_value=-(2**31), max_value=2**31 - 1)
+
+
+@given(st.lists(ints64, max_size=50))
+def test_int_tensor_int64_matches_torch_tensor(values: list[int]) -> None:
+    out = int_tensor(values)
+    assert out.dtype == torch.int64 and out.device.type == "cpu"
+    assert out.tolist() == values
+
+
+@given(st.lists(ints32, max_size=50))
+def test_int_tensor_int32_matches_torch_tensor(values: list[int]) -> None:
+    out = int_tensor(values, torch.int32)
+    assert out.dtype == torch.int32
+    assert out.tolist() == values
+
+
+def test_int_tensor_refuses_values_that_do_not_fit_and_other_dtypes() -> None:
+    with pytest.raises(OverflowError):
+        int_tensor([2**31], torch.int32)
+    with pytest.raises(TypeError, match="int64 or int32"):
+        int_tensor([1], torch.float32)
+    with pytest.raises(TypeError):
+        int_tensor([1.5])
+
+
+def test_int_tensor_outlives_its_buffer() -> None:
+    out = int_tensor(list(range(1000)))
+    garbage = [list(range(1000)) for _ in range(100)]  # reuse freed memory if the buffer were gone
+    assert out.sum().item() == sum(range(1000)) and garbage
+
+
+@settings(max_examples=60)
+@given(st.lists(st.tuples(st.integers(0, 1000), st.integers(0, 20)), max_size=12))
+def test_ragged_arange_and_repeat_each_match_loops(runs: list[tuple[int, int]]) -> None:
+    starts = torch.tensor([s for s, _ in runs], dtype=torch.int64)
+    lens = torch.tensor([n for _, n in runs], dtype=torch.int32)
+    assert ragged_arange(starts, lens).tolist() == [s + i for s, n in runs for i in range(n)]
+    values = torch.arange(len(runs)) * 7
+    assert repeat_each(values, lens).tolist() == [7 * i for i, (_, n) in enumerate(runs) for _ in range(n)]
