@@ -11,6 +11,8 @@ or allocates: the pair can be recorded in a CUDA graph and replayed with new ind
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -24,6 +26,7 @@ from compile_attn.attention.triton_ops._common import (
     next_pow2,
     softcap,
 )
+from compile_attn.attention.triton_ops.launch import CachedLaunch
 
 # Split boundaries are multiples of this many tokens; every stage-1 BLOCK_N divides it.
 SPLIT_ALIGN = 64
@@ -153,6 +156,9 @@ def _decode_split_kernel(
     )
 
 
+_LAUNCH_SPLIT = CachedLaunch(_decode_split_kernel)
+
+
 @triton.jit
 def _decode_merge_kernel(
     Part_Out,
@@ -208,6 +214,9 @@ def _decode_merge_kernel(
     tl.store(Out + b * stride_ob + h * stride_oh + offs_dv, out.to(Out.dtype.element_ty), mask=mask_dv)
 
 
+_LAUNCH_MERGE = CachedLaunch(_decode_merge_kernel)
+
+
 def _split_kernel_config(block_d: int, block_dv: int, use_dot: bool) -> dict:
     """Tile sizes for stage 1. Depends only on head dims and grouping, never on the batch, so a
     request's result does not change with batch composition (deterministic mode relies on this).
@@ -227,6 +236,30 @@ def _split_kernel_config(block_d: int, block_dv: int, use_dot: bool) -> dict:
     if widest <= 64:
         return {"BLOCK_N": 32, "num_warps": 2, "num_stages": 2}
     return {"BLOCK_N": 64 if widest == 128 else 32, "num_warps": 4, "num_stages": 3}
+
+
+@functools.lru_cache(maxsize=256)
+def _launch_meta(
+    num_q_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: int, dtype: torch.dtype, max_kv_splits: int,
+    has_cap: bool,
+) -> tuple[int, dict, dict]:
+    """(head blocks per KV head, stage-1 constexprs and options, stage-2 ones): a function of the shapes only,
+    computed once per shape (decode runs once per layer per step)."""
+    group = num_q_heads // num_kv_heads
+    use_dot = group > 1
+    block_h = min(64, max(16, next_pow2(group))) if use_dot else 1
+    h_blocks = triton.cdiv(group, block_h)
+    block_d, block_dv = next_pow2(head_dim), next_pow2(v_head_dim)
+    split = dict(
+        GROUP=group, BLOCK_H=block_h, H_BLOCKS=h_blocks, BLOCK_D=block_d, BLOCK_DV=block_dv, HEAD_DIM=head_dim,
+        V_HEAD_DIM=v_head_dim, SPLIT_ALIGN=SPLIT_ALIGN, USE_DOT=use_dot, HAS_CAP=has_cap,
+        DOT_PRECISION=dot_precision(_decode_split_kernel, dtype), **_split_kernel_config(block_d, block_dv, use_dot),
+    )
+    merge = dict(
+        V_HEAD_DIM=v_head_dim, BLOCK_DV=block_dv, BLOCK_S=min(next_pow2(max_kv_splits), 16), SPLIT_ALIGN=SPLIT_ALIGN,
+        num_warps=2 if block_dv <= 128 else 4,
+    )
+    return h_blocks, split, merge
 
 
 def compute_num_kv_splits(
@@ -321,13 +354,10 @@ def decode_attention_fwd(
     if bs == 0:
         return
 
-    group = num_q_heads // num_kv_heads
-    use_dot = group > 1
-    block_h = min(64, max(16, next_pow2(group))) if use_dot else 1
-    h_blocks = triton.cdiv(group, block_h)
-    block_d, block_dv = next_pow2(head_dim), next_pow2(v_head_dim)
-    cfg = _split_kernel_config(block_d, block_dv, use_dot)
-    _decode_split_kernel[(bs, num_kv_heads * h_blocks, max_kv_splits)](
+    h_blocks, split_meta, merge_meta = _launch_meta(num_q_heads, num_kv_heads, head_dim, v_head_dim, q.dtype,
+                                                    max_kv_splits, logit_cap > 0)
+    _LAUNCH_SPLIT(
+        (bs, num_kv_heads * h_blocks, max_kv_splits),
         q,
         k_buffer,
         v_buffer,
@@ -351,20 +381,10 @@ def decode_attention_fwd(
         attn_lse.stride(1),
         attn_lse.stride(2),
         max_kv_splits,
-        GROUP=group,
-        BLOCK_H=block_h,
-        H_BLOCKS=h_blocks,
-        BLOCK_D=block_d,
-        BLOCK_DV=block_dv,
-        HEAD_DIM=head_dim,
-        V_HEAD_DIM=v_head_dim,
-        SPLIT_ALIGN=SPLIT_ALIGN,
-        USE_DOT=use_dot,
-        HAS_CAP=logit_cap > 0,
-        DOT_PRECISION=dot_precision(_decode_split_kernel, q.dtype),
-        **cfg,
+        **split_meta,
     )
-    _decode_merge_kernel[(bs, num_q_heads)](
+    _LAUNCH_MERGE(
+        (bs, num_q_heads),
         attn_logits,
         attn_lse,
         out,
@@ -379,9 +399,5 @@ def decode_attention_fwd(
         out.stride(0),
         out.stride(1),
         max_kv_splits,
-        V_HEAD_DIM=v_head_dim,
-        BLOCK_DV=block_dv,
-        BLOCK_S=min(next_pow2(max_kv_splits), 16),
-        SPLIT_ALIGN=SPLIT_ALIGN,
-        num_warps=2 if block_dv <= 128 else 4,
+        **merge_meta,
     )

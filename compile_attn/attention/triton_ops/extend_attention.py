@@ -23,6 +23,7 @@ from compile_attn.attention.triton_ops._common import (
     next_pow2,
     softcap,
 )
+from compile_attn.attention.triton_ops.launch import CachedLaunch
 
 
 @triton.jit
@@ -197,6 +198,9 @@ def _extend_kernel(
     )
 
 
+_LAUNCH_EXTEND = CachedLaunch(_extend_kernel)
+
+
 def _extend_config(block_d: int, block_dv: int) -> dict:
     if is_interpreted(_extend_kernel):
         # Interpreted (CPU tests): smaller tiles than on the GPU, so the short sequences of the
@@ -281,7 +285,8 @@ def extend_attention_fwd(
     block_d, block_dv = next_pow2(head_dim), next_pow2(v_head_dim)
     cfg = _extend_config(block_d, block_dv)
     grid = (num_q_heads, triton.cdiv(max_len_extend, cfg["BLOCK_M"]), bs)
-    _extend_kernel[grid](
+    _LAUNCH_EXTEND(
+        grid,
         q,
         k,
         v,

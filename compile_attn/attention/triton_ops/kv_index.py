@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from compile_attn.attention.triton_ops._common import check_device, next_pow2
+from compile_attn.attention.triton_ops.launch import CachedLaunch
 
 
 @triton.jit
@@ -44,6 +45,9 @@ def _build_kv_indices_kernel(
         tl.store(Kv_Indices + out_lo + offs, slots, mask=mask)
 
 
+_LAUNCH_BUILD_INDICES = CachedLaunch(_build_kv_indices_kernel)
+
+
 def build_kv_indptr(
     seq_lens: torch.Tensor, out: torch.Tensor, kv_start: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -74,7 +78,8 @@ def build_kv_indices(
     bs = req_pool_indices.shape[0]
     if bs == 0:
         return kv_indices_out
-    _build_kv_indices_kernel[(bs,)](
+    _LAUNCH_BUILD_INDICES(
+        (bs,),
         req_to_token,
         req_pool_indices,
         seq_lens,
@@ -134,6 +139,9 @@ def _store_kv_kernel(
     )
 
 
+_LAUNCH_STORE_KV = CachedLaunch(_store_kv_kernel)
+
+
 def store_kv(
     k_buffer: torch.Tensor,
     v_buffer: torch.Tensor,
@@ -158,7 +166,8 @@ def store_kv(
     block_d, block_dv = next_pow2(head_dim), next_pow2(v_head_dim)
     block_h = min(next_pow2(num_kv_heads), max(1, 4096 // max(block_d, block_dv)))
     grid = (num_tokens, triton.cdiv(num_kv_heads, block_h))
-    _store_kv_kernel[grid](
+    _LAUNCH_STORE_KV(
+        grid,
         k_buffer,
         v_buffer,
         loc,
