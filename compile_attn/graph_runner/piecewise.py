@@ -100,12 +100,13 @@ class PiecewiseGraphWrapper:
         self.ops = ops if ops is not None else CudaGraphOps()
         self.captured: dict[int, _Captured] = {}
         self._warned_refusal = False
+        self._cuda = torch.cuda.is_available()  # asked once: this wrapper runs once per piece per step
 
     def _passes_through(self) -> bool:
         """True inside another capture (the runner's full graph) or when the runner runs another mode."""
         if has_forward_context() and get_forward_context().graph_mode not in (None, "piecewise"):
             return True
-        return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        return self._cuda and torch.cuda.is_current_stream_capturing()
 
     def __call__(self, *args: Any) -> Any:
         if not self.capture_sizes or self._passes_through():

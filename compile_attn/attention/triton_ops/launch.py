@@ -49,19 +49,23 @@ def _mirrors_installed_triton() -> bool:
 _SHORT_PATH = _mirrors_installed_triton()
 
 
+def _active(hook: Any) -> bool:
+    """A launch hook that would do something: set, and (for Triton's ``HookChain``) holding at least one call."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 def _hooks_installed() -> bool:
-    """True when a launch enter/exit hook is set (the short path would skip calling it)."""
-    knobs = getattr(triton, "knobs", None)
-    runtime = getattr(knobs, "runtime", None)
+    """True when a launch enter/exit hook is active (the short path does not call hooks)."""
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
     if runtime is not None and (
-        getattr(runtime, "launch_enter_hook", None) is not None or getattr(runtime, "launch_exit_hook", None) is not None
+        _active(getattr(runtime, "launch_enter_hook", None)) or _active(getattr(runtime, "launch_exit_hook", None))
     ):
         return True
     from triton.compiler import CompiledKernel
 
-    return getattr(CompiledKernel, "launch_enter_hook", None) is not None or getattr(
-        CompiledKernel, "launch_exit_hook", None
-    ) is not None
+    return _active(getattr(CompiledKernel, "launch_enter_hook", None)) or _active(
+        getattr(CompiledKernel, "launch_exit_hook", None)
+    )
 
 
 def _arg_key(a: Any) -> Any:
@@ -83,9 +87,7 @@ class CachedLaunch:
         self.slow = 0
         self._cache: dict[tuple, tuple[Any, tuple]] = {}
         self._usable = _SHORT_PATH and isinstance(kernel, JITFunction)
-        if self._usable:
-            params = list(kernel.params)
-            self._names = [p.name for p in params]
+        self._names = list(getattr(kernel, "arg_names", ()))
 
     def __call__(self, grid: Sequence[int], *args: Any, **kwargs: Any) -> None:
         if not self._usable:

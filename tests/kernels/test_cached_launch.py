@@ -1,0 +1,64 @@
+"""CachedLaunch on the CPU: when it may take the short path (installed Triton's launch form, launch hooks), and
+that interpreted kernels always take Triton's regular path with the same results."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from compile_attn.attention.triton_ops import launch
+from compile_attn.attention.triton_ops._common import is_interpreted
+from compile_attn.attention.triton_ops.launch import CachedLaunch
+
+
+def test_installed_triton_launch_form_is_the_one_mirrored() -> None:
+    # If this fails, Triton changed how JITFunction.run launches: CachedLaunch then always takes the regular
+    # path (correct, but slower); update launch.py to the new form.
+    assert launch._SHORT_PATH
+
+
+def test_an_active_launch_hook_turns_the_short_path_off() -> None:
+    runtime = triton.knobs.runtime
+    assert not launch._hooks_installed()
+    hook = runtime.launch_enter_hook
+
+    def record(metadata) -> None:  # noqa: ANN001
+        pass
+
+    if hasattr(hook, "add"):
+        hook.add(record)
+        try:
+            assert launch._hooks_installed()
+        finally:
+            hook.remove(record)
+    else:
+        runtime.launch_enter_hook = record
+        try:
+            assert launch._hooks_installed()
+        finally:
+            runtime.launch_enter_hook = hook
+    assert not launch._hooks_installed()
+
+
+@triton.jit
+def _fill_kernel(X, value, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(X + offs, value, mask=offs < n)
+
+
+def test_interpreted_kernels_take_the_regular_path_every_time() -> None:
+    cached = CachedLaunch(_fill_kernel)
+    x = torch.zeros(8)
+    for value in (3.0, 3.0, 5.0):
+        cached((1,), x, value, 6, BLOCK=8)
+        assert x.tolist() == [value] * 6 + [0.0, 0.0]
+    if is_interpreted(_fill_kernel):
+        assert (cached.fast, cached.slow) == (0, 3)
+
+
+def test_arguments_are_rebuilt_only_when_every_parameter_is_passed() -> None:
+    cached = CachedLaunch(_fill_kernel)
+    assert cached._launch_args(("x", 1.0, 6), {"BLOCK": 8}) == ("x", 1.0, 6, 8)
+    assert cached._launch_args(("x", 1.0, 6), {}) is None  # BLOCK left out: the launch could not be rebuilt
+    assert not cached._usable
