@@ -362,12 +362,15 @@ class TritonBackend(AttentionBackend):
         bs = step.batch_size
         idx = step.indexes[layer.sliding_window]
         scratch = step.scratch[(layer.num_heads, layer.v_head_dim)]
-        qd = _last_dim_contiguous(q[:bs])
-        _run_into(out[:bs], lambda o: self._ops.decode_attention_fwd(
+        # This runs once per layer per step (between piecewise graphs: on the host's critical path), so the
+        # common case (one row per request, contiguous rows) takes no slicing or copying.
+        padded = out.shape[0] > bs
+        qd = _last_dim_contiguous(q[:bs] if q.shape[0] != bs else q)
+        _run_into(out[:bs] if padded else out, lambda o: self._ops.decode_attention_fwd(
             qd, k_buf, v_buf, o, idx.kv_indptr, idx.kv_indices, idx.num_kv_splits, self.max_kv_splits,
             scratch.attn_logits, scratch.attn_lse, layer.scaling, layer.logit_cap,
         ))
-        if out.shape[0] > bs:
+        if padded:
             out[bs:].zero_()
 
     def forward_extend(self, q, k, v, layer, fb, out, save_kv_cache) -> None:

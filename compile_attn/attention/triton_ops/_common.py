@@ -43,7 +43,7 @@ def check_device(kernel, *tensors: torch.Tensor) -> None:
     if is_interpreted(kernel):
         return
     for t in tensors:
-        if t is not None and t.device.type != "cuda":
+        if t is not None and not t.is_cuda:
             raise ValueError(
                 f"triton attention kernels need CUDA tensors, got one on {t.device}; "
                 "use backend='torch_native' (or TRITON_INTERPRET=1 for CPU tests)"

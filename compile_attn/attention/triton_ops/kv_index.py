@@ -7,6 +7,8 @@ they can be recorded in a CUDA graph when the buffers are static.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -142,6 +144,13 @@ def _store_kv_kernel(
 _LAUNCH_STORE_KV = CachedLaunch(_store_kv_kernel)
 
 
+@functools.lru_cache(maxsize=64)
+def _store_blocks(num_kv_heads: int, head_dim: int, v_head_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_H, BLOCK_D, BLOCK_DV) of the K/V store: per shape, computed once (it runs once per layer per step)."""
+    block_d, block_dv = next_pow2(head_dim), next_pow2(v_head_dim)
+    return min(next_pow2(num_kv_heads), max(1, 4096 // max(block_d, block_dv))), block_d, block_dv
+
+
 def store_kv(
     k_buffer: torch.Tensor,
     v_buffer: torch.Tensor,
@@ -163,8 +172,7 @@ def store_kv(
     for name, t in (("k", k), ("v", v), ("k_buffer", k_buffer), ("v_buffer", v_buffer)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension")
-    block_d, block_dv = next_pow2(head_dim), next_pow2(v_head_dim)
-    block_h = min(next_pow2(num_kv_heads), max(1, 4096 // max(block_d, block_dv)))
+    block_h, block_d, block_dv = _store_blocks(num_kv_heads, head_dim, v_head_dim)
     grid = (num_tokens, triton.cdiv(num_kv_heads, block_h))
     _LAUNCH_STORE_KV(
         grid,
