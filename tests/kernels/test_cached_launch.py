@@ -59,6 +59,8 @@ def test_interpreted_kernels_take_the_regular_path_every_time() -> None:
 
 def test_arguments_are_rebuilt_only_when_every_parameter_is_passed() -> None:
     cached = CachedLaunch(_fill_kernel)
-    assert cached._launch_args(("x", 1.0, 6), {"BLOCK": 8}) == ("x", 1.0, 6, 8)
-    assert cached._launch_args(("x", 1.0, 6), {}) is None  # BLOCK left out: the launch could not be rebuilt
+    x = torch.zeros(8)
+    assert cached._trailing_args(3, {"BLOCK": 8}) == (8,)  # constexprs only: a cache entry holds no tensor
+    assert all(not isinstance(v, torch.Tensor) for v in cached._trailing_args(3, {"BLOCK": 8, "unused": x}))
+    assert cached._trailing_args(3, {}) is None  # BLOCK left out: the launch could not be rebuilt
     assert not cached._usable

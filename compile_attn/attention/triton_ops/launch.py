@@ -97,28 +97,31 @@ class CachedLaunch:
         key = (tuple(map(_arg_key, args)), tuple(kwargs.items()))
         hit = self._cache.get(key)
         if hit is not None and not _hooks_installed():
-            compiled, launch_args = hit
+            compiled, constexprs = hit
             device = driver.active.get_current_device()
             stream = driver.active.get_current_stream(device)
             g = (*grid, 1, 1)
             compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, None, None, None,
-                         *launch_args)
+                         *args, *constexprs)
             self.fast += 1
             return
         self.slow += 1
         compiled = self.kernel[grid](*args, **kwargs)
-        launch_args = self._launch_args(args, kwargs)
-        if launch_args is None or not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
+        constexprs = self._trailing_args(len(args), kwargs)
+        if constexprs is None or not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
             return  # not a form this module mirrors: this kernel always takes the regular path from now on
         if len(self._cache) >= MAX_ENTRIES:
             self._cache.clear()
-        self._cache[key] = (compiled, launch_args)
+        # The entry holds no tensors (the key has their addresses, a hit passes the caller's own): caching a
+        # launch never keeps memory alive.
+        self._cache[key] = (compiled, constexprs)
 
-    def _launch_args(self, args: tuple, kwargs: dict) -> tuple | None:
-        """The arguments ``JITFunction.run`` passes to ``CompiledKernel.run``, or None if they cannot be rebuilt
-        (a parameter left to its default): then the short path is switched off for this kernel."""
-        values = list(args)
-        for name in self._names[len(args):]:
+    def _trailing_args(self, num_positional: int, kwargs: dict) -> tuple | None:
+        """The keyword parameters (constexprs), in signature order, that ``JITFunction.run`` passes after the
+        positional ones to ``CompiledKernel.run``; None if one is left to its default (then the short path is
+        switched off for this kernel)."""
+        values = []
+        for name in self._names[num_positional:]:
             if name not in kwargs:
                 self._usable = False
                 logger.debug("CachedLaunch: %s leaves %s to its default; using kernel[grid] for it", self.kernel, name)
