@@ -1,0 +1,63 @@
+"""Host time of one engine prefill step before the model runs: what the GPU would wait for.
+
+``LLM.generate`` of ``requests x prompt_len`` prompt tokens with ``max_new_tokens=1`` (one step), timed from the
+call to each stage: the scheduler (slot allocation included), the model call (``GraphRunner.run``: batch built,
+metadata prepared) and the end. Runs anywhere (the model is tiny but keeps the real vocabulary; no graphs), since
+the stages before the model call are pure host work whose cost does not depend on the device.
+
+    python benchmarks/profile_engine_host.py --requests 8 --prompt-len 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from compile_attn import bench
+from compile_attn.engine import LLM, SamplingParams
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=1024)
+    parser.add_argument("--iters", type=int, default=9)
+    args = parser.parse_args()
+
+    tokens = args.requests * args.prompt_len
+    shape = dict(bench.TINY, vocab_size=bench.LLAMA_1B["vocab_size"], max_position_embeddings=args.prompt_len + 64)
+    model = bench._hf_model(bench.BenchConfig(shape=shape, device="cpu"), "sdpa", torch.float32)
+    llm = LLM(model, attn_backend="torch_native", max_batch_size=args.requests, max_num_tokens=tokens,
+              kv_cache_tokens=tokens + 1024, max_context=args.prompt_len + 64, device="cpu", dtype=torch.float32,
+              compile=False, graph_mode="none")
+    marks: dict[str, float] = {}
+
+    def timed(name: str, fn):  # noqa: ANN001, ANN202
+        def wrapper(*a, **k):  # noqa: ANN002, ANN003, ANN202
+            marks[name] = time.perf_counter()
+            return fn(*a, **k)
+        return wrapper
+
+    llm.scheduler.schedule = timed("schedule", llm.scheduler.schedule)
+    llm.step_runner.runner.run = timed("model call", llm.step_runner.runner.run)
+    prompts = torch.randint(0, shape["vocab_size"], (args.requests, args.prompt_len),
+                            generator=torch.Generator().manual_seed(0)).tolist()
+    params = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    llm.generate(prompts, params)
+    rows: dict[str, list[float]] = {"schedule": [], "model call": []}
+    for _ in range(args.iters):
+        start = time.perf_counter()
+        llm.generate(prompts, params)
+        for name in rows:
+            rows[name].append((marks[name] - start) * 1e3)
+    print(f"## host time from generate() to each stage, {args.requests} x {args.prompt_len} tokens "
+          f"(median of {args.iters})\n\n| stage reached | ms |\n|---|---|")
+    for name, values in rows.items():
+        print(f"| {name} | {statistics.median(values):.2f} |")
+
+
+if __name__ == "__main__":
+    main()
