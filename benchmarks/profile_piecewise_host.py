@@ -14,10 +14,7 @@ the host cost).
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import logging
-import pstats
 import time
 from collections.abc import Callable
 
@@ -54,18 +51,6 @@ def issue_us(fn: Callable[[], object], calls: int = 200) -> tuple[float, float]:
         issue.append((t1 - t0) * 1e6)
         wall.append((t2 - t0) * 1e6)
     return sorted(issue)[calls // 2], sorted(wall)[calls // 2]
-
-
-def cprofile(fn: Callable[[], object], calls: int = 30, top: int = 30) -> str:
-    prof = cProfile.Profile()
-    for _ in range(calls):
-        prof.enable()
-        fn()
-        prof.disable()
-        torch.cuda.synchronize()
-    buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
-    return buf.getvalue()
 
 
 def main() -> None:
@@ -120,8 +105,8 @@ def main() -> None:
             parts["torch add_ (one aten launch, reference)"] = lambda: out.add_(1.0)
             for name, fn in parts.items():
                 lines.append(f"{name}: {per_call_us(fn):.1f} us per call")
-            attention_profile = cprofile(parts["torch.ops.compile_attn.attention"], calls=200)
-    step_profile = cprofile(step)
+            attention_profile = bench.host_profile(parts["torch.ops.compile_attn.attention"], calls=200, top=30)
+    step_profile = bench.host_profile(step, calls=30, top=30)
     print("\n".join(lines))
     print(f"\n### cProfile of 30 steps (by self time)\n```\n{step_profile}\n```")
     print(f"\n### cProfile of 200 attention op calls (by self time)\n```\n{attention_profile}\n```")

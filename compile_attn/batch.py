@@ -248,7 +248,7 @@ def _to_device(parts: list[torch.Tensor | Sequence[int]], dtype: torch.dtype, de
     out: list[torch.Tensor | None] = [None] * len(parts)
     host: list[tuple[int, torch.Tensor]] = []
     for i, x in enumerate(parts):
-        if isinstance(x, torch.Tensor) and x.device != torch.device("cpu"):
+        if isinstance(x, torch.Tensor) and not x.is_cpu:
             out[i] = x.to(device=device, dtype=dtype)
         else:
             t = x.to(dtype) if isinstance(x, torch.Tensor) else int_tensor(list(x), dtype)

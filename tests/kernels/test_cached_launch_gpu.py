@@ -4,6 +4,7 @@ argument (new buffer, new scalar) takes Triton's regular path; results match the
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -30,27 +31,47 @@ def _reference(cache, q, scale):
     return torch.cat(outs)
 
 
+@dataclass
+class DecodeCase:
+    """Static decode inputs (device-built metadata) over a random paged cache; ``run`` decodes into ``out``."""
+
+    cache: object
+    q: torch.Tensor
+    out: torch.Tensor
+    indptr: torch.Tensor
+    indices: torch.Tensor
+    splits: torch.Tensor
+    logits: torch.Tensor
+    lse: torch.Tensor
+
+    @classmethod
+    def make(cls, lengths: list[int], gen: torch.Generator) -> DecodeCase:
+        cache = make_paged_cache(lengths, 2, 64, 64, 1, torch.bfloat16, gen, device="cuda")
+        bs = len(lengths)
+        seq_lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+        indptr = torch.empty(bs + 1, dtype=torch.int32, device="cuda")
+        build_kv_indptr(seq_lens, indptr)
+        indices = torch.empty(int(seq_lens.sum()), dtype=torch.int32, device="cuda")
+        build_kv_indices(cache.req_to_token, cache.rows, seq_lens, indptr, indices)
+        q = torch.randn(bs, 8, 64, generator=gen).to(torch.bfloat16).cuda()
+        return cls(cache, q, torch.zeros_like(q), indptr, indices,
+                   compute_num_kv_splits(seq_lens, 132, SPLITS, num_kv_heads=2),
+                   torch.empty(bs, 8, SPLITS, 64, device="cuda"), torch.empty(bs, 8, SPLITS, device="cuda"))
+
+    def run(self, scale: float) -> None:
+        decode_module.decode_attention_fwd(self.q, self.cache.k_buffer, self.cache.v_buffer, self.out, self.indptr,
+                                           self.indices, self.splits, SPLITS, self.logits, self.lse, scale)
+
+
 def test_repeated_decode_takes_the_short_path_and_reads_live_data() -> None:
     gen = torch.Generator().manual_seed(7)
-    lengths = [3, 200, 64, 1000]
-    cache = make_paged_cache(lengths, 2, 64, 64, 1, torch.bfloat16, gen, device="cuda")
-    bs, scale = len(lengths), 1 / math.sqrt(64)
-    seq_lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
-    indptr = torch.empty(bs + 1, dtype=torch.int32, device="cuda")
-    build_kv_indptr(seq_lens, indptr)
-    indices = torch.empty(int(seq_lens.sum()), dtype=torch.int32, device="cuda")
-    build_kv_indices(cache.req_to_token, cache.rows, seq_lens, indptr, indices)
-    splits = compute_num_kv_splits(seq_lens, 132, SPLITS, num_kv_heads=2)
-    q = torch.randn(bs, 8, 64, generator=gen).to(torch.bfloat16).cuda()
-    out = torch.empty_like(q)
-    logits = torch.empty(bs, 8, SPLITS, 64, device="cuda")
-    lse = torch.empty(bs, 8, SPLITS, device="cuda")
+    case = DecodeCase.make([3, 200, 64, 1000], gen)
+    cache, q, scale = case.cache, case.q, 1 / math.sqrt(64)
 
     def run(scale_: float = scale) -> torch.Tensor:
-        out.fill_(float("nan"))
-        decode_module.decode_attention_fwd(q, cache.k_buffer, cache.v_buffer, out, indptr, indices, splits, SPLITS,
-                                           logits, lse, scale_)
-        return out.clone()
+        case.out.fill_(float("nan"))
+        case.run(scale_)
+        return case.out.clone()
 
     launch: CachedLaunch = decode_module._LAUNCH_SPLIT
     run()
@@ -59,7 +80,7 @@ def test_repeated_decode_takes_the_short_path_and_reads_live_data() -> None:
     assert launch.fast == fast + 1, "an identical second launch did not take the short path"
     assert rel_err(first, _reference(cache, q, scale)) <= TOLERANCE[torch.bfloat16]
     # same pointers, new contents: the short path reads them (nothing of the data is cached)
-    q.copy_(torch.randn(bs, 8, 64, generator=gen).to(torch.bfloat16))
+    q.copy_(torch.randn(*q.shape, generator=gen).to(torch.bfloat16))
     cache.k_buffer.normal_()
     again = run()
     assert launch.fast == fast + 2
@@ -73,30 +94,18 @@ def test_repeated_decode_takes_the_short_path_and_reads_live_data() -> None:
 
 def test_cached_launch_inside_cuda_graph_capture_uses_the_capture_stream() -> None:
     gen = torch.Generator().manual_seed(8)
-    lengths = [17, 300]
-    cache = make_paged_cache(lengths, 2, 64, 64, 1, torch.bfloat16, gen, device="cuda")
-    bs, scale = len(lengths), 1 / math.sqrt(64)
-    seq_lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
-    indptr = torch.empty(bs + 1, dtype=torch.int32, device="cuda")
-    build_kv_indptr(seq_lens, indptr)
-    indices = torch.empty(int(seq_lens.sum()), dtype=torch.int32, device="cuda")
-    build_kv_indices(cache.req_to_token, cache.rows, seq_lens, indptr, indices)
-    splits = compute_num_kv_splits(seq_lens, 132, SPLITS, num_kv_heads=2)
-    q = torch.randn(bs, 8, 64, generator=gen).to(torch.bfloat16).cuda()
-    out = torch.zeros_like(q)
-    logits = torch.empty(bs, 8, SPLITS, 64, device="cuda")
-    lse = torch.empty(bs, 8, SPLITS, device="cuda")
+    case = DecodeCase.make([17, 300], gen)
+    cache, q, out, scale = case.cache, case.q, case.out, 1 / math.sqrt(64)
 
     def step() -> None:
-        decode_module.decode_attention_fwd(q, cache.k_buffer, cache.v_buffer, out, indptr, indices, splits, SPLITS,
-                                           logits, lse, scale)
+        case.run(scale)
 
     step()
     step()  # cached: the capture below records short-path launches
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    q.copy_(torch.randn(bs, 8, 64, generator=gen).to(torch.bfloat16))
+    q.copy_(torch.randn(*q.shape, generator=gen).to(torch.bfloat16))
     out.zero_()
     graph.replay()
     torch.cuda.synchronize()

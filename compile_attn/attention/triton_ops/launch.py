@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 import triton
+from triton.compiler import CompiledKernel
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
@@ -61,8 +62,6 @@ def _hooks_installed() -> bool:
         _active(getattr(runtime, "launch_enter_hook", None)) or _active(getattr(runtime, "launch_exit_hook", None))
     ):
         return True
-    from triton.compiler import CompiledKernel
-
     return _active(getattr(CompiledKernel, "launch_enter_hook", None)) or _active(
         getattr(CompiledKernel, "launch_exit_hook", None)
     )
