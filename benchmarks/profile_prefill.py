@@ -42,6 +42,19 @@ def sync_sites(fn) -> dict[str, int]:
     return dict(sites)
 
 
+def idle_gaps(kernels, top: int = 12) -> tuple[float, list[tuple[float, str, str]]]:
+    """Total GPU idle time (ms) between the first and last kernel, and the ``top`` longest gaps as
+    (ms, kernel before, kernel after): where the GPU waited for the host."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in kernels)
+    gaps, end, prev = [], spans[0][1], spans[0][2]
+    for start, stop, name in spans[1:]:
+        if start > end:
+            gaps.append(((start - end) / 1e3, prev, name))
+        if stop > end:
+            end, prev = stop, name
+    return sum(g[0] for g in gaps), sorted(gaps, reverse=True)[:top]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="triton")
@@ -90,6 +103,11 @@ def main() -> None:
     for row in rows[:25]:
         print(f"| {row['kernel'][:100]} | {row['count']} | {row['total_us'] / 1e3:.2f} | "
               f"{100 * row['total_us'] / 1e3 / busy_ms:.0f}% |")
+    idle_ms, gaps = idle_gaps(kernels)
+    print(f"\nGPU idle between first and last kernel: {idle_ms:.2f} ms; longest gaps:\n")
+    print("| gap ms | after | before |\n|---|---|---|")
+    for ms, before, after in gaps:
+        print(f"| {ms:.3f} | {before[:70]} | {after[:70]} |")
     print("\n```\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20,
                                                    max_name_column_width=60) + "\n```")
     print("\n## synchronizing CUDA calls in one prefill step (torch.cuda.set_sync_debug_mode)\n")
@@ -97,7 +115,7 @@ def main() -> None:
         print(f"- {count} x\n```\n{site}```")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(wall_ms=wall_ms, busy_ms=busy_ms, span_ms=span_ms, flops=flops,
+            json.dump(dict(wall_ms=wall_ms, busy_ms=busy_ms, span_ms=span_ms, idle_ms=idle_ms, flops=flops,
                            kernels=rows), f, indent=1)
 
 

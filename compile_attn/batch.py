@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from compile_attn.errors import InvalidBatchError
-from compile_attn.host_tensors import int_tensor, ragged_arange
+from compile_attn.host_tensors import int_tensor, ragged_arange, to_device
 
 if TYPE_CHECKING:
     from compile_attn.kv_cache import KVCache
@@ -120,13 +120,13 @@ class ForwardBatch:
         for e in extend_lens:
             start_loc.append(acc)
             acc += e
-        if positions is None:
-            positions = ragged_arange(int_tensor(prefix_lens), int_tensor(extend_lens))
         if input_ids is None:
             input_ids = torch.zeros(num_tokens, dtype=torch.int64)
-        # Host values go to the device in one copy per dtype (each pageable copy waits for the stream).
-        longs = _to_device([input_ids, positions, req_idx, out_cache_loc], torch.int64, device)
-        ints = _to_device([seq_lens, prefix_lens, extend_lens, start_loc], torch.int32, device)
+        # Host values go to the device in one copy per dtype; default positions are expanded there.
+        ints = to_device([seq_lens, prefix_lens, extend_lens, start_loc], torch.int32, device)
+        if positions is None:
+            positions = ragged_arange(ints[1], ints[2], num_tokens)
+        longs = to_device([input_ids, positions, req_idx, out_cache_loc], torch.int64, device)
         return cls(
             forward_mode=forward_mode,
             batch_size=bs,
@@ -242,19 +242,3 @@ class ForwardBatch:
                     f"create the KVCache with a larger max_context"
                 )
 
-
-def _to_device(parts: list[torch.Tensor | Sequence[int]], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-    """``parts`` (int lists or tensors) as ``dtype`` tensors on ``device``: the host ones through a single copy."""
-    out: list[torch.Tensor | None] = [None] * len(parts)
-    host: list[tuple[int, torch.Tensor]] = []
-    for i, x in enumerate(parts):
-        if isinstance(x, torch.Tensor) and not x.is_cpu:
-            out[i] = x.to(device=device, dtype=dtype)
-        else:
-            t = x.to(dtype) if isinstance(x, torch.Tensor) else int_tensor(list(x), dtype)
-            host.append((i, t.reshape(-1) if t.dim() == 0 else t))
-    if host:
-        flat = torch.cat([t for _, t in host]).to(device)
-        for (i, t), piece in zip(host, flat.split([t.numel() for _, t in host])):
-            out[i] = piece.view(t.shape)
-    return out  # type: ignore[return-value]

@@ -269,10 +269,11 @@ class KVCache:
             self._lens[row] = start + n
         if not slots:
             return torch.empty(0, dtype=torch.int64, device=self.device)
-        # One host-to-device copy of [row, position, slot] per token; the table is written on the device.
-        lens = int_tensor(extend_lens)
-        host = torch.stack([repeat_each(int_tensor(rows), lens), ragged_arange(int_tensor(starts), lens),
-                            int_tensor(slots)])
-        rows_t, cols_t, out = host.to(self.device).unbind(0)
-        self.req_to_token[rows_t, cols_t] = out.to(torch.int32)
+        # One host-to-device copy (slots, then rows / starts / lengths per request); the per-token row and
+        # position are expanded and the table written on the device.
+        bs = len(starts)
+        flat = int_tensor([*slots, *rows, *starts, *extend_lens]).to(self.device)
+        out, rows_t, starts_t, lens_t = flat.split([len(slots), bs, bs, bs])
+        total = len(slots)
+        self.req_to_token[repeat_each(rows_t, lens_t, total), ragged_arange(starts_t, lens_t, total)] = out.to(torch.int32)
         return out

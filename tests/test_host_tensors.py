@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compile_attn.host_tensors import int_tensor, ragged_arange, repeat_each
+from compile_attn.host_tensors import int_tensor, ragged_arange, repeat_each, to_device
 
 ints64 = st.integers(min_value=-(2**63), max_value=2**63 - 1)
 ints32 = st.integers(min_value=-(2**31), max_value=2**31 - 1)
@@ -50,3 +50,32 @@ def test_ragged_arange_and_repeat_each_match_loops(runs: list[tuple[int, int]]) 
     assert ragged_arange(starts, lens).tolist() == [s + i for s, n in runs for i in range(n)]
     values = torch.arange(len(runs)) * 7
     assert repeat_each(values, lens).tolist() == [7 * i for i, (_, n) in enumerate(runs) for _ in range(n)]
+    total = sum(n for _, n in runs)  # a caller-supplied total gives the same result
+    assert ragged_arange(starts, lens, total).tolist() == ragged_arange(starts, lens).tolist()
+    assert repeat_each(values, lens, total).tolist() == repeat_each(values, lens).tolist()
+
+
+@pytest.mark.gpu
+@settings(max_examples=20, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 1000), st.integers(0, 20)), min_size=1, max_size=12))
+def test_ragged_helpers_on_cuda_match_loops_without_reading_back(runs: list[tuple[int, int]]) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    starts = torch.tensor([s for s, _ in runs], dtype=torch.int32, device="cuda")
+    lens = torch.tensor([n for _, n in runs], dtype=torch.int32, device="cuda")
+    total = sum(n for _, n in runs)
+    torch.cuda.set_sync_debug_mode("error")  # a read-back of the total would raise
+    try:
+        pos = ragged_arange(starts, lens, total)
+        rep = repeat_each(starts, lens, total)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert pos.device.type == "cuda" and pos.tolist() == [s + i for s, n in runs for i in range(n)]
+    assert rep.tolist() == [s for s, n in runs for _ in range(n)]
+
+
+def test_to_device_packs_lists_and_host_tensors_and_keeps_shapes() -> None:
+    parts = [[1, 2, 3], torch.tensor([[4, 5], [6, 7]], dtype=torch.int32), torch.tensor(8), []]
+    out = to_device(parts, torch.int64, torch.device("cpu"))
+    assert [t.dtype for t in out] == [torch.int64] * 4
+    assert [t.tolist() for t in out] == [[1, 2, 3], [[4, 5], [6, 7]], [8], []]
