@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from itertools import accumulate
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,6 +22,7 @@ from compile_attn.engine.sampler import sample
 from compile_attn.engine.sampling_params import SamplingParams
 from compile_attn.engine.scheduler import ScheduledStep, Scheduler
 from compile_attn.engine.step_runner import StepRunner
+from compile_attn.host_tensors import to_device
 from compile_attn.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
@@ -158,21 +160,20 @@ class LLM:
 
     # ------------------------------------------------------------------ internals
     def _sample(self, step: ScheduledStep, fb: ForwardBatch, sampled: list[int]) -> list[int]:
-        ends = torch.tensor(fb.extend_seq_lens_cpu).cumsum(0) - 1
-        keep = ends[sampled]
-        logits = self.step_runner.run(fb, keep.to(self.device))
+        ends = list(accumulate(fb.extend_seq_lens_cpu))
+        keep = [ends[i] - 1 for i in sampled]
+        reqs = [step.requests[i] for i in sampled]
+        # Two host-to-device copies for the step (one per dtype), not one per field.
+        keep_t, top_k, seeds, positions = to_device(
+            [keep, [r.params.top_k for r in reqs], [r.seed for r in reqs], [len(r.token_ids) for r in reqs]],
+            torch.int64, self.device)
+        logits = self.step_runner.run(fb, keep_t)
         if not sampled:  # every request in the step is mid-way through a chunked prefill
             return []
-        reqs = [step.requests[i] for i in sampled]
-        dev = self.device
-        tokens = sample(
-            logits,
-            temperature=torch.tensor([r.params.temperature for r in reqs], device=dev, dtype=torch.float32),
-            top_k=torch.tensor([r.params.top_k for r in reqs], device=dev, dtype=torch.int64),
-            top_p=torch.tensor([r.params.top_p for r in reqs], device=dev, dtype=torch.float32),
-            seeds=torch.tensor([r.seed for r in reqs], device=dev, dtype=torch.int64),
-            positions=torch.tensor([len(r.token_ids) for r in reqs], device=dev, dtype=torch.int64),
-        )
+        temperature, top_p = torch.tensor(
+            [[r.params.temperature for r in reqs], [r.params.top_p for r in reqs]], dtype=torch.float32
+        ).to(self.device).unbind(0)
+        tokens = sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds, positions=positions)
         return tokens.tolist()  # the step's one host sync
 
     def _stop_reason(self, r: Request, tok: int) -> str | None:
