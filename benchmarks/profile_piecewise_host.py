@@ -95,13 +95,14 @@ def main() -> None:
             ops = getattr(backend, "_ops", None)
             if ops is not None and hasattr(ops, "store_kv"):
                 kb, vb = setup.kv.pool.get_kv(0)
-                parts["triton_ops.store_kv"] = lambda: ops.store_kv(kb, vb, fb.out_cache_loc, k, v)
+                parts["triton_ops.store_kv (not used by decode: fused into the split kernel)"] = (
+                    lambda: ops.store_kv(kb, vb, fb.out_cache_loc, k, v))
                 step_md = backend.step_metadata
                 idx = step_md.indexes[None]
                 sc = step_md.scratch[(hq, layer.v_head_dim)]
-                parts["triton_ops.decode_attention_fwd"] = lambda: ops.decode_attention_fwd(
+                parts["triton_ops.decode_attention_fwd (with the fused store)"] = lambda: ops.decode_attention_fwd(
                     q, kb, vb, out, idx.kv_indptr, idx.kv_indices, idx.num_kv_splits, backend.max_kv_splits,
-                    sc.attn_logits, sc.attn_lse, layer.scaling, 0.0)
+                    sc.attn_logits, sc.attn_lse, layer.scaling, 0.0, k_new=k, v_new=v, new_loc=fb.out_cache_loc)
             parts["torch add_ (one aten launch, reference)"] = lambda: out.add_(1.0)
             for name, fn in parts.items():
                 lines.append(f"{name}: {per_call_us(fn):.1f} us per call")

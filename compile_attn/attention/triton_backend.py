@@ -352,23 +352,20 @@ class TritonBackend(AttentionBackend):
     def forward_decode(self, q, k, v, layer, fb, out, save_kv_cache) -> None:
         step = self._require_step(decode=True)
         assert isinstance(step, DecodeStep)
-        if not save_kv_cache:
-            raise UnsupportedConfigError(
-                "the triton decode kernel reads the new token's K/V from the pool, so it needs save_kv_cache=True; "
-                "use backend='torch_native' for decode without saving K/V"
-            )
         k_buf, v_buf = self.kv_cache.pool.get_kv(layer.layer_id)
-        self._ops.store_kv(k_buf, v_buf, fb.out_cache_loc, _last_dim_contiguous(k), _last_dim_contiguous(v))
         bs = step.batch_size
         idx = step.indexes[layer.sliding_window]
         scratch = step.scratch[(layer.num_heads, layer.v_head_dim)]
         # This runs once per layer per step (between piecewise graphs: on the host's critical path), so the
-        # common case (one row per request, contiguous rows) takes no slicing or copying.
+        # common case (one row per request, contiguous rows) takes no slicing or copying. The kernel takes
+        # each request's new token from k/v and (save_kv_cache) stores it: no separate store_kv launch.
         padded = out.shape[0] > bs
         qd = _last_dim_contiguous(q[:bs] if q.shape[0] != bs else q)
+        k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
+        loc = fb.out_cache_loc if save_kv_cache else None
         _run_into(out[:bs] if padded else out, lambda o: self._ops.decode_attention_fwd(
             qd, k_buf, v_buf, o, idx.kv_indptr, idx.kv_indices, idx.num_kv_splits, self.max_kv_splits,
-            scratch.attn_logits, scratch.attn_lse, layer.scaling, layer.logit_cap,
+            scratch.attn_logits, scratch.attn_lse, layer.scaling, layer.logit_cap, k_new=k, v_new=v, new_loc=loc,
         ))
         if padded:
             out[bs:].zero_()

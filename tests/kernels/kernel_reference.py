@@ -112,3 +112,24 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 1e-2}
+
+
+def take_new_tokens(cache: PagedCache, bs: int, gen: torch.Generator, device: str = DEVICE) -> tuple:
+    """Move each request's last token out of the cache, as a decode step's new K/V: returns strided fp32
+    ``k_new``/``v_new`` views (one spare row, as in a padded graph batch), ``new_loc`` and the original
+    cache rows. The cache slots are poisoned with NaN, so attending to them instead of k_new/v_new shows."""
+    num_kv_heads, head_dim = cache.k_buffer.shape[1:]
+    v_head_dim = cache.v_buffer.shape[-1]
+    packed = torch.randn(bs + 1, num_kv_heads, head_dim + v_head_dim + 8, generator=gen).to(device)
+    k_new, v_new = packed[:, :, :head_dim], packed[:, :, head_dim:head_dim + v_head_dim]
+    new_loc = torch.zeros(bs + 1, dtype=torch.int64, device=device)  # empty requests keep scratch slot 0
+    for b, n in enumerate(cache.lengths):
+        if n:
+            slot = cache.slots(b, 0)[-1]
+            new_loc[b] = slot
+            k_new[b], v_new[b] = cache.k_buffer[slot].float(), cache.v_buffer[slot].float()
+    original = (cache.k_buffer.clone(), cache.v_buffer.clone())
+    last = new_loc[: bs][torch.tensor(cache.lengths, device=device) > 0]
+    cache.k_buffer[last] = float("nan")
+    cache.v_buffer[last] = float("nan")
+    return k_new, v_new, new_loc, original

@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kernel_reference import DEVICE, TOLERANCE, make_paged_cache, reference_attention, rel_err
+from kernel_reference import DEVICE, TOLERANCE, make_paged_cache, reference_attention, rel_err, take_new_tokens
 
 from compile_attn.attention.triton_ops import (
     SUPPORTED_HEAD_DIMS,
@@ -18,8 +18,9 @@ from compile_attn.attention.triton_ops import (
 )
 
 
-def run_decode(cache, q, starts, num_kv_splits, max_kv_splits, sm_scale, logit_cap=0.0):
-    """Host-built CSR (independent of build_kv_indices), poisoned scratch and output."""
+def run_decode(cache, q, starts, num_kv_splits, max_kv_splits, sm_scale, logit_cap=0.0, new_tokens=None):
+    """Host-built CSR (independent of build_kv_indices), poisoned scratch and output. ``new_tokens``:
+    (k_new, v_new, new_loc) for the fused K/V store."""
     bs, num_q_heads, _ = q.shape
     v_head_dim = cache.v_buffer.shape[-1]
     slots = [cache.slots(b, starts[b]) for b in range(bs)]
@@ -41,6 +42,7 @@ def run_decode(cache, q, starts, num_kv_splits, max_kv_splits, sm_scale, logit_c
         lse,
         sm_scale,
         logit_cap,
+        **({} if new_tokens is None else dict(zip(("k_new", "v_new", "new_loc"), new_tokens))),
     )
     return out
 
@@ -72,6 +74,7 @@ def decode_cases(draw):
         "logit_cap": draw(st.sampled_from([0.0, 0.0, 2.0])),
         "max_kv_splits": draw(st.sampled_from([1, 3, 8])),
         "auto_splits": draw(st.booleans()),
+        "fused_store": draw(st.booleans()),
         "seed": draw(st.integers(0, 2**31 - 1)),
     }
 
@@ -100,10 +103,50 @@ def test_decode_matches_reference(case):
     else:  # includes out-of-range counts (0, > max) that the kernels clamp
         num_kv_splits = torch.randint(0, max_kv_splits + 3, (bs,), generator=gen).int().to(DEVICE)
     sm_scale = 1 / math.sqrt(head_dim)
-    out = run_decode(cache, q, starts, num_kv_splits, max_kv_splits, sm_scale, case["logit_cap"])
+    new_tokens = original = None
+    if case["fused_store"]:
+        *new_tokens, original = take_new_tokens(cache, bs, gen)
+    out = run_decode(cache, q, starts, num_kv_splits, max_kv_splits, sm_scale, case["logit_cap"], new_tokens)
+    if original is not None:  # the fused store put every new token back, bit for bit
+        assert torch.equal(cache.k_buffer, original[0]) and torch.equal(cache.v_buffer, original[1])
     ref = reference_decode(cache, q, starts, sm_scale, case["logit_cap"])
     assert not out.isnan().any()
     assert rel_err(out, ref) <= TOLERANCE[case["dtype"]]
+
+
+def test_decode_fused_store_without_new_loc_attends_but_does_not_store():
+    gen = torch.Generator().manual_seed(5)
+    cache = make_paged_cache([1, 40, 130], 2, 64, 64, 16, torch.bfloat16, gen)
+    q = torch.randn(3, 8, 64, generator=gen).to(torch.bfloat16).to(DEVICE)
+    k_new, v_new, new_loc, original = take_new_tokens(cache, 3, gen)
+    poisoned = cache.k_buffer.clone()
+    out = run_decode(cache, q, [0, 0, 0], torch.tensor([1, 2, 3], dtype=torch.int32, device=DEVICE), 3, 0.125,
+                     new_tokens=(k_new, v_new, None))
+    assert torch.equal(cache.k_buffer.isnan(), poisoned.isnan())  # nothing was written
+    cache.k_buffer.copy_(original[0])
+    cache.v_buffer.copy_(original[1])
+    assert rel_err(out, reference_decode(cache, q, [0, 0, 0], 0.125)) <= TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(new_loc=True), "needs both k_new and v_new"),
+        (dict(k_new=(2, 2, 64), v_new=(4, 2, 64), new_loc=True), "k_new has shape"),
+        (dict(k_new=(3, 2, 32), v_new=(3, 2, 64)), "k_new has shape"),
+        (dict(k_new=(4, 2, 64), v_new=(4, 1, 64)), "v_new has shape"),
+    ],
+)
+def test_decode_fused_store_names_bad_new_tokens(kwargs, match):
+    gen = torch.Generator().manual_seed(6)
+    cache = make_paged_cache([3, 5, 7, 9], 2, 64, 64, 1, torch.float32, gen)
+    q = torch.randn(4, 4, 64, generator=gen).to(DEVICE)
+    k_new = torch.zeros(*kwargs["k_new"], device=DEVICE) if "k_new" in kwargs else None
+    v_new = torch.zeros(*kwargs["v_new"], device=DEVICE) if "v_new" in kwargs else None
+    new_loc = torch.zeros(4, dtype=torch.int64, device=DEVICE) if kwargs.get("new_loc") else None
+    with pytest.raises(ValueError, match=match):
+        run_decode(cache, q, [0] * 4, torch.ones(4, dtype=torch.int32, device=DEVICE), 2, 0.125,
+                   new_tokens=(k_new, v_new, new_loc))
 
 
 @pytest.mark.parametrize("head_dim", SUPPORTED_HEAD_DIMS)

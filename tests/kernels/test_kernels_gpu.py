@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from kernel_reference import TOLERANCE, PagedCache, make_paged_cache, reference_attention, rel_err
+from kernel_reference import TOLERANCE, PagedCache, make_paged_cache, reference_attention, rel_err, take_new_tokens
 
 from compile_attn.attention.triton_ops import (
     build_kv_indices,
@@ -42,8 +42,9 @@ def reference_decode(cache, q, sm_scale, logit_cap=0.0):
     return torch.cat(outs)
 
 
-def decode(cache, q, seq_lens, deterministic=False, logit_cap=0.0):
-    """Device-built metadata (build_kv_indptr/indices, compute_num_kv_splits), then decode."""
+def decode(cache, q, seq_lens, deterministic=False, logit_cap=0.0, new_tokens=None):
+    """Device-built metadata (build_kv_indptr/indices, compute_num_kv_splits), then decode; ``new_tokens``:
+    (k_new, v_new, new_loc) for the fused K/V store."""
     bs, num_q_heads, head_dim = q.shape
     v_head_dim = cache.v_buffer.shape[-1]
     indptr = torch.empty(bs + 1, dtype=torch.int32, device="cuda")
@@ -74,8 +75,26 @@ def decode(cache, q, seq_lens, deterministic=False, logit_cap=0.0):
         lse,
         1 / math.sqrt(head_dim),
         logit_cap,
+        **({} if new_tokens is None else dict(zip(("k_new", "v_new", "new_loc"), new_tokens))),
     )
     return out
+
+
+@pytest.mark.parametrize("num_kv_heads,num_q_heads", [(8, 32), (1, 128)])  # group 128: two head blocks per KV head
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_decode_fused_store_long_context_bf16(num_kv_heads, num_q_heads, head_dim):
+    """The fused K/V store: new tokens from k_new/v_new (their cache slots hold NaN until stored), against the
+    reference over the restored cache, with the cache restored bit for bit."""
+    gen = torch.Generator().manual_seed(head_dim + num_q_heads)
+    lengths = [1, 0, 4096, *torch.randint(1, 4097, (9,), generator=gen).tolist()]
+    cache = make_paged_cache(lengths, num_kv_heads, head_dim, head_dim, 16, torch.bfloat16, gen, device="cuda")
+    q = torch.randn(len(lengths), num_q_heads, head_dim, generator=gen).to(torch.bfloat16).cuda()
+    *new_tokens, original = take_new_tokens(cache, len(lengths), gen, device="cuda")
+    out = decode(cache, q, torch.tensor(lengths, dtype=torch.int32, device="cuda"), new_tokens=new_tokens)
+    assert torch.equal(cache.k_buffer, original[0]) and torch.equal(cache.v_buffer, original[1])
+    ref = reference_decode(cache, q, 1 / math.sqrt(head_dim))
+    assert not out.isnan().any()
+    assert rel_err(out, ref) <= TOLERANCE[torch.bfloat16]
 
 
 @pytest.mark.parametrize("head_dim,v_head_dim", [(64, 64), (128, 128), (256, 256), (192, 128)])

@@ -5,6 +5,10 @@ handles one (request, KV head, split) and all query heads of that KV head's grou
 is read once (``tl.dot`` with the group padded to 16 rows when the group has more than one head).
 It writes a normalised partial output and its base-2 log-sum-exp. Stage 2 merges the partials.
 
+Given the step's new K/V (``k_new``/``v_new``), stage 1 also does the K/V store: the program whose split
+holds a request's last position takes that token's K/V from ``k_new``/``v_new`` instead of the cache and
+writes them to their slot, so a decode layer is two launches, not three (no ``store_kv`` before it).
+
 Every shape is fixed by ``max_kv_splits`` and the batch size, and nothing here syncs with the host
 or allocates: the pair can be recorded in a CUDA graph and replayed with new index contents.
 """
@@ -53,6 +57,9 @@ def _decode_split_kernel(
     Num_Kv_Splits,
     Part_Out,
     Part_Lse,
+    K_New,
+    V_New,
+    New_Loc,
     sm_scale,
     logit_cap,
     stride_qb,
@@ -67,6 +74,10 @@ def _decode_split_kernel(
     stride_lb,
     stride_lh,
     stride_ls,
+    stride_knb,
+    stride_knh,
+    stride_vnb,
+    stride_vnh,
     max_kv_splits,
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -80,6 +91,8 @@ def _decode_split_kernel(
     USE_DOT: tl.constexpr,
     HAS_CAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FUSE_NEW: tl.constexpr,
+    STORE_NEW: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1) // H_BLOCKS
@@ -97,6 +110,11 @@ def _decode_split_kernel(
     split_len = _split_len(seq_len, tl.load(Num_Kv_Splits + b), max_kv_splits, SPLIT_ALIGN)
     lo = split * split_len
     hi = tl.minimum(lo + split_len, seq_len)
+    # FUSE_NEW: the split holding the last position (the step's new token) reads that token from K_New/V_New.
+    has_new = (hi == seq_len) & (hi > lo)
+    hi_cache = hi
+    if FUSE_NEW:
+        hi_cache = tl.where(has_new, hi - 1, hi)
 
     q = tl.load(
         Q + b * stride_qb + offs_h[:, None] * stride_qh + offs_d[None, :],
@@ -107,9 +125,9 @@ def _decode_split_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     index_base = Kv_Indices + kv_lo
-    for start in range(lo, hi, BLOCK_N):
+    for start in range(lo, hi_cache, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < hi
+        mask_n = offs_n < hi_cache
         slots = tl.load(index_base + offs_n, mask=mask_n, other=0).to(tl.int64)
         k = tl.load(
             K_Buf + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
@@ -140,6 +158,29 @@ def _decode_split_kernel(
             pv = tl.sum(p[:, :, None] * v[None, :, :].to(tl.float32), axis=1)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
+
+    if FUSE_NEW:
+        if has_new:
+            # Rounded to the cache dtype first: the token is attended as it will be stored.
+            k_new = tl.load(K_New + b * stride_knb + kv_head * stride_knh + offs_d, mask=mask_d, other=0.0)
+            k_new = k_new.to(K_Buf.dtype.element_ty)
+            v_new = tl.load(V_New + b * stride_vnb + kv_head * stride_vnh + offs_dv, mask=mask_dv, other=0.0)
+            v_new = v_new.to(V_Buf.dtype.element_ty)
+            qk_new = tl.sum(q.to(tl.float32) * k_new[None, :].to(tl.float32), 1) * sm_scale
+            if HAS_CAP:
+                qk_new = softcap(qk_new, logit_cap)
+            qk_new = qk_new * 1.4426950408889634
+            m_new = tl.maximum(m_i, qk_new)
+            alpha = tl.exp2(m_i - m_new)
+            p_new = tl.exp2(qk_new - m_new)
+            l_i = l_i * alpha + p_new
+            acc = acc * alpha[:, None] + p_new[:, None] * v_new[None, :].to(tl.float32)
+            m_i = m_new
+            if STORE_NEW:
+                if tl.program_id(1) % H_BLOCKS == 0:  # one head block per KV head writes the token
+                    slot = tl.load(New_Loc + b).to(tl.int64)
+                    tl.store(K_Buf + slot * stride_kt + kv_head * stride_kh + offs_d, k_new, mask=mask_d)
+                    tl.store(V_Buf + slot * stride_vt + kv_head * stride_vh + offs_dv, v_new, mask=mask_dv)
 
     # Empty splits (past the end of the request, or seq_len 0) write nothing; stage 2 skips them.
     store_h = offs_g < tl.where(hi > lo, GROUP, 0)
@@ -262,6 +303,23 @@ def _launch_meta(
     return h_blocks, split, merge
 
 
+def _check_new_tokens(
+    k_new: torch.Tensor | None, v_new: torch.Tensor | None, new_loc: torch.Tensor | None, bs: int,
+    num_kv_heads: int, head_dim: int, v_head_dim: int,
+) -> None:
+    if k_new is None or v_new is None:
+        raise ValueError("the fused K/V store needs both k_new and v_new (new_loc alone has nothing to store)")
+    check_device(_decode_split_kernel, k_new, v_new, new_loc)
+    if k_new.dim() != 3 or k_new.shape[0] < bs or tuple(k_new.shape[1:]) != (num_kv_heads, head_dim):
+        raise ValueError(f"k_new has shape {tuple(k_new.shape)}, expected (>= {bs}, {num_kv_heads}, {head_dim})")
+    if v_new.dim() != 3 or v_new.shape[0] < bs or tuple(v_new.shape[1:]) != (num_kv_heads, v_head_dim):
+        raise ValueError(f"v_new has shape {tuple(v_new.shape)}, expected (>= {bs}, {num_kv_heads}, {v_head_dim})")
+    if new_loc is not None and (new_loc.dim() != 1 or new_loc.shape[0] < bs):
+        raise ValueError(f"new_loc has shape {tuple(new_loc.shape)}, expected one slot per request (>= {bs})")
+    check_last_dim_contiguous("k_new", k_new)
+    check_last_dim_contiguous("v_new", v_new)
+
+
 def compute_num_kv_splits(
     seq_lens: torch.Tensor,
     num_sms: int,
@@ -311,6 +369,10 @@ def decode_attention_fwd(
     attn_lse: torch.Tensor,
     sm_scale: float,
     logit_cap: float = 0.0,
+    *,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
+    new_loc: torch.Tensor | None = None,
 ) -> None:
     """Decode attention of ``q[B, Hq, D]`` over the cache into ``out[B, Hq, Dv]``.
 
@@ -319,6 +381,11 @@ def decode_attention_fwd(
     ``attn_lse[B, Hq, max_kv_splits]`` (fp32) are caller-owned scratch. ``num_kv_splits[b]`` is
     clamped to ``[1, max_kv_splits]`` inside the kernels. ``logit_cap > 0`` applies
     ``cap * tanh(s / cap)`` to the scaled scores. A request with no KV gets zeros.
+
+    With ``k_new[>=B, Hkv, D]`` / ``v_new[>=B, Hkv, Dv]`` (the step's new token per request), each
+    request's last position is that token: it is taken from ``k_new``/``v_new`` (cast to the cache
+    dtype), not read from the cache, and with ``new_loc[>=B]`` it is also stored at slot ``new_loc[b]``
+    (``store_kv`` fused in). Requests with no KV take nothing from them.
     """
     check_device(_decode_split_kernel, q, k_buffer, v_buffer, out, kv_indptr, kv_indices)
     bs, num_q_heads, head_dim = q.shape
@@ -351,6 +418,9 @@ def decode_attention_fwd(
         ("attn_logits", attn_logits),
     ):
         check_last_dim_contiguous(name, t)
+    fuse_new = k_new is not None or v_new is not None or new_loc is not None
+    if fuse_new:
+        _check_new_tokens(k_new, v_new, new_loc, bs, num_kv_heads, head_dim, v_head_dim)
     if bs == 0:
         return
 
@@ -366,6 +436,9 @@ def decode_attention_fwd(
         num_kv_splits,
         attn_logits,
         attn_lse,
+        k_new if fuse_new else q,  # unread placeholders when FUSE_NEW is off
+        v_new if fuse_new else q,
+        new_loc if new_loc is not None else kv_indptr,
         float(sm_scale),
         float(logit_cap),
         q.stride(0),
@@ -380,7 +453,13 @@ def decode_attention_fwd(
         attn_lse.stride(0),
         attn_lse.stride(1),
         attn_lse.stride(2),
+        k_new.stride(0) if fuse_new else 0,
+        k_new.stride(1) if fuse_new else 0,
+        v_new.stride(0) if fuse_new else 0,
+        v_new.stride(1) if fuse_new else 0,
         max_kv_splits,
+        FUSE_NEW=fuse_new,
+        STORE_NEW=new_loc is not None,
         **split_meta,
     )
     _LAUNCH_MERGE(
