@@ -170,6 +170,8 @@ class LLM:
         logits = self.step_runner.run(fb, keep_t)
         if not sampled:  # every request in the step is mid-way through a chunked prefill
             return []
+        if all(r.params.temperature <= 0 for r in reqs):  # all greedy: skip the softmax / sort / noise kernels
+            return logits.argmax(dim=-1).tolist()
         temperature, top_p = torch.tensor(
             [[r.params.temperature for r in reqs], [r.params.top_p for r in reqs]], dtype=torch.float32
         ).to(self.device).unbind(0)

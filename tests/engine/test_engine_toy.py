@@ -131,6 +131,9 @@ def test_seeded_sampling_is_independent_of_batch_composition(model: ToyDecoder) 
     crowd = make_llm(model).generate(PROMPTS, [SamplingParams(max_new_tokens=5, temperature=1.0)] * 2 + [params]
                                      + [SamplingParams(max_new_tokens=5)] * 2)
     assert crowd[2].token_ids == alone
+    # greedy requests in a sampling batch (the sampler's temperature-0 rows) and alone (the engine's argmax path)
+    assert crowd[3].token_ids == greedy_by_recompute(model, PROMPTS[3], 5)
+    assert make_llm(model).generate([PROMPTS[3]], SamplingParams(max_new_tokens=5))[0].token_ids == crowd[3].token_ids
     greedy = greedy_by_recompute(model, PROMPTS[2], 8)
     assert alone != greedy  # sampling actually sampled (8 tokens from a near-uniform toy model)
 
