@@ -124,8 +124,9 @@ class ForwardBatch:
             input_ids = torch.zeros(num_tokens, dtype=torch.int64)
         # Host values go to the device in one copy per dtype; default positions are expanded there.
         ints = to_device([seq_lens, prefix_lens, extend_lens, start_loc], torch.int32, device)
-        if positions is None:
-            positions = ragged_arange(ints[1], ints[2], num_tokens)
+        if positions is None:  # decode (one token per request): each position is the prefix length
+            positions = ints[1] if num_tokens == bs and all(e == 1 for e in extend_lens) else (
+                ragged_arange(ints[1], ints[2], num_tokens))
         longs = to_device([input_ids, positions, req_idx, out_cache_loc], torch.int64, device)
         return cls(
             forward_mode=forward_mode,

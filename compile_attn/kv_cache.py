@@ -246,7 +246,8 @@ class KVCache:
                 )
         if len(set(rows)) != len(rows):
             raise InvalidBatchError(f"a request row appears twice in one allocation: {rows}")
-        needed = sum(self.pages_needed(r, n) for r, n in zip(rows, extend_lens))
+        per_row = [self.pages_needed(r, n) for r, n in zip(rows, extend_lens)]
+        needed = sum(per_row)
         if needed > self.allocator.available:
             raise KVCacheExhaustedError(
                 f"KV cache full: this batch needs {needed} pages ({needed * self.page_size} tokens), "
@@ -258,9 +259,8 @@ class KVCache:
         slots: list[int] = []
         starts: list[int] = []
         taken = 0
-        for row, n in zip(rows, extend_lens):
+        for row, n, k in zip(rows, extend_lens, per_row):
             pages = self._pages[row]
-            k = self.pages_needed(row, n)
             pages.extend(new_pages[taken:taken + k])
             taken += k
             start = self._lens[row]
@@ -275,5 +275,9 @@ class KVCache:
         flat = int_tensor([*slots, *rows, *starts, *extend_lens]).to(self.device)
         out, rows_t, starts_t, lens_t = flat.split([len(slots), bs, bs, bs])
         total = len(slots)
-        self.req_to_token[repeat_each(rows_t, lens_t, total), ragged_arange(starts_t, lens_t, total)] = out.to(torch.int32)
+        if total == bs and all(n == 1 for n in extend_lens):  # decode: one token per request, nothing to expand
+            self.req_to_token[rows_t, starts_t] = out.to(torch.int32)
+        else:
+            self.req_to_token[repeat_each(rows_t, lens_t, total), ragged_arange(starts_t, lens_t, total)] = (
+                out.to(torch.int32))
         return out

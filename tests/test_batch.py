@@ -27,6 +27,7 @@ def test_build_derives_positions_lengths_and_mode() -> None:
     fb.validate()
     decode = _batch(prefix_lens=[3, 2], extend_lens=[1, 1], out_cache_loc=[5, 6])
     assert decode.forward_mode is ForwardMode.DECODE
+    assert decode.positions.tolist() == [3, 2] and decode.positions.dtype == torch.int64  # the decode shortcut
     assert ForwardBatch.build(req_pool_indices=[], prefix_lens=[], extend_lens=[], out_cache_loc=[]).forward_mode \
         is ForwardMode.IDLE
 

@@ -112,7 +112,7 @@ class LLM:
             while self.scheduler.has_work():
                 bar.update(len(self.step()))
         elapsed = time.perf_counter() - start
-        logger.info("generated %d tokens for %d requests in %.2f s", sum(len(r.output_ids) for r in requests),
+        logger.info("generated %d tokens for %d requests in %.2f s", sum(r.num_output for r in requests),
                     len(requests), elapsed)
         return [self._output(r) for r in requests]
 
@@ -181,7 +181,7 @@ class LLM:
     def _stop_reason(self, r: Request, tok: int) -> str | None:
         if tok in r.params.stop_token_ids or (not r.params.ignore_eos and tok in self.eos_token_ids):
             return "stop"
-        if len(r.output_ids) >= r.params.max_new_tokens or len(r.token_ids) >= self.kv_cache.max_context:
+        if r.num_output >= r.params.max_new_tokens or len(r.token_ids) >= self.kv_cache.max_context:
             return "length"
         return None
 

@@ -14,7 +14,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the scheduler's list membership and removal must not compare token lists
 class Request:
     """``token_ids`` is prompt + generated so far; ``num_cached`` of them have KV in the cache.
 
@@ -41,6 +41,10 @@ class Request:
     @property
     def output_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_ids) :]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - len(self.prompt_ids)
 
     @property
     def num_pending(self) -> int:

@@ -95,28 +95,33 @@ class Scheduler:
 
     def _try_schedule(self) -> ScheduledStep | None:
         chosen: list[tuple[Request, int]] = []
+        chosen_ids: set[int] = set()  # id() of the chosen requests: membership in O(1), batches reach hundreds
         reserved = 0
         budget = self.max_num_tokens
 
         def free_pages() -> int:
             return self.kv.allocator.available - reserved
 
+        preempted: set[int] = set()
         for req in [r for r in self.running if r.is_decoding]:
             if len(chosen) >= self.max_batch_size or budget == 0:
                 break
-            if req not in self.running:  # preempted below while making room for an earlier one
+            if id(req) in preempted:  # preempted below while making room for an earlier one
                 continue
-            while self.kv.pages_needed(req.row, 1) > free_pages():
-                victims = [r for r in self.running if all(r is not c for c, _ in chosen)]
-                self._preempt(victims[-1])
-                if victims[-1] is req:
+            need = self.kv.pages_needed(req.row, 1)
+            while need > free_pages():
+                victim = next(r for r in reversed(self.running) if id(r) not in chosen_ids)
+                self._preempt(victim)
+                preempted.add(id(victim))
+                if victim is req:
                     break
             else:
-                reserved += self.kv.pages_needed(req.row, 1)
+                reserved += need
                 chosen.append((req, 1))
+                chosen_ids.add(id(req))
                 budget -= 1
 
-        candidates = [r for r in self.running if not r.is_decoding and all(r is not c for c, _ in chosen)]
+        candidates = [r for r in self.running if not r.is_decoding and id(r) not in chosen_ids]
         candidates += list(self.waiting)
         for req in candidates:
             if len(chosen) >= self.max_batch_size or budget == 0:
@@ -133,6 +138,7 @@ class Scheduler:
                 self.running.append(req)
             reserved += self.kv.pages_needed(req.row, n)
             chosen.append((req, n))
+            chosen_ids.add(id(req))
             budget -= n
 
         if not chosen:
