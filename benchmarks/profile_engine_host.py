@@ -6,6 +6,12 @@ metadata prepared) and the end. Runs anywhere (the model is tiny but keeps the r
 the stages before the model call are pure host work whose cost does not depend on the device.
 
     python benchmarks/profile_engine_host.py --requests 8 --prompt-len 1024
+
+``--decode-batch N``: instead, the engine's host time per decode step outside the model (scheduling, slot
+allocation, batch building, sampling, stop checks) with N requests decoding; the model has a 512-token vocabulary
+so that the CPU's logits and argmax do not count. On a GPU this time adds to every decode step.
+
+    python benchmarks/profile_engine_host.py --decode-batch 256
 """
 
 from __future__ import annotations
@@ -25,7 +31,11 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=1024)
     parser.add_argument("--iters", type=int, default=9)
+    parser.add_argument("--decode-batch", type=int, default=0)
     args = parser.parse_args()
+    if args.decode_batch:
+        decode_host(args.decode_batch, args.prompt_len // 2)
+        return
 
     tokens = args.requests * args.prompt_len
     shape = dict(bench.TINY, vocab_size=bench.LLAMA_1B["vocab_size"], max_position_embeddings=args.prompt_len + 64)
@@ -57,6 +67,37 @@ def main() -> None:
           f"(median of {args.iters})\n\n| stage reached | ms |\n|---|---|")
     for name, values in rows.items():
         print(f"| {name} | {statistics.median(values):.2f} |")
+
+
+def decode_host(bs: int, prompt_len: int, new_tokens: int = 40) -> None:
+    shape = dict(bench.TINY, vocab_size=512, max_position_embeddings=prompt_len + new_tokens + 8)
+    model = bench._hf_model(bench.BenchConfig(shape=shape, device="cpu"), "sdpa", torch.float32)
+    llm = LLM(model, attn_backend="torch_native", max_batch_size=bs, max_num_tokens=bs * prompt_len,
+              kv_cache_tokens=bs * (prompt_len + new_tokens + 8), max_context=prompt_len + new_tokens + 8,
+              device="cpu", dtype=torch.float32, compile=False, graph_mode="none")
+    in_model = [0.0]
+    run = llm.step_runner.run
+
+    def timed_run(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        t0 = time.perf_counter()
+        out = run(*a, **k)
+        in_model[0] += time.perf_counter() - t0
+        return out
+
+    llm.step_runner.run = timed_run
+    prompts = torch.randint(0, shape["vocab_size"], (bs, prompt_len), generator=torch.Generator().manual_seed(0))
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    for prompt in prompts.tolist():
+        llm.add_request(prompt, params)
+    llm.step()  # the prefill
+    host_ms = []
+    while llm.scheduler.has_work():
+        in_model[0] = 0.0
+        t0 = time.perf_counter()
+        llm.step()
+        host_ms.append((time.perf_counter() - t0 - in_model[0]) * 1e3)
+    print(f"## engine host time per decode step outside the model, batch {bs}, context {prompt_len}+\n\n"
+          f"median {statistics.median(host_ms):.3f} ms over {len(host_ms)} steps")
 
 
 if __name__ == "__main__":
