@@ -94,6 +94,7 @@ class ReplayViews:
             extend_seq_lens_cpu=list(fb.extend_seq_lens_cpu) + [1] * npad,
             real_batch_size=bs,
             bucket=bucket,
+            seq_lens_sum=fb.seq_lens_sum + npad * self.seq_len_fill,
         )
 
     def extend_view(self, fb: ForwardBatch, bucket: int) -> ForwardBatch:
@@ -116,4 +117,5 @@ class ReplayViews:
             extend_seq_lens_cpu=list(fb.extend_seq_lens_cpu),
             real_batch_size=bs,
             bucket=bucket,
+            seq_lens_sum=fb.seq_lens_sum,
         )

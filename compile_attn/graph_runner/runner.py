@@ -270,6 +270,9 @@ class GraphRunner:
 
 
 def _slice_tokens(out: Any, bucket_tokens: int, real_tokens: int) -> Any:
+    if isinstance(out, torch.Tensor):  # the common case, without pytree's walk
+        return out[:real_tokens] if out.dim() and out.shape[0] == bucket_tokens else out
+
     def cut(x: Any) -> Any:
         if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == bucket_tokens:
             return x[:real_tokens]
