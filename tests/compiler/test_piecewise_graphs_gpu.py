@@ -73,3 +73,19 @@ def test_replay_with_moved_inputs_is_an_error_in_debug_mode(tmp_path):
         run_step(compiled, SMALL, 16, 2, device="cuda", input_ids=other_ids[:16], positions=other_pos[:16])
     (graph_dir,) = tmp_path.iterdir()
     assert "submod_0: [16]" in (graph_dir / "summary.txt").read_text()
+
+
+@pytest.mark.parametrize("patch", [{"combo_kernels": True}, {"coordinate_descent_tuning": True}],
+                         ids=["combo_kernels", "coordinate_descent_tuning"])
+def test_inductor_config_patches_keep_results_and_graphs(patch):
+    """Inductor options the benchmarks try for decode (opt-in through ``inductor_config``): same results as eager
+    in every bucket and between buckets, one compile for every token count, one capture per bucket and piece."""
+    model = toy_model(device="cuda")
+    compiled = _compiled(model, inductor_config=patch)
+    ids, pos = _static_buffers()
+    run_step(compiled, SMALL, 5, seed=0, device="cuda")  # the one compile, at a size outside the buckets
+    with compile_counters.expect(graphs_captured=len(BUCKETS) * COMPILED_PIECES,
+                                 graph_replays=len(BUCKETS) * COMPILED_PIECES):  # no compile, no recompile
+        for size in (*BUCKETS, *BUCKETS, 24):  # capture, replay, then a size between buckets (no graphs)
+            out = run_step(compiled, SMALL, size, size, device="cuda", input_ids=ids[:size], positions=pos[:size])
+            torch.testing.assert_close(out, run_step(model, SMALL, size, size, device="cuda"), **TOL)
