@@ -97,7 +97,7 @@ def bench_decode() -> list[dict]:
                     next(r for r in rows_out if r["bs"] == bs and r["ctx"] == ctx)["graph_plan_us"] = plan_s * 1e6
                 for r in rows:
                     kv.free_request(r)
-        del backend
+        backend = None  # noqa: F841 - free its buffers before the next variant
     for r in rows_out:
         r["pct_peak"] = 100 * r["kv_tbps"] / PEAK_TBPS
     return rows_out

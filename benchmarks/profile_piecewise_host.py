@@ -82,7 +82,9 @@ def main() -> None:
     out = torch.empty_like(q)
     lines = [f"## {args.backend} {args.mode}, bs {bs}, context {args.context}"]
     with torch.inference_mode():
-        step = lambda: runner.run(fb)
+        def step() -> object:
+            return runner.run(fb)
+
         issue, wall = issue_us(step)
         lines.append(f"step: issue {issue:.0f} us on the host, {wall:.0f} us with a sync after it, "
                      f"{per_call_us(step, 200):.0f} us back to back")

@@ -79,7 +79,7 @@ __all__ = [
     "register_split_op",
 ]
 
-import importlib.util as _importlib_util
+import importlib.util as _importlib_util  # noqa: E402 - after __all__, with the optional integration below
 
 if _importlib_util.find_spec("transformers") is not None:  # HF integration: attn_implementation="compile_attn"
     try:

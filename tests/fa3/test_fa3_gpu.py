@@ -19,10 +19,10 @@ pytestmark = pytest.mark.gpu
 pytest.importorskip("sgl_kernel")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "flashinfer"))
-from fi_cases import Case, decode_replays, run_case
+from fi_cases import Case, decode_replays, run_case  # noqa: E402 - needs the path above
 
-from compile_attn import AttentionLayer, KVCache, create_backend
-from compile_attn.errors import UnsupportedConfigError
+from compile_attn import AttentionLayer, KVCache, create_backend  # noqa: E402
+from compile_attn.errors import UnsupportedConfigError  # noqa: E402
 
 BF16 = torch.bfloat16
 

@@ -233,7 +233,7 @@ def _decode_merge_kernel(
     part_base = Part_Out + b * stride_pb + h * stride_ph
     lse_base = Part_Lse + b * stride_lb + h * stride_lh
     m = tl.full([], float("-inf"), tl.float32)
-    l = tl.full([], 0.0, tl.float32)
+    l_sum = tl.full([], 0.0, tl.float32)
     acc = tl.zeros([BLOCK_DV], tl.float32)
     for s0 in range(0, num_valid, BLOCK_S):
         offs_s = s0 + tl.arange(0, BLOCK_S)
@@ -248,10 +248,10 @@ def _decode_merge_kernel(
             other=0.0,
         )
         acc = acc * alpha + tl.sum(w[:, None] * part, 0)
-        l = l * alpha + tl.sum(w, 0)
+        l_sum = l_sum * alpha + tl.sum(w, 0)
         m = m_new
     # A request with no KV (seq_len 0) gets zeros, not NaN.
-    out = tl.where(l > 0, acc / tl.where(l > 0, l, 1.0), 0.0)
+    out = tl.where(l_sum > 0, acc / tl.where(l_sum > 0, l_sum, 1.0), 0.0)
     tl.store(Out + b * stride_ob + h * stride_oh + offs_dv, out.to(Out.dtype.element_ty), mask=mask_dv)
 
 
