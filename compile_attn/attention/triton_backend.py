@@ -359,14 +359,20 @@ class TritonBackend(AttentionBackend):
         # This runs once per layer per step (between piecewise graphs: on the host's critical path), so the
         # common case (one row per request, contiguous rows) takes no slicing or copying. The kernel takes
         # each request's new token from k/v and (save_kv_cache) stores it: no separate store_kv launch.
+        if q.shape[0] != bs:
+            q = q[:bs]
+        if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+            q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
         padded = out.shape[0] > bs
-        qd = _last_dim_contiguous(q[:bs] if q.shape[0] != bs else q)
-        k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
-        loc = fb.out_cache_loc if save_kv_cache else None
-        _run_into(out[:bs] if padded else out, lambda o: self._ops.decode_attention_fwd(
-            qd, k_buf, v_buf, o, idx.kv_indptr, idx.kv_indices, idx.num_kv_splits, self.max_kv_splits,
-            scratch.attn_logits, scratch.attn_lse, layer.scaling, layer.logit_cap, k_new=k, v_new=v, new_loc=loc,
-        ))
+        o = out[:bs] if padded else out
+        target = o if o.stride(-1) == 1 else torch.empty(o.shape, dtype=o.dtype, device=o.device)
+        self._ops.decode_attention_fwd(
+            q, k_buf, v_buf, target, idx.kv_indptr, idx.kv_indices, idx.num_kv_splits, self.max_kv_splits,
+            scratch.attn_logits, scratch.attn_lse, layer.scaling, layer.logit_cap, k_new=k, v_new=v,
+            new_loc=fb.out_cache_loc if save_kv_cache else None,
+        )
+        if target is not o:
+            o.copy_(target)
         if padded:
             out[bs:].zero_()
 

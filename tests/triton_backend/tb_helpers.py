@@ -133,11 +133,12 @@ class LayerResult:
 
 def run_case(case: Case, device: str, dtype: torch.dtype, *, seed: int = 0, pad_tokens: int = 0,
              backend_kwargs: dict | None = None, reference: Reference = reference_attention,
-             save_kv_cache: bool = True) -> list[LayerResult]:
+             save_kv_cache: bool = True, strided: bool = False) -> list[LayerResult]:
     """Run every layer of ``case`` once through the op; check NaN-freedom and the pool writes.
 
     ``pad_tokens`` appends padding tokens (a piecewise bucket's view: out_cache_loc PAD_SLOT, belonging
-    to no request) with random q/k/v.
+    to no request) with random q/k/v. ``strided``: q/k/v are views into one packed [tokens, q | k | v] tensor
+    (a fused QKV projection's output) and ``out`` is a view whose last dimension is not contiguous.
     """
     layers = case.layers()
     kv = case.make_kv(device, dtype)
@@ -171,6 +172,10 @@ def run_case(case: Case, device: str, dtype: torch.dtype, *, seed: int = 0, pad_
         pool_before = k_pool.clone()
         expected = layer_reference(reference, step, q[:n], k[:n], v[:n], kv, layer)
         out = torch.full((q.shape[0], case.num_heads, case.dv), float("nan"), dtype=dtype, device=device)
+        if strided:
+            q, k, v = _packed_views(q, k, v)
+            out = torch.full((q.shape[0], case.dv, case.num_heads), float("nan"), dtype=dtype,
+                             device=device).transpose(1, 2)
         with forward_context(fb, backend):
             torch.ops.compile_attn.attention(q, k, v, out, layer.layer_id, save_kv_cache=save_kv_cache)
         assert not out.isnan().any(), f"layer {layer.layer_id}: NaN in the output"
@@ -184,6 +189,17 @@ def run_case(case: Case, device: str, dtype: torch.dtype, *, seed: int = 0, pad_
             assert torch.equal(k_pool, pool_before), "save_kv_cache=False wrote the pool"
         results.append(LayerResult(max_rel_error(out[:n], expected), out[n:]))
     return results
+
+
+def _packed_views(*parts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``parts`` ([T, H, D] each) copied into one [T, sum(H * D)] tensor and returned as views of it."""
+    packed = torch.cat([p.flatten(1) for p in parts], dim=1)
+    views, col = [], 0
+    for p in parts:
+        width = p.shape[1] * p.shape[2]
+        views.append(packed[:, col:col + width].view(p.shape))
+        col += width
+    return tuple(views)
 
 
 # ---------------------------------------------------------------------------------------- padded decode

@@ -77,6 +77,14 @@ def test_padding_tokens_of_a_piecewise_bucket_get_zero_output(mode_lengths: tupl
         assert result.pad_out.shape[0] == 5 and torch.count_nonzero(result.pad_out) == 0
 
 
+@pytest.mark.parametrize("mode_lengths", [DECODE, MIXED], ids=["decode", "mixed"])
+def test_strided_qkv_views_and_a_non_contiguous_output(mode_lengths: tuple) -> None:
+    """q/k/v as slices of a fused projection and an output whose last dim is strided: same checks."""
+    mode = ForwardMode.MIXED if mode_lengths is MIXED else None
+    for result in run_case(Case(*mode_lengths, group=4, page_size=16, mode=mode), "cpu", F32, strided=True):
+        assert result.error < TOL[F32]
+
+
 def test_extend_without_saving_kv_reads_the_new_tokens_and_leaves_the_pool_alone() -> None:
     for result in run_case(Case(*PREFIX, group=4), "cpu", F32, save_kv_cache=False):  # asserts the pool is unchanged
         assert result.error < TOL[F32]

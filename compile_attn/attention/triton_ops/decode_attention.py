@@ -310,14 +310,16 @@ def _check_new_tokens(
     if k_new is None or v_new is None:
         raise ValueError("the fused K/V store needs both k_new and v_new (new_loc alone has nothing to store)")
     check_device(_decode_split_kernel, k_new, v_new, new_loc)
-    if k_new.dim() != 3 or k_new.shape[0] < bs or tuple(k_new.shape[1:]) != (num_kv_heads, head_dim):
-        raise ValueError(f"k_new has shape {tuple(k_new.shape)}, expected (>= {bs}, {num_kv_heads}, {head_dim})")
-    if v_new.dim() != 3 or v_new.shape[0] < bs or tuple(v_new.shape[1:]) != (num_kv_heads, v_head_dim):
-        raise ValueError(f"v_new has shape {tuple(v_new.shape)}, expected (>= {bs}, {num_kv_heads}, {v_head_dim})")
+    ks, vs = k_new.shape, v_new.shape  # torch.Size compares equal to plain tuples
+    if len(ks) != 3 or ks[0] < bs or ks[1:] != (num_kv_heads, head_dim):
+        raise ValueError(f"k_new has shape {tuple(ks)}, expected (>= {bs}, {num_kv_heads}, {head_dim})")
+    if len(vs) != 3 or vs[0] < bs or vs[1:] != (num_kv_heads, v_head_dim):
+        raise ValueError(f"v_new has shape {tuple(vs)}, expected (>= {bs}, {num_kv_heads}, {v_head_dim})")
     if new_loc is not None and (new_loc.dim() != 1 or new_loc.shape[0] < bs):
         raise ValueError(f"new_loc has shape {tuple(new_loc.shape)}, expected one slot per request (>= {bs})")
-    check_last_dim_contiguous("k_new", k_new)
-    check_last_dim_contiguous("v_new", v_new)
+    if k_new.stride(-1) != 1 or v_new.stride(-1) != 1:
+        check_last_dim_contiguous("k_new", k_new)
+        check_last_dim_contiguous("v_new", v_new)
 
 
 def compute_num_kv_splits(
@@ -410,17 +412,18 @@ def decode_attention_fwd(
             f"attn_logits {tuple(attn_logits.shape)} / attn_lse {tuple(attn_lse.shape)} are too small for "
             f"batch {bs}, {num_q_heads} heads, max_kv_splits {max_kv_splits}, v_head_dim {v_head_dim}"
         )
-    for name, t in (
-        ("q", q),
-        ("k_buffer", k_buffer),
-        ("v_buffer", v_buffer),
-        ("out", out),
-        ("attn_logits", attn_logits),
-    ):
-        check_last_dim_contiguous(name, t)
+    # Strides read once per tensor: this runs once per layer per step, on the host's critical path.
+    qs, ks, vs, os_, ls, lses = q.stride(), k_buffer.stride(), v_buffer.stride(), out.stride(), attn_logits.stride(), \
+        attn_lse.stride()
+    if qs[-1] != 1 or ks[-1] != 1 or vs[-1] != 1 or os_[-1] != 1 or ls[-1] != 1:
+        for name, t in (("q", q), ("k_buffer", k_buffer), ("v_buffer", v_buffer), ("out", out),
+                        ("attn_logits", attn_logits)):
+            check_last_dim_contiguous(name, t)  # raises, naming the tensor
     fuse_new = k_new is not None or v_new is not None or new_loc is not None
+    new_strides = (0, 0, 0, 0)
     if fuse_new:
         _check_new_tokens(k_new, v_new, new_loc, bs, num_kv_heads, head_dim, v_head_dim)
+        new_strides = (*k_new.stride()[:2], *v_new.stride()[:2])
     if bs == 0:
         return
 
@@ -441,22 +444,12 @@ def decode_attention_fwd(
         new_loc if new_loc is not None else kv_indptr,
         float(sm_scale),
         float(logit_cap),
-        q.stride(0),
-        q.stride(1),
-        k_buffer.stride(0),
-        k_buffer.stride(1),
-        v_buffer.stride(0),
-        v_buffer.stride(1),
-        attn_logits.stride(0),
-        attn_logits.stride(1),
-        attn_logits.stride(2),
-        attn_lse.stride(0),
-        attn_lse.stride(1),
-        attn_lse.stride(2),
-        k_new.stride(0) if fuse_new else 0,
-        k_new.stride(1) if fuse_new else 0,
-        v_new.stride(0) if fuse_new else 0,
-        v_new.stride(1) if fuse_new else 0,
+        *qs[:2],
+        *ks[:2],
+        *vs[:2],
+        *ls[:3],
+        *lses[:3],
+        *new_strides,
         max_kv_splits,
         FUSE_NEW=fuse_new,
         STORE_NEW=new_loc is not None,
@@ -469,14 +462,9 @@ def decode_attention_fwd(
         out,
         kv_indptr,
         num_kv_splits,
-        attn_logits.stride(0),
-        attn_logits.stride(1),
-        attn_logits.stride(2),
-        attn_lse.stride(0),
-        attn_lse.stride(1),
-        attn_lse.stride(2),
-        out.stride(0),
-        out.stride(1),
+        *ls[:3],
+        *lses[:3],
+        *os_[:2],
         max_kv_splits,
         **merge_meta,
     )
