@@ -64,3 +64,24 @@ def test_arguments_are_rebuilt_only_when_every_parameter_is_passed() -> None:
     assert all(not isinstance(v, torch.Tensor) for v in cached._trailing_args(3, {"BLOCK": 8, "unused": x}))
     assert cached._trailing_args(3, {}) is None  # BLOCK left out: the launch could not be rebuilt
     assert not cached._usable
+
+
+def test_call_key_tells_apart_what_triton_would_specialise_differently_and_holds_no_tensor() -> None:
+    _call_key = launch._call_key
+    t = torch.zeros(8, dtype=torch.int32)
+    key = _call_key((t, 1, 2.0), {"BLOCK": 16})
+    assert key == _call_key((t.view(8), 1, 2.0), {"BLOCK": 16})  # another view of the same memory and dtype
+    for other in [
+        ((t, 1.0, 2.0), {"BLOCK": 16}),  # int vs float compare equal in Python, not to Triton
+        ((t, True, 2.0), {"BLOCK": 16}),
+        ((t.view(torch.float32), 1, 2.0), {"BLOCK": 16}),  # same address, another dtype
+        ((t[1:], 1, 2.0), {"BLOCK": 16}),  # another address
+        ((t, 1, 2.0), {"BLOCK": 32}),
+    ]:
+        assert _call_key(*other) != key
+    assert _call_key((t, object()), {}) is None  # neither scalar nor tensor: launched uncached
+
+    def leaves(x):  # noqa: ANN001, ANN202
+        return [y for item in x for y in leaves(item)] if isinstance(x, tuple) else [x]
+
+    assert not any(isinstance(x, torch.Tensor) for x in leaves(key))
