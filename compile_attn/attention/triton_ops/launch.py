@@ -24,7 +24,6 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 import triton
 from triton.compiler import CompiledKernel
 from triton.runtime import driver
