@@ -64,7 +64,8 @@ class _Captured:
 
 
 def _addresses(args: tuple[Any, ...]) -> tuple[int | None, ...]:
-    return tuple(a.data_ptr() if isinstance(a, torch.Tensor) else None for a in args)
+    # A list comprehension, not a generator: this runs for every piece of every replayed step.
+    return tuple([a.data_ptr() if isinstance(a, torch.Tensor) else None for a in args])
 
 
 def _shapes(args: tuple[Any, ...]) -> tuple[tuple[int, ...] | None, ...]:
