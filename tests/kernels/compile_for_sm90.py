@@ -1,0 +1,153 @@
+"""Compile every Triton kernel of ``triton_ops`` for an H100 (sm_90) on a machine without a GPU.
+
+Run as a script in a process without ``TRITON_INTERPRET`` (so the kernels are real ``JITFunction``s):
+the public wrappers are called on CPU tensors with their launches recorded instead of run, and each
+recorded launch (its exact arguments, constexprs and options) is compiled through Triton's frontend,
+optimiser and ptxas down to a cubin. The interpreter accepts code that the compiler rejects (types of
+branches, loop-carried values, constexpr misuse), so this catches before a GPU session what the CPU
+tests cannot. Prints one line per compiled launch; exits non-zero on the first failure, 3 when the
+installed Triton's compile API is not the one used here.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+assert "TRITON_INTERPRET" not in os.environ, "run without TRITON_INTERPRET: the kernels must be compiled ones"
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from compile_attn.attention import triton_ops  # noqa: E402
+from compile_attn.attention.triton_ops import decode_attention, extend_attention, kv_index, launch  # noqa: E402
+
+_PTR_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
+              torch.int64: "*i64", torch.uint8: "*u8", torch.bool: "*i1"}
+_OPTIONS = ("num_warps", "num_stages")
+
+
+def _type_of(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return _PTR_TYPES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"no Triton type for {value!r}")
+
+
+def compile_launch(kernel, args: tuple, kwargs: dict, target: GPUTarget) -> object:  # noqa: ANN001
+    names = kernel.arg_names
+    options = {k: v for k, v in kwargs.items() if k in _OPTIONS}
+    signature, constexprs = {}, {}
+    for i, name in enumerate(names):
+        if i < len(args):
+            signature[name] = _type_of(args[i])
+        else:
+            signature[name] = "constexpr"
+            constexprs[(i,)] = kwargs[name]
+    try:
+        source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    except TypeError as exc:
+        print(f"UNSUPPORTED_TRITON_API {triton.__version__}: {exc}")
+        sys.exit(3)
+    return triton.compile(source, target=target, options=options)
+
+
+def record_launches() -> list[tuple[object, tuple, dict, str]]:
+    """Call every public wrapper on CPU tensors; return the launches they would make."""
+    launches: list[tuple[object, tuple, dict, str]] = []
+    label = [""]
+
+    def record(self, grid, *args, **kwargs) -> None:  # noqa: ANN001
+        launches.append((self.kernel, args, dict(kwargs), label[0]))
+
+    launch.CachedLaunch.__call__ = record
+    for module in (decode_attention, extend_attention, kv_index):
+        module.check_device = lambda *tensors: None  # CPU tensors stand in for CUDA ones; nothing runs
+
+    gen = torch.Generator().manual_seed(0)
+    slots, ctx = 64, 40
+    # (q heads, kv heads, head dim, v head dim, dtype, softcap, fused store)
+    decode_cases = [
+        (32, 8, 64, 64, torch.bfloat16, 0.0, "store"),  # Llama-3.2-1B: GQA 4, tl.dot path
+        (32, 8, 128, 128, torch.float16, 30.0, "attend"),  # fused new token without the store, softcap
+        (8, 8, 64, 64, torch.float32, 0.0, None),  # group 1: no tl.dot, fp32 (IEEE dots), unfused
+        (128, 1, 64, 64, torch.bfloat16, 0.0, "store"),  # group 128: two head blocks per KV head
+        (16, 2, 192, 128, torch.bfloat16, 0.0, "store"),  # K 192 / V 128
+        (8, 2, 256, 256, torch.bfloat16, 0.0, "store"),
+    ]
+    for hq, hkv, d, dv, dtype, cap, fused in decode_cases:
+        label[0] = f"decode Hq{hq} Hkv{hkv} D{d}/{dv} {dtype} cap{cap} {fused}"
+        bs, splits = 2, 4
+        q = torch.randn(bs, hq, d, generator=gen).to(dtype)
+        kb = torch.randn(slots, hkv, d, generator=gen).to(dtype)
+        vb = torch.randn(slots, hkv, dv, generator=gen).to(dtype)
+        new = {}
+        if fused:
+            new = dict(k_new=torch.randn(bs, hkv, d).to(dtype), v_new=torch.randn(bs, hkv, dv).to(dtype),
+                       new_loc=torch.arange(bs) if fused == "store" else None)
+        triton_ops.decode_attention_fwd(
+            q, kb, vb, torch.empty(bs, hq, dv, dtype=dtype), torch.tensor([0, ctx, 2 * ctx], dtype=torch.int32),
+            torch.arange(2 * ctx, dtype=torch.int32), torch.full((bs,), 2, dtype=torch.int32), splits,
+            torch.empty(bs, hq, splits, dv), torch.empty(bs, hq, splits), 1 / math.sqrt(d), cap, **new)
+    # (q heads, kv heads, head dim, dtype, causal, window, softcap, custom mask)
+    extend_cases = [
+        (32, 8, 64, torch.bfloat16, True, -1, 0.0, False),
+        (16, 4, 128, torch.float32, True, 9, 30.0, False),
+        (8, 8, 64, torch.float16, False, -1, 0.0, True),
+    ]
+    for hq, hkv, d, dtype, causal, window, cap, masked in extend_cases:
+        label[0] = f"extend Hq{hq} Hkv{hkv} D{d} {dtype} causal{causal} window{window} cap{cap} mask{masked}"
+        qo = torch.tensor([0, 5, 12], dtype=torch.int32)
+        kv = torch.tensor([0, 7, 10], dtype=torch.int32)
+        t = int(qo[-1])
+        mask = None
+        if masked:
+            mask = torch.ones(int(extend_attention.build_mask_indptr(qo, kv)[-1]), dtype=torch.uint8)
+        triton_ops.extend_attention_fwd(
+            torch.randn(t, hq, d).to(dtype), torch.randn(t, hkv, d).to(dtype), torch.randn(t, hkv, d).to(dtype),
+            torch.empty(t, hq, d, dtype=dtype), torch.randn(slots, hkv, d).to(dtype),
+            torch.randn(slots, hkv, d).to(dtype), qo, kv, torch.arange(10, dtype=torch.int32), 7,
+            1 / math.sqrt(d), is_causal=causal, sliding_window=window, logit_cap=cap, custom_mask=mask)
+    label[0] = "store_kv bf16"
+    triton_ops.store_kv(torch.zeros(slots, 8, 64, dtype=torch.bfloat16), torch.zeros(slots, 8, 64, dtype=torch.bfloat16),
+                        torch.arange(3), torch.randn(3, 8, 64).to(torch.bfloat16), torch.randn(3, 8, 64))
+    label[0] = "build_kv_indices"
+    triton_ops.build_kv_indices(torch.zeros(4, 128, dtype=torch.int32), torch.tensor([1, 3]),
+                                torch.tensor([5, 9], dtype=torch.int32), torch.tensor([0, 5, 14], dtype=torch.int32),
+                                torch.empty(14, dtype=torch.int32))
+    return launches
+
+
+_LAUNCHES: list[tuple[object, tuple, dict, str]] = []
+
+
+def _compile_one(index: int) -> str:
+    kernel, args, kwargs, label = _LAUNCHES[index]
+    compiled = compile_launch(kernel, args, kwargs, GPUTarget("cuda", 90, 32))
+    if "cubin" not in compiled.asm:
+        raise RuntimeError(f"{kernel.__name__} ({label}): compiled without a cubin")
+    return f"ok {kernel.__name__} ({label})"
+
+
+def main() -> None:
+    import multiprocessing
+
+    _LAUNCHES.extend(record_launches())
+    workers = min(len(_LAUNCHES), os.cpu_count() or 1)
+    # fork: the workers inherit the recorded launches (kernels are not picklable); nothing here touches CUDA
+    with multiprocessing.get_context("fork").Pool(workers) as pool:
+        for line in pool.imap(_compile_one, range(len(_LAUNCHES))):
+            print(line, flush=True)
+    print(f"compiled {len(_LAUNCHES)} launches for sm_90")
+
+
+if __name__ == "__main__":
+    main()
