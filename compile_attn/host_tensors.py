@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import array
 from collections.abc import Sequence
+from itertools import chain
 
 import torch
 
@@ -53,18 +54,32 @@ def to_device(parts: list[torch.Tensor | Sequence[int]], dtype: torch.dtype, dev
     """``parts`` (int lists or tensors) as ``dtype`` tensors on ``device``: the host ones through a single copy.
 
     Each pageable host-to-device copy waits for the host buffer to be staged, so one copy per dtype per step
-    beats one per tensor.
+    beats one per tensor. When every host part is an int list (the engine's case), they become one tensor
+    directly, with no per-part tensors to concatenate: at small batches the torch op count is the cost.
     """
     out: list[torch.Tensor | None] = [None] * len(parts)
-    host: list[tuple[int, torch.Tensor]] = []
+    host: list[int] = []
+    lists_only = True
     for i, x in enumerate(parts):
-        if isinstance(x, torch.Tensor) and not x.is_cpu:
-            out[i] = x.to(device=device, dtype=dtype)
-        else:
-            t = x.to(dtype) if isinstance(x, torch.Tensor) else int_tensor(list(x), dtype)
-            host.append((i, t.reshape(-1) if t.dim() == 0 else t))
-    if host:
-        flat = torch.cat([t.reshape(-1) for _, t in host]).to(device)
-        for (i, t), piece in zip(host, flat.split([t.numel() for _, t in host])):
-            out[i] = piece.view(t.shape)
+        if isinstance(x, torch.Tensor):
+            if not x.is_cpu:
+                out[i] = x.to(device=device, dtype=dtype)
+                continue
+            lists_only = False
+        host.append(i)
+    if not host:
+        return out  # type: ignore[return-value]
+    if lists_only:
+        sizes = [len(parts[i]) for i in host]
+        flat = int_tensor(list(chain.from_iterable(parts[i] for i in host)), dtype).to(device)
+        pieces = flat.split_with_sizes(sizes)  # the C method: Tensor.split adds a Python layer
+        for i, piece in zip(host, pieces):
+            out[i] = piece
+        return out  # type: ignore[return-value]
+    tensors = [parts[i].to(dtype) if isinstance(parts[i], torch.Tensor) else int_tensor(list(parts[i]), dtype)
+               for i in host]
+    tensors = [t.reshape(1) if t.dim() == 0 else t for t in tensors]  # a scalar tensor becomes one entry
+    flat = torch.cat([t.reshape(-1) for t in tensors]).to(device)
+    for i, t, piece in zip(host, tensors, flat.split_with_sizes([t.numel() for t in tensors])):
+        out[i] = piece.view(t.shape)
     return out  # type: ignore[return-value]

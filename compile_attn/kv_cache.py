@@ -273,7 +273,7 @@ class KVCache:
         # position are expanded and the table written on the device.
         bs = len(starts)
         flat = int_tensor([*slots, *rows, *starts, *extend_lens]).to(self.device)
-        out, rows_t, starts_t, lens_t = flat.split([len(slots), bs, bs, bs])
+        out, rows_t, starts_t, lens_t = flat.split_with_sizes([len(slots), bs, bs, bs])
         total = len(slots)
         if total == bs and all(n == 1 for n in extend_lens):  # decode: one token per request, nothing to expand
             self.req_to_token[rows_t, starts_t] = out.to(torch.int32)

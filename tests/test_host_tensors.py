@@ -79,3 +79,7 @@ def test_to_device_packs_lists_and_host_tensors_and_keeps_shapes() -> None:
     out = to_device(parts, torch.int64, torch.device("cpu"))
     assert [t.dtype for t in out] == [torch.int64] * 4
     assert [t.tolist() for t in out] == [[1, 2, 3], [[4, 5], [6, 7]], [8], []]
+    lists = to_device([[1, 2], (3,), [], [2**31 - 1]], torch.int32, torch.device("cpu"))  # lists only: one tensor
+    assert [t.dtype for t in lists] == [torch.int32] * 4 and [t.tolist() for t in lists] == [[1, 2], [3], [], [2**31 - 1]]
+    with pytest.raises(OverflowError):
+        to_device([[2**31]], torch.int32, torch.device("cpu"))
