@@ -167,7 +167,7 @@ class LLM:
         keep_t, top_k, seeds, positions = to_device(
             [keep, [r.params.top_k for r in reqs], [r.seed for r in reqs], [len(r.token_ids) for r in reqs]],
             torch.int64, self.device)
-        logits = self.step_runner.run(fb, keep_t)
+        logits = self.step_runner.run(fb, None if len(keep) == fb.num_tokens else keep_t)  # None: every row
         if not sampled:  # every request in the step is mid-way through a chunked prefill
             return []
         if all(r.params.temperature <= 0 for r in reqs):  # all greedy: skip the softmax / sort / noise kernels

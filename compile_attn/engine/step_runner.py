@@ -56,9 +56,13 @@ class StepRunner:
         self.runner.capture()
 
     @torch.inference_mode()
-    def run(self, fb: ForwardBatch, keep: torch.Tensor) -> torch.Tensor:
-        """Logits of the rows ``keep`` of this step (copied out of graph memory)."""
-        rows = self.runner.run(fb)[keep]
+    def run(self, fb: ForwardBatch, keep: torch.Tensor | None) -> torch.Tensor:
+        """Logits of the rows ``keep`` of this step (None: every token's row), copied out of graph memory."""
+        out = self.runner.run(fb)
+        if keep is not None:
+            rows = out[keep]
+        else:  # decode: every row is sampled, no gather (the LM head's output is fresh memory already)
+            rows = out if self.compute_logits is not None else out.clone()
         return self.compute_logits(rows) if self.compute_logits is not None else rows
 
 
