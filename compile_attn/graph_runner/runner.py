@@ -9,8 +9,12 @@ backend's piecewise wrappers capture only when the step runs piecewise. See docs
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+
 import logging
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -80,6 +84,8 @@ class GraphRunner:
         self.views = ReplayViews(self.buffers, backend.get_cuda_graph_seq_len_fill_value())
         self.stats = GraphRunnerStats()
         self.captured = False
+        self._model_calls = 0  # calls of the model after capture
+        self._guards_needed = False  # set if a call with guards skipped had to recompile
         self._graphs: dict[Route, CapturedGraph | RerunGraph] = {}
         self._warned_fallback = False
         logger.info(
@@ -254,19 +260,59 @@ class GraphRunner:
             self.backend.init_forward_metadata_in_graph(view)
         with torch.no_grad(), forward_context(view, self.backend, graph_mode=mode.value):
             if mode is ExecMode.PIECEWISE:
-                out = self.model(view.input_ids, view.positions)
+                out = self._call_model(view, skip_guards=True)
             else:
                 out = self._graphs[route].replay()
         self.stats.runs[mode.value] += 1
         return _slice_tokens(out, bucket, fb.num_tokens)
 
+    def _guard_stance(self) -> contextlib.AbstractContextManager:
+        """Dynamo guards off (``GraphConfig.skip_guards``) for a call of the compiled model after capture, once
+        the model has run: piecewise steps pass the static buffers that capture passed, so its graph exists."""
+        if (self.captured and self.compiled and self._model_calls and self.config.skip_guards
+                and not self.config.verify and not self._guards_needed and _CAN_SKIP_GUARDS):
+            return _skip_guards()
+        return contextlib.nullcontext()
+
+    def _call_model(self, fb: ForwardBatch, skip_guards: bool) -> Any:
+        """The model on ``fb``'s tokens; ``skip_guards``: without Dynamo's guard evaluation where allowed. Eager
+        steps keep the guards: their inputs are the batch's own tensors (e.g. inference tensors where capture
+        passed normal ones), which can need a graph of their own."""
+        stance = self._guard_stance() if skip_guards else contextlib.nullcontext()
+        try:
+            with stance:
+                out = self.model(fb.input_ids, fb.positions)
+        except RuntimeError as exc:
+            # torch refuses to recompile under skip_guard_eval_unsafe (it raises before running the new frame).
+            # Run again with guards on, from now on: K/V stores of a partial first attempt are rewritten with the
+            # same values.
+            if isinstance(stance, contextlib.nullcontext) or "skip_guard_eval_unsafe" not in str(exc):
+                raise
+            logger.warning("GraphRunner: the compiled model needed a recompile with guards skipped (%s); "
+                           "evaluating guards from now on", str(exc).splitlines()[0])
+            self._guards_needed = True
+            out = self.model(fb.input_ids, fb.positions)
+        self._model_calls += 1
+        return out
+
     def run_eager(self, fb: ForwardBatch) -> Any:
         """Run one step without graphs (the reference the graphs are checked against)."""
         self.backend.init_forward_metadata(fb)
         with torch.no_grad(), forward_context(fb, self.backend, graph_mode=ExecMode.NONE.value):
-            out = self.model(fb.input_ids, fb.positions)
+            out = self._call_model(fb, skip_guards=False)
         self.stats.runs[ExecMode.NONE.value] += 1
         return out
+
+
+_CAN_SKIP_GUARDS = "skip_guard_eval_unsafe" in inspect.signature(torch.compiler.set_stance).parameters
+
+
+@contextlib.contextmanager
+def _skip_guards() -> Iterator[None]:
+    # Entered lazily: constructing torch.compiler.set_stance already switches the stance (it restores the
+    # previous one on exit), so it must not be built outside the ``with``.
+    with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+        yield
 
 
 def _slice_tokens(out: Any, bucket_tokens: int, real_tokens: int) -> Any:
