@@ -7,8 +7,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from itertools import accumulate
 from collections.abc import Sequence
+from itertools import accumulate
 from typing import Any
 
 import torch
