@@ -186,7 +186,7 @@ class GraphRunner:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
         free_before = torch.cuda.mem_get_info(self.device)[0] if cuda else 0
-        with torch.no_grad(), capture_session(self.device):
+        with torch.inference_mode(), capture_session(self.device):
             for mode, bucket in tqdm(keys, desc="capturing graphs", unit="graph", leave=False):
                 self._capture_one(mode, bucket, pool, stream)
         if cuda:
@@ -240,8 +240,14 @@ class GraphRunner:
         self.stats.captures[mode.value] += 1
 
     # ------------------------------------------------------------------ run
+    @torch.inference_mode()
     def run(self, fb: ForwardBatch) -> Any:
-        """Run one step; returns the model output for the batch's real tokens."""
+        """Run one step; returns the model output for the batch's real tokens.
+
+        Capture and every step run under ``torch.inference_mode()``, whatever the caller's mode: the compiled
+        model's Dynamo guards include the inputs' dispatch keys, which differ between inference-mode and
+        no-grad tensors, so a step in another mode than capture would compile the model again (and capture its
+        piecewise graphs again, on first use of each bucket)."""
         route = self.route(fb)
         if route is None:
             return self.run_eager(fb)
@@ -258,7 +264,7 @@ class GraphRunner:
         self.backend.init_forward_metadata_out_graph(view)
         if mode is not ExecMode.FULL:
             self.backend.init_forward_metadata_in_graph(view)
-        with torch.no_grad(), forward_context(view, self.backend, graph_mode=mode.value):
+        with forward_context(view, self.backend, graph_mode=mode.value):
             if mode is ExecMode.PIECEWISE:
                 out = self._call_model(view, skip_guards=True)
             else:
@@ -295,10 +301,11 @@ class GraphRunner:
         self._model_calls += 1
         return out
 
+    @torch.inference_mode()
     def run_eager(self, fb: ForwardBatch) -> Any:
         """Run one step without graphs (the reference the graphs are checked against)."""
         self.backend.init_forward_metadata(fb)
-        with torch.no_grad(), forward_context(fb, self.backend, graph_mode=ExecMode.NONE.value):
+        with forward_context(fb, self.backend, graph_mode=ExecMode.NONE.value):
             out = self._call_model(fb, skip_guards=False)
         self.stats.runs[ExecMode.NONE.value] += 1
         return out

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from compile_attn import ForwardBatch, ForwardMode, KVCache, create_backend, forward_context
+from compile_attn.compiler import compile_counters
 from compile_attn.engine import LLM, RequestTooLargeError, SamplingParams
 from compile_attn.models import ToyDecoder, ToyDecoderConfig
 
@@ -71,6 +72,21 @@ def test_greedy_equals_recompute_in_every_graph_mode(model: ToyDecoder, graph_mo
         from compile_attn.compiler import compile_counters
 
         assert compile_counters.split_op_pieces >= CFG.num_layers
+
+
+@pytest.mark.parametrize("graph_mode", ["piecewise", "full_and_piecewise"])
+def test_no_dynamo_compile_after_capture(model: ToyDecoder, graph_mode: str) -> None:
+    """Capture and steps call the compiled model in the same grad mode (inference), so serving compiles nothing:
+    no new Dynamo graph, and with it no second set of piecewise graphs captured on first use of each bucket."""
+    torch._dynamo.reset()  # other tests' compiled entries for the same model code would sit in Dynamo's cache
+    llm = make_llm(model, graph_mode=graph_mode, compile=True, compile_options={"compiler": "eager"})
+    before = compile_counters.snapshot()
+    outs = llm.generate(PROMPTS, SamplingParams(max_new_tokens=6))
+    delta = compile_counters.delta(before)
+    assert delta.get("graphs_seen", 0) == 0 and delta.get("recompiles", 0) == 0, delta
+    assert not llm.step_runner.runner._guards_needed
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.token_ids == greedy_by_recompute(model, prompt, 6)
 
 
 def test_greedy_equals_recompute_with_chunked_prefill(model: ToyDecoder) -> None:

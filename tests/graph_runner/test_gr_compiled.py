@@ -46,6 +46,7 @@ def test_piecewise_steps_skip_dynamo_guards_and_fall_back_to_guards_on_a_recompi
     """GraphConfig.skip_guards: after capture, piecewise steps call the compiled model with guard evaluation off
     and match eager. A call that would need a new graph (torch raises under skip_guard_eval_unsafe) is run again
     with guards, correctly, and guards stay on from then on."""
+    torch._dynamo.reset()  # other tests' entries for the same model code would sit in Dynamo's cache
     model = make_model()
     compiled = torch.compile(model, backend="eager", dynamic=True)
     twin = Twin(seed=5)
