@@ -242,4 +242,3 @@ class ForwardBatch:
                     f"seq_len {longest} exceeds the KV cache's max_context {kv_cache.max_context}; "
                     f"create the KVCache with a larger max_context"
                 )
-

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from compile_attn.errors import InvalidBatchError, KVCacheExhaustedError
-from compile_attn.host_tensors import int_tensor, ragged_arange, repeat_each
+from compile_attn.host_tensors import ragged_arange, repeat_each, to_device
 
 logger = logging.getLogger(__name__)
 
@@ -271,10 +271,8 @@ class KVCache:
             return torch.empty(0, dtype=torch.int64, device=self.device)
         # One host-to-device copy (slots, then rows / starts / lengths per request); the per-token row and
         # position are expanded and the table written on the device.
-        bs = len(starts)
-        flat = int_tensor([*slots, *rows, *starts, *extend_lens]).to(self.device)
-        out, rows_t, starts_t, lens_t = flat.split_with_sizes([len(slots), bs, bs, bs])
-        total = len(slots)
+        out, rows_t, starts_t, lens_t = to_device([slots, rows, starts, extend_lens], torch.int64, self.device)
+        total, bs = len(slots), len(starts)
         if total == bs and all(n == 1 for n in extend_lens):  # decode: one token per request, nothing to expand
             self.req_to_token[rows_t, starts_t] = out.to(torch.int32)
         else:

@@ -364,15 +364,11 @@ class TritonBackend(AttentionBackend):
         if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
             q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
         padded = out.shape[0] > bs
-        o = out[:bs] if padded else out
-        target = o if o.stride(-1) == 1 else torch.empty(o.shape, dtype=o.dtype, device=o.device)
-        self._ops.decode_attention_fwd(
-            q, k_buf, v_buf, target, idx.kv_indptr, idx.kv_indices, idx.num_kv_splits, self.max_kv_splits,
-            scratch.attn_logits, scratch.attn_lse, layer.scaling, layer.logit_cap, k_new=k, v_new=v,
-            new_loc=fb.out_cache_loc if save_kv_cache else None,
-        )
-        if target is not o:
-            o.copy_(target)
+        loc = fb.out_cache_loc if save_kv_cache else None
+        _run_into(out[:bs] if padded else out, lambda o: self._ops.decode_attention_fwd(
+            q, k_buf, v_buf, o, idx.kv_indptr, idx.kv_indices, idx.num_kv_splits, self.max_kv_splits,
+            scratch.attn_logits, scratch.attn_lse, layer.scaling, layer.logit_cap, k_new=k, v_new=v, new_loc=loc,
+        ))
         if padded:
             out[bs:].zero_()
 

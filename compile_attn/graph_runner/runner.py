@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-
 import logging
 import time
 from collections.abc import Iterator
@@ -84,7 +83,7 @@ class GraphRunner:
         self.views = ReplayViews(self.buffers, backend.get_cuda_graph_seq_len_fill_value())
         self.stats = GraphRunnerStats()
         self.captured = False
-        self._model_calls = 0  # calls of the model after capture
+        self._model_calls = 0  # calls of the model through run / run_eager (not capture)
         self._guards_needed = False  # set if a call with guards skipped had to recompile
         self._graphs: dict[Route, CapturedGraph | RerunGraph] = {}
         self._warned_fallback = False
