@@ -77,6 +77,7 @@ def child(cfg: EngineBenchConfig, cache_dir: str) -> dict:
     ready_s = time.perf_counter() - start
     if profiler is not None:
         profiler.disable()
+        profiler.dump_stats(f"{profile_to}.{os.getpid()}.prof")  # the whole profile, for pstats / snakeviz
         with open(f"{profile_to}.{os.getpid()}.txt", "w") as f:
             pstats.Stats(profiler, stream=f).sort_stats("cumulative").print_stats(45)
     stats = llm.step_runner.runner.stats

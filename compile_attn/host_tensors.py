@@ -50,11 +50,21 @@ def repeat_each(values: torch.Tensor, lens: torch.Tensor, total: int | None = No
     return torch.repeat_interleave(values.to(torch.int64), lens, output_size=total)
 
 
+def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device``; to a GPU through pinned memory, so the host does not wait for the copy.
+
+    A copy from pageable memory returns only once the data is staged, which waits for the GPU's queue as
+    well. The pinned buffer goes back to torch's caching host allocator only after the copy has run.
+    """
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def to_device(parts: list[torch.Tensor | Sequence[int]], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
     """``parts`` (int lists or tensors) as ``dtype`` tensors on ``device``: the host ones through a single copy.
 
-    Each pageable host-to-device copy waits for the host buffer to be staged, so one copy per dtype per step
-    beats one per tensor. When every host part is an int list (the engine's case), they become one tensor
+    Host parts go in one copy per call (per dtype per step), through pinned memory (see ``upload``). When every host part is an int list (the engine's case), they become one tensor
     directly, with no per-part tensors to concatenate: at small batches the torch op count is the cost.
     """
     out: list[torch.Tensor | None] = [None] * len(parts)
@@ -71,7 +81,7 @@ def to_device(parts: list[torch.Tensor | Sequence[int]], dtype: torch.dtype, dev
         return out  # type: ignore[return-value]
     if lists_only:
         sizes = [len(parts[i]) for i in host]
-        flat = int_tensor(list(chain.from_iterable(parts[i] for i in host)), dtype).to(device)
+        flat = upload(int_tensor(list(chain.from_iterable(parts[i] for i in host)), dtype), device)
         pieces = flat.split_with_sizes(sizes)  # the C method: Tensor.split adds a Python layer
         for i, piece in zip(host, pieces):
             out[i] = piece
@@ -79,7 +89,7 @@ def to_device(parts: list[torch.Tensor | Sequence[int]], dtype: torch.dtype, dev
     tensors = [parts[i].to(dtype) if isinstance(parts[i], torch.Tensor) else int_tensor(list(parts[i]), dtype)
                for i in host]
     tensors = [t.reshape(1) if t.dim() == 0 else t for t in tensors]  # a scalar tensor becomes one entry
-    flat = torch.cat([t.reshape(-1) for t in tensors]).to(device)
+    flat = upload(torch.cat([t.reshape(-1) for t in tensors]), device)
     for i, t, piece in zip(host, tensors, flat.split_with_sizes([t.numel() for t in tensors])):
         out[i] = piece.view(t.shape)
     return out  # type: ignore[return-value]

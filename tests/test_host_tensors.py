@@ -83,3 +83,41 @@ def test_to_device_packs_lists_and_host_tensors_and_keeps_shapes() -> None:
     assert [t.dtype for t in lists] == [torch.int32] * 4 and [t.tolist() for t in lists] == [[1, 2], [3], [], [2**31 - 1]]
     with pytest.raises(OverflowError):
         to_device([[2**31]], torch.int32, torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@settings(max_examples=10, deadline=None)
+@given(prefix=st.lists(st.integers(0, 40), min_size=1, max_size=6), seed=st.integers(0, 2**31 - 1),
+       page_size=st.sampled_from([1, 16]))
+def test_step_metadata_reaches_the_gpu_without_a_sync(prefix: list[int], seed: int, page_size: int) -> None:
+    """Slot allocation and batch building of a step enqueue their copies and never wait for the GPU (pinned
+    uploads, device-side expansion), and give the same batch as on the CPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from compile_attn import KVCache
+    from compile_attn.batch import ForwardBatch
+
+    gen = torch.Generator().manual_seed(seed)
+    extend = torch.randint(1, 50, (len(prefix),), generator=gen).tolist()
+    built = {}
+    for device in ("cpu", "cuda"):
+        kv = KVCache(num_layers=1, num_kv_heads=1, head_dim=8, max_requests=8, max_context=128, num_tokens=2048,
+                     page_size=page_size, dtype=torch.bfloat16, device=device)
+        rows = [kv.alloc_request() for _ in prefix]
+        kv.alloc_extend(rows, prefix)
+        ids = torch.randint(0, 1000, (sum(extend),), generator=torch.Generator().manual_seed(seed)).tolist()
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")  # a blocking copy or a read-back raises
+        try:
+            loc = kv.alloc_extend(rows, extend)
+            fb = ForwardBatch.build(req_pool_indices=rows, prefix_lens=prefix, extend_lens=extend,
+                                    out_cache_loc=loc, input_ids=ids, device=device)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        built[device] = (kv.req_to_token.cpu(), fb.input_ids.cpu(), fb.positions.cpu(), fb.out_cache_loc.cpu(),
+                         fb.seq_lens.cpu())
+    for a, b in zip(built["cpu"], built["cuda"]):
+        assert torch.equal(a, b)
+    positions = [p + i for p, n in zip(prefix, extend) for i in range(n)]
+    assert built["cuda"][2].tolist() == positions

@@ -20,6 +20,7 @@ from compile_attn.attention.base import AttentionBackend, GraphSupport
 from compile_attn.attention.registry import register_backend
 from compile_attn.batch import ForwardBatch
 from compile_attn.errors import BackendUnavailableError, UnsupportedConfigError
+from compile_attn.host_tensors import upload
 from compile_attn.kv_cache import KVCache
 from compile_attn.kv_index import build_page_table
 from compile_attn.layer import AttentionLayer
@@ -89,10 +90,6 @@ class FA3GraphBuffers:
     max_bs: int
     page_table: torch.Tensor  # [max_bs, ceil(graph_max_context / page_size)] int32
     cache_seqlens: torch.Tensor  # [max_bs] int32
-
-
-def _host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
 @register_backend("fa3")
@@ -207,7 +204,7 @@ class FA3Backend(AttentionBackend):
         page_table = build_page_table(self.kv_cache.req_to_token, fb.req_pool_indices, width, self.page_size)
         return FA3Step(
             is_decode=False, batch_size=fb.batch_size, num_tokens=int(cu_cpu[-1]), page_table=page_table,
-            cache_seqlens=fb.seq_lens.to(torch.int32), cu_seqlens_q=_host_to_device(cu_cpu, self.device),
+            cache_seqlens=fb.seq_lens.to(torch.int32), cu_seqlens_q=upload(cu_cpu, self.device),
             max_seqlen_q=max(ext, default=1), filled=True,
         )
 

@@ -20,6 +20,7 @@ from compile_attn.attention.base import AttentionBackend, GraphSupport
 from compile_attn.attention.registry import register_backend
 from compile_attn.batch import ForwardBatch
 from compile_attn.errors import BackendUnavailableError, UnsupportedConfigError
+from compile_attn.host_tensors import upload
 from compile_attn.kv_cache import KVCache
 from compile_attn.layer import AttentionLayer
 
@@ -48,12 +49,6 @@ def kernels_interpreted() -> bool:
     from compile_attn.attention.triton_ops.kv_index import _store_kv_kernel
 
     return is_interpreted(_store_kv_kernel)
-
-
-def _host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 def _exclusive_cumsum(lens: Sequence[int]) -> torch.Tensor:
@@ -325,8 +320,8 @@ class TritonBackend(AttentionBackend):
     def _prepare_extend(self, fb: ForwardBatch) -> ExtendStep:
         ext, prefix = fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu
         qo_cpu, kv_cpu = _exclusive_cumsum(ext), _exclusive_cumsum(prefix)
-        qo_indptr = _host_to_device(qo_cpu, self.device)
-        kv_indptr = _host_to_device(kv_cpu, self.device)
+        qo_indptr = upload(qo_cpu, self.device)
+        kv_indptr = upload(kv_cpu, self.device)
         total_prefix = int(kv_cpu[-1])
         kv_indices = torch.empty(max(total_prefix, 1), dtype=torch.int32, device=self.device)
         if total_prefix:

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from compile_attn.attention.flashinfer.library import FlashInferAPI
-from compile_attn.attention.flashinfer.paged_indices import build_paged_kv, host_to_device
+from compile_attn.attention.flashinfer.paged_indices import build_paged_kv
+from compile_attn.host_tensors import upload
 from compile_attn.attention.flashinfer.plan_groups import PlanGroup
 from compile_attn.attention.flashinfer.wrappers import PlanDTypes, plan_decode
 
@@ -88,7 +89,7 @@ class DecodeGraphState:
         wrappers = self.wrappers(bs)
         kv = build_paged_kv(req_to_token, req_pool_indices, seq_lens_cpu, self.page_size,
                             indptr_out=self.indptr, indices_out=self.indices)
-        self.last_page_len[:bs].copy_(host_to_device(kv.last_page_len_cpu, self.indices.device), non_blocking=True)
+        self.last_page_len[:bs].copy_(upload(kv.last_page_len_cpu, self.indices.device), non_blocking=True)
         # fast_decode_plan reads the buffers as they are; a wrapper's first plan must be the full one
         fast = self.fast_plan and bs in self._planned
         for group, wrapper in zip(self.groups, wrappers):

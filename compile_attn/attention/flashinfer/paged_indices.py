@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from compile_attn.host_tensors import upload
+
 
 @dataclass
 class PagedKV:
@@ -28,13 +30,6 @@ class PagedKV:
     @property
     def total_pages(self) -> int:
         return int(self.indptr_cpu[-1])
-
-
-def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Copy a small host tensor to ``device`` without making the host wait for the GPU."""
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 def build_paged_kv(
@@ -65,9 +60,9 @@ def build_paged_kv(
     indices = indices_out[:total] if indices_out is not None else torch.empty(total, dtype=torch.int32, device=device)
     if indptr_out is not None:
         indptr_dev = indptr_out[: bs + 1]
-        indptr_dev.copy_(host_to_device(indptr, device), non_blocking=True)
+        indptr_dev.copy_(upload(indptr, device), non_blocking=True)
     elif total:
-        indptr_dev = host_to_device(indptr, device)
+        indptr_dev = upload(indptr, device)
     if total:
         counts = indptr_dev[1:] - indptr_dev[:-1]
         req_of = torch.repeat_interleave(torch.arange(bs, device=device), counts, output_size=total)
