@@ -98,6 +98,7 @@ def child(cfg: EngineBenchConfig, cache_dir: str) -> dict:
     flops = prefill_flops(cfg.shape, cfg.requests, cfg.prompt_len)
     return dict(
         backend=llm.backend.name, ready_s=ready_s, capture_s=stats.capture_seconds,
+        first_capture_s=stats.first_capture_seconds, capture_s_by_mode=dict(stats.capture_seconds_by_mode),
         graphs=dict(stats.captures), graph_mib=stats.graph_memory_bytes / 2**20,
         kv_mib=llm.kv_cache.pool.bytes / 2**20, prefill_ms=prefill_s * 1e3,
         prefill_tokens_per_s=cfg.requests * cfg.prompt_len / prefill_s, prefill_tflops=flops / prefill_s / 1e12,
@@ -124,14 +125,17 @@ def run(cfg: EngineBenchConfig) -> dict:
 
 def to_markdown(results: dict, cfg: EngineBenchConfig) -> str:
     lines = [
-        f"| start | backend | ready s (compile + capture) | capture s | graphs | graph MiB | KV MiB | "
+        f"| start | backend | ready s (compile + capture) | capture s | first graph s (with compile) | "
+        f"capture s per mode | graphs | graph MiB | KV MiB | "
         f"prefill {cfg.requests}x{cfg.prompt_len} ms | tokens/s | TFLOP/s | % of {cfg.peak_flops / 1e12:.0f} |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for start, r in results.items():
         graphs = ", ".join(f"{k} {v}" for k, v in sorted(r["graphs"].items()))
+        by_mode = ", ".join(f"{k} {v:.1f}" for k, v in sorted(r.get("capture_s_by_mode", {}).items())) or "-"
         lines.append(
-            f"| {start} | {r['backend']} | {r['ready_s']:.1f} | {r['capture_s']:.1f} | {graphs} | {r['graph_mib']:.0f} | "
+            f"| {start} | {r['backend']} | {r['ready_s']:.1f} | {r['capture_s']:.1f} | "
+            f"{r.get('first_capture_s', 0.0):.1f} | {by_mode} | {graphs} | {r['graph_mib']:.0f} | "
             f"{r['kv_mib']:.0f} | {r['prefill_ms']:.1f} | {r['prefill_tokens_per_s']:.0f} | {r['prefill_tflops']:.0f} | "
             f"{r['prefill_pct_peak']:.0f}% |"
         )

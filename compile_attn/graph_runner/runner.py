@@ -186,8 +186,14 @@ class GraphRunner:
             torch.cuda.empty_cache()
         free_before = torch.cuda.mem_get_info(self.device)[0] if cuda else 0
         with torch.inference_mode(), capture_session(self.device):
-            for mode, bucket in tqdm(keys, desc="capturing graphs", unit="graph", leave=False):
+            for i, (mode, bucket) in enumerate(tqdm(keys, desc="capturing graphs", unit="graph", leave=False)):
+                begin = time.perf_counter()
                 self._capture_one(mode, bucket, pool, stream)
+                seconds = time.perf_counter() - begin
+                by_mode = self.stats.capture_seconds_by_mode
+                by_mode[mode.value] = by_mode.get(mode.value, 0.0) + seconds
+                if i == 0:
+                    self.stats.first_capture_seconds = seconds
         if cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
@@ -196,10 +202,13 @@ class GraphRunner:
         self.views.mark_all_dirty()
         self.captured = True
         logger.info(
-            "captured %d graphs (%s) in %.2f s using %.1f MiB of graph memory",
+            "captured %d graphs (%s) in %.2f s (%s; the first graph, with the model's first call: %.2f s) using "
+            "%.1f MiB of graph memory",
             len(keys),
             ", ".join(f"{m}: {n}" for m, n in sorted(self.stats.captures.items())) or "none",
             self.stats.capture_seconds,
+            ", ".join(f"{m} {s:.2f} s" for m, s in sorted(self.stats.capture_seconds_by_mode.items())) or "-",
+            self.stats.first_capture_seconds,
             self.stats.graph_memory_bytes / 2**20,
         )
         if self.config.verify and keys:

@@ -14,6 +14,9 @@ class GraphRunnerStats:
     captures inside it). runs: steps run per mode; "none" counts every eager step, fallbacks included.
     eager_fallbacks: steps that wanted a graph but fit no bucket. segments / breaks: CUDA graph
     segments and eager split-op calls across all breakable graphs. verified: buckets checked by verify.
+    capture_seconds: the whole capture; capture_seconds_by_mode: its split per mode; first_capture_seconds: the
+    first graph (the largest bucket), which includes the first call of a compiled model (Dynamo's trace and
+    the compile, or the load of cached pieces).
     """
 
     captures: Counter = field(default_factory=Counter)
@@ -23,4 +26,6 @@ class GraphRunnerStats:
     breaks: int = 0
     verified: int = 0
     capture_seconds: float = 0.0
+    capture_seconds_by_mode: dict[str, float] = field(default_factory=dict)
+    first_capture_seconds: float = 0.0
     graph_memory_bytes: int = 0

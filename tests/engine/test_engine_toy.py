@@ -67,6 +67,8 @@ def test_greedy_equals_recompute_in_every_graph_mode(model: ToyDecoder, graph_mo
     stats = llm.step_runner.runner.stats
     if graph_mode != "none":
         assert stats.captures, f"{graph_mode}: no graph was captured"
+        assert set(stats.capture_seconds_by_mode) == set(stats.captures)  # the start-time split covers each mode
+        assert 0 < stats.first_capture_seconds <= sum(stats.capture_seconds_by_mode.values()) <= stats.capture_seconds
         assert sum(n for mode, n in stats.runs.items() if mode != "none") > 0, f"{graph_mode}: no step replayed"
     if compile:
         from compile_attn.compiler import compile_counters
