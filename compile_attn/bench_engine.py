@@ -2,7 +2,12 @@
 
 Each start runs in a fresh Python process (``python -m compile_attn.bench_engine --child ...``) so nothing is
 warm that a user's process would not have: cold = empty compile_attn, Inductor and Triton caches; warm = a
-second process over the caches the first one filled. Start time is ``LLM(...)`` construction with the default
+second process over the caches the first one filled. Python's bytecode cache is one of them (``bytecode_cache``,
+default on): a pip install ships ``.pyc`` files, but where a process finds none it may not write (torch installed
+without them, or ``PYTHONDONTWRITEBYTECODE`` with a ``PYTHONPYCACHEPREFIX`` that holds none) it compiles ~2,000
+torch modules from source, seconds that no user's warm start pays (the H100 machine's warm-start profile showed
+~2 s of it). The children get their own ``PYTHONPYCACHEPREFIX`` in the benchmark's temporary folder and may
+write there, so the cold start compiles and writes the bytecode and the warm start reads it. Start time is ``LLM(...)`` construction with the default
 buckets (compile + capture); the model's random init is excluded. In the same process, prefill throughput:
 ``requests x prompt_len`` prompt tokens in one step (``max_new_tokens=1``), timed after one warm-up, with the
 FLOPs it must do (linear layers per token, causal attention, the LM head on the sampled rows only) over the
@@ -42,6 +47,7 @@ class EngineBenchConfig:
     iters: int = 5
     peak_flops: float = PEAK_BF16_FLOPS
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
+    bytecode_cache: bool = True  # the children write and read .pyc files in the benchmark's temporary folder
 
 
 def prefill_flops(shape: dict, requests: int, prompt_len: int) -> float:
@@ -112,6 +118,9 @@ def run(cfg: EngineBenchConfig) -> dict:
     with tempfile.TemporaryDirectory(prefix="compile_attn_bench_") as tmp:
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, "inductor"),
                    TRITON_CACHE_DIR=os.path.join(tmp, "triton"))
+        if cfg.bytecode_cache:
+            env["PYTHONPYCACHEPREFIX"] = os.path.join(tmp, "pycache")
+            env.pop("PYTHONDONTWRITEBYTECODE", None)
         for start in ("cold", "warm"):
             cmd = [sys.executable, "-m", "compile_attn.bench_engine", "--child", json.dumps(asdict(cfg)),
                    "--cache-dir", os.path.join(tmp, "compile_attn")]

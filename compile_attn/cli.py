@@ -99,10 +99,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.engine or args.engine_only:
         from compile_attn import bench_engine
 
-        ecfg = bench_engine.EngineBenchConfig(shape=cfg.shape, backend=cfg.backends[0])
+        common = dict(shape=cfg.shape, backend=cfg.backends[0], bytecode_cache=not args.no_bytecode_cache)
+        ecfg = bench_engine.EngineBenchConfig(**common)
         if args.tiny:
-            ecfg = bench_engine.EngineBenchConfig(shape=cfg.shape, backend=cfg.backends[0], requests=2, prompt_len=64,
-                                                  max_batch_size=8, max_num_tokens=128, kv_cache_tokens=1024)
+            ecfg = bench_engine.EngineBenchConfig(**common, requests=2, prompt_len=64, max_batch_size=8,
+                                                  max_num_tokens=128, kv_cache_tokens=1024)
         engine = bench_engine.run(ecfg)
         print(bench_engine.to_markdown(engine, ecfg), flush=True)
     if args.out:
@@ -151,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--engine", action="store_true",
                        help="also cold/warm start, prefill throughput and memory through LLM (fresh processes)")
     bench.add_argument("--engine-only", action="store_true", help="only the --engine part")
+    bench.add_argument("--no-bytecode-cache", action="store_true",
+                       help="engine starts: keep this environment's bytecode settings (by default the start "
+                            "processes share a .pyc cache, as a pip install has; see compile_attn.bench_engine)")
     bench.add_argument("--out", default=None, help="write JSON here")
     bench.set_defaults(func=cmd_bench)
     return parser
