@@ -50,13 +50,13 @@ def repeat_each(values: torch.Tensor, lens: torch.Tensor, total: int | None = No
     return torch.repeat_interleave(values.to(torch.int64), lens, output_size=total)
 
 
-def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+def upload(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """A host tensor on ``device``; to a GPU through pinned memory, so the host does not wait for the copy.
 
     A copy from pageable memory returns only once the data is staged, which waits for the GPU's queue as
     well. The pinned buffer goes back to torch's caching host allocator only after the copy has run.
     """
-    if device.type == "cuda":
+    if torch.device(device).type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
 
@@ -64,8 +64,9 @@ def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 def to_device(parts: list[torch.Tensor | Sequence[int]], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
     """``parts`` (int lists or tensors) as ``dtype`` tensors on ``device``: the host ones through a single copy.
 
-    Host parts go in one copy per call (per dtype per step), through pinned memory (see ``upload``). When every host part is an int list (the engine's case), they become one tensor
-    directly, with no per-part tensors to concatenate: at small batches the torch op count is the cost.
+    Host parts go in one copy per call (per dtype per step), through pinned memory (see ``upload``). When
+    every host part is an int list (the engine's case), they become one tensor directly, with no per-part
+    tensors to concatenate: at small batches the torch op count is the cost.
     """
     out: list[torch.Tensor | None] = [None] * len(parts)
     host: list[int] = []

@@ -22,7 +22,7 @@ from compile_attn.engine.sampler import sample
 from compile_attn.engine.sampling_params import SamplingParams
 from compile_attn.engine.scheduler import ScheduledStep, Scheduler
 from compile_attn.engine.step_runner import StepRunner
-from compile_attn.host_tensors import to_device
+from compile_attn.host_tensors import to_device, upload
 from compile_attn.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
@@ -172,9 +172,9 @@ class LLM:
             return []
         if all(r.params.temperature <= 0 for r in reqs):  # all greedy: skip the softmax / sort / noise kernels
             return logits.argmax(dim=-1).tolist()
-        temperature, top_p = torch.tensor(
+        temperature, top_p = upload(torch.tensor(
             [[r.params.temperature for r in reqs], [r.params.top_p for r in reqs]], dtype=torch.float32
-        ).to(self.device).unbind(0)
+        ), self.device).unbind(0)
         tokens = sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds, positions=positions)
         return tokens.tolist()  # the step's one host sync
 

@@ -17,9 +17,9 @@ import torch
 
 from compile_attn.attention.flashinfer.library import FlashInferAPI
 from compile_attn.attention.flashinfer.paged_indices import build_paged_kv
-from compile_attn.host_tensors import upload
 from compile_attn.attention.flashinfer.plan_groups import PlanGroup
 from compile_attn.attention.flashinfer.wrappers import PlanDTypes, plan_decode
+from compile_attn.host_tensors import upload
 
 logger = logging.getLogger(__name__)
 
