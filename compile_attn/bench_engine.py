@@ -11,7 +11,8 @@ write there, so the cold start compiles and writes the bytecode and the warm sta
 buckets (compile + capture); the model's random init is excluded. In the same process, prefill throughput:
 ``requests x prompt_len`` prompt tokens in one step (``max_new_tokens=1``), timed after one warm-up, with the
 FLOPs it must do (linear layers per token, causal attention, the LM head on the sampled rows only) over the
-measured bf16 matmul peak.
+measured bf16 matmul peak, and (CUDA) the step's GPU busy time from the profiler, taken after the timed runs:
+prefill wall time minus it is the host time the GPU waited for.
 """
 
 from __future__ import annotations
@@ -101,12 +102,14 @@ def child(cfg: EngineBenchConfig, cache_dir: str) -> dict:
         times.append(time.perf_counter() - t0)
         assert llm.num_steps - steps == 1, "the prefill did not run as one step; raise max_num_tokens"
     prefill_s = sorted(times)[len(times) // 2]
+    # GPU busy time of the same step (kernels and copies), profiled last: wall minus busy is host time and gaps.
+    busy_ms = bench.kernel_ms(lambda: llm.generate(prompts, params), steps=3)[0] if cfg.device == "cuda" else None
     flops = prefill_flops(cfg.shape, cfg.requests, cfg.prompt_len)
     return dict(
         backend=llm.backend.name, ready_s=ready_s, capture_s=stats.capture_seconds,
         first_capture_s=stats.first_capture_seconds, capture_s_by_mode=dict(stats.capture_seconds_by_mode),
         graphs=dict(stats.captures), graph_mib=stats.graph_memory_bytes / 2**20,
-        kv_mib=llm.kv_cache.pool.bytes / 2**20, prefill_ms=prefill_s * 1e3,
+        kv_mib=llm.kv_cache.pool.bytes / 2**20, prefill_ms=prefill_s * 1e3, prefill_gpu_busy_ms=busy_ms,
         prefill_tokens_per_s=cfg.requests * cfg.prompt_len / prefill_s, prefill_tflops=flops / prefill_s / 1e12,
         prefill_pct_peak=100 * flops / prefill_s / cfg.peak_flops,
     )
@@ -136,17 +139,19 @@ def to_markdown(results: dict, cfg: EngineBenchConfig) -> str:
     lines = [
         f"| start | backend | ready s (compile + capture) | capture s | first graph s (with compile) | "
         f"capture s per mode | graphs | graph MiB | KV MiB | "
-        f"prefill {cfg.requests}x{cfg.prompt_len} ms | tokens/s | TFLOP/s | % of {cfg.peak_flops / 1e12:.0f} |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"prefill {cfg.requests}x{cfg.prompt_len} ms | its GPU busy ms | tokens/s | TFLOP/s | "
+        f"% of {cfg.peak_flops / 1e12:.0f} |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for start, r in results.items():
         graphs = ", ".join(f"{k} {v}" for k, v in sorted(r["graphs"].items()))
         by_mode = ", ".join(f"{k} {v:.1f}" for k, v in sorted(r.get("capture_s_by_mode", {}).items())) or "-"
+        busy = "-" if r.get("prefill_gpu_busy_ms") is None else f"{r['prefill_gpu_busy_ms']:.1f}"
         lines.append(
             f"| {start} | {r['backend']} | {r['ready_s']:.1f} | {r['capture_s']:.1f} | "
             f"{r.get('first_capture_s', 0.0):.1f} | {by_mode} | {graphs} | {r['graph_mib']:.0f} | "
-            f"{r['kv_mib']:.0f} | {r['prefill_ms']:.1f} | {r['prefill_tokens_per_s']:.0f} | {r['prefill_tflops']:.0f} | "
-            f"{r['prefill_pct_peak']:.0f}% |"
+            f"{r['kv_mib']:.0f} | {r['prefill_ms']:.1f} | {busy} | {r['prefill_tokens_per_s']:.0f} | "
+            f"{r['prefill_tflops']:.0f} | {r['prefill_pct_peak']:.0f}% |"
         )
     return "\n".join(lines)
 
