@@ -190,8 +190,7 @@ class GraphRunner:
                 begin = time.perf_counter()
                 self._capture_one(mode, bucket, pool, stream)
                 seconds = time.perf_counter() - begin
-                by_mode = self.stats.capture_seconds_by_mode
-                by_mode[mode.value] = by_mode.get(mode.value, 0.0) + seconds
+                self.stats.capture_seconds_by_mode[mode.value] += seconds
                 if i == 0:
                     self.stats.first_capture_seconds = seconds
         if cuda:

@@ -26,6 +26,6 @@ class GraphRunnerStats:
     breaks: int = 0
     verified: int = 0
     capture_seconds: float = 0.0
-    capture_seconds_by_mode: dict[str, float] = field(default_factory=dict)
+    capture_seconds_by_mode: Counter = field(default_factory=Counter)
     first_capture_seconds: float = 0.0
     graph_memory_bytes: int = 0
