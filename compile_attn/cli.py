@@ -146,7 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="skip the per-step kernel-time profile (cleanest timings: a profiler session slows "
                             "later graph replays of the same process)")
     bench.add_argument("--inductor-config", default="{}",
-                       help='Inductor config patches for the compiled pieces, JSON, e.g. \'{"combo_kernels": true}\'')
+                       help='Inductor config patches for the compiled pieces, JSON, e.g. \'{"combo_kernels": false}\' '
+                            '(on by default on GPUs)')
     bench.add_argument("--no-fuse-linears", action="store_true",
                        help="keep q/k/v and gate/up as separate GEMMs (GraphConfig.fuse_linears=False)")
     bench.add_argument("--engine", action="store_true",

@@ -276,19 +276,12 @@ class TritonBackend(AttentionBackend):
         step = self._step
         if not isinstance(step, DecodeStep):
             return  # extend metadata is prepared in out_graph
-        ops, seq_lens = self._ops, fb.seq_lens
-        for idx in step.indexes.values():
-            lens = seq_lens
-            if idx.kv_start is not None:
-                idx.kv_start.copy_((seq_lens - idx.window).clamp_(min=0))
-                lens = seq_lens - idx.kv_start
-            ops.build_kv_indptr(seq_lens, idx.kv_indptr, idx.kv_start)
-            ops.build_kv_indices(
-                self.kv_cache.req_to_token, fb.req_pool_indices, seq_lens, idx.kv_indptr, idx.kv_indices, idx.kv_start
-            )
-            ops.compute_num_kv_splits(
-                lens, self.num_sms, self.max_kv_splits, self.deterministic, self.split_size,
-                num_kv_heads=self.kv_cache.pool.num_kv_heads, out=idx.num_kv_splits,
+        for idx in step.indexes.values():  # one launch per window
+            self._ops.build_decode_metadata(
+                self.kv_cache.req_to_token, fb.req_pool_indices, fb.seq_lens, idx.kv_indptr, idx.kv_indices,
+                idx.num_kv_splits, num_sms=self.num_sms, max_kv_splits=self.max_kv_splits,
+                deterministic=self.deterministic, split_size=self.split_size,
+                num_kv_heads=self.kv_cache.pool.num_kv_heads, window=idx.window, kv_start=idx.kv_start,
             )
         step.filled = True
 

@@ -111,9 +111,12 @@ def compile_attn_attention(
                 f"call it with the batch's own input_ids and positions"
             )
         _check_constants(module.layer_idx, kwargs, module)
+    # q and k come out of the rotary embedding: under Inductor the copy into [T, H, D] fuses into it. v comes
+    # straight from its projection (with fuse_linears, a slice of the fused q/k/v GEMM's output whose token stride
+    # is the whole q|k|v row): the backends read and store strided k/v, so it goes in as a view, not a copy.
     q = query[0].transpose(0, 1).contiguous()  # [T, Hq, D]
     k = key[0].transpose(0, 1).contiguous()  # [T, Hkv, D]
-    v = value[0].transpose(0, 1).contiguous()  # [T, Hkv, Dv]
+    v = value[0].transpose(0, 1)  # [T, Hkv, Dv]
     out = q.new_empty(num_tokens, num_heads, v.shape[-1])
     torch.ops.compile_attn.attention(q, k, v, out, module.layer_idx)
     return out.unsqueeze(0), None

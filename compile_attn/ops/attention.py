@@ -33,7 +33,10 @@ def attention(
     layer_id: int,
     save_kv_cache: bool = True,
 ) -> None:
-    """Attention of ``q[T, Hq, D]`` over the current batch's KV (plus the new ``k``/``v``) into ``out[T, Hq, Dv]``."""
+    """Attention of ``q[T, Hq, D]`` over the current batch's KV (plus the new ``k``/``v``) into ``out[T, Hq, Dv]``.
+
+    ``k[T, Hkv, D]`` and ``v[T, Hkv, Dv]`` may be strided views (e.g. slices of a fused q/k/v projection's
+    output); every backend stores and reads them as they are (tests/test_strided_kv_views.py)."""
     ctx = get_forward_context()
     layer = ctx.layer(layer_id)
     ctx.backend.forward(q, k, v, layer, ctx.batch, out, save_kv_cache=save_kv_cache)

@@ -23,7 +23,9 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from compile_attn.attention import triton_ops  # noqa: E402
-from compile_attn.attention.triton_ops import decode_attention, extend_attention, kv_index, launch  # noqa: E402
+from compile_attn.attention.triton_ops import (  # noqa: E402
+    decode_attention, decode_metadata, extend_attention, kv_index, launch,
+)
 
 _PTR_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
               torch.int64: "*i64", torch.uint8: "*u8", torch.bool: "*i1"}
@@ -69,7 +71,7 @@ def record_launches() -> list[tuple[object, tuple, dict, str]]:
         launches.append((self.kernel, args, dict(kwargs), label[0]))
 
     launch.CachedLaunch.__call__ = record
-    for module in (decode_attention, extend_attention, kv_index):
+    for module in (decode_attention, decode_metadata, extend_attention, kv_index):
         module.check_device = lambda *tensors: None  # CPU tensors stand in for CUDA ones; nothing runs
 
     gen = torch.Generator().manual_seed(0)
@@ -123,6 +125,13 @@ def record_launches() -> list[tuple[object, tuple, dict, str]]:
     triton_ops.build_kv_indices(torch.zeros(4, 128, dtype=torch.int32), torch.tensor([1, 3]),
                                 torch.tensor([5, 9], dtype=torch.int32), torch.tensor([0, 5, 14], dtype=torch.int32),
                                 torch.empty(14, dtype=torch.int32))
+    for window, deterministic in ((None, False), (16, True)):
+        label[0] = f"build_decode_metadata window{window} deterministic{deterministic}"
+        triton_ops.build_decode_metadata(
+            torch.zeros(4, 128, dtype=torch.int32), torch.tensor([1, 3]), torch.tensor([5, 9], dtype=torch.int32),
+            torch.empty(3, dtype=torch.int32), torch.empty(14, dtype=torch.int32), torch.empty(2, dtype=torch.int32),
+            num_sms=132, max_kv_splits=16, deterministic=deterministic, num_kv_heads=8, window=window,
+            kv_start=torch.empty(2, dtype=torch.int32) if window else None)
     return launches
 
 

@@ -133,8 +133,9 @@ class LayerResult:
 
 def run_case(case: Case, device: str, dtype: torch.dtype, *, seed: int = 0, pad_tokens: int = 0,
              backend_kwargs: dict | None = None, reference: Reference = reference_attention,
-             save_kv_cache: bool = True, strided: bool = False) -> list[LayerResult]:
-    """Run every layer of ``case`` once through the op; check NaN-freedom and the pool writes.
+             save_kv_cache: bool = True, strided: bool = False, backend_name: str = "triton") -> list[LayerResult]:
+    """Run every layer of ``case`` once through the op (``backend_name``'s backend); check NaN-freedom and the
+    pool writes.
 
     ``pad_tokens`` appends padding tokens (a piecewise bucket's view: out_cache_loc PAD_SLOT, belonging
     to no request) with random q/k/v. ``strided``: q/k/v are views into one packed [tokens, q | k | v] tensor
@@ -153,7 +154,7 @@ def run_case(case: Case, device: str, dtype: torch.dtype, *, seed: int = 0, pad_
         fb.input_ids = torch.cat([fb.input_ids, torch.zeros_like(pad)])
         fb.positions = torch.cat([fb.positions, torch.zeros_like(pad)])
         fb.graph_bucket = n + pad_tokens
-    backend = create_backend("triton", kv, layers, **(backend_kwargs or {}))
+    backend = create_backend(backend_name, kv, layers, **(backend_kwargs or {}))
     backend.init_forward_metadata(fb)
 
     def rand(*shape: int) -> torch.Tensor:

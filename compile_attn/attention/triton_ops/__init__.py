@@ -1,7 +1,8 @@
 """Triton attention kernels over a token-level paged KV cache: pure functions of torch tensors.
 
 ``kv_index`` builds the token CSR from ``req_to_token`` and stores new K/V, ``decode_attention``
-runs split-K paged decode (CUDA-graph capturable), ``extend_attention`` runs prefill/extend over a
+runs split-K paged decode (CUDA-graph capturable), ``decode_metadata`` builds a decode step's CSR and split
+counts in one launch, ``extend_attention`` runs prefill/extend over a
 cached prefix. Nothing here depends on the rest of compile_attn; the triton backend wraps these.
 On CPU the kernels run only under ``TRITON_INTERPRET=1`` (tests).
 """
@@ -13,6 +14,7 @@ from compile_attn.attention.triton_ops.decode_attention import (
     compute_num_kv_splits,
     decode_attention_fwd,
 )
+from compile_attn.attention.triton_ops.decode_metadata import build_decode_metadata
 from compile_attn.attention.triton_ops.extend_attention import build_mask_indptr, extend_attention_fwd
 from compile_attn.attention.triton_ops.kv_index import build_kv_indices, build_kv_indptr, store_kv
 
@@ -21,6 +23,7 @@ __all__ = [
     "DEFAULT_SPLIT_SIZE",
     "SUPPORTED_DTYPES",
     "SUPPORTED_HEAD_DIMS",
+    "build_decode_metadata",
     "build_kv_indices",
     "build_kv_indptr",
     "build_mask_indptr",
