@@ -146,8 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="skip the per-step kernel-time profile (cleanest timings: a profiler session slows "
                             "later graph replays of the same process)")
     bench.add_argument("--inductor-config", default="{}",
-                       help='Inductor config patches for the compiled pieces, JSON, e.g. \'{"combo_kernels": false}\' '
-                            '(on by default on GPUs)')
+                       help='Inductor config patches for the compiled pieces, JSON, e.g. \'{"combo_kernels": true}\'')
     bench.add_argument("--no-fuse-linears", action="store_true",
                        help="keep q/k/v and gate/up as separate GEMMs (GraphConfig.fuse_linears=False)")
     bench.add_argument("--engine", action="store_true",

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from compile_attn.compiler.cache import CompileCache
 from compile_attn.compiler.counters import compile_counters
 from compile_attn.compiler.debug_dump import DebugDump, PieceRow, SplitSummary, resolve_debug_dir
-from compile_attn.compiler.piece_compiler import PieceCompiler, inductor_patches
+from compile_attn.compiler.piece_compiler import PieceCompiler, inductor_options_for_mode
 from compile_attn.compiler.token_dim import find_token_symbol, token_count_getter
 from compile_attn.config import GraphConfig
 from compile_attn.errors import CompileAttnError
@@ -120,15 +120,14 @@ def compile_attn_backend(
     bind_fused_weights(split.split_gm, fused)
     compile_counters.pieces_split += len(split.pieces)
     compile_counters.split_op_pieces += len(split.split_op_pieces)
-    on_cuda = _on_cuda(gm)
-    capture_sizes = piecewise_capture_sizes(config) if on_cuda else ()
+    capture_sizes = piecewise_capture_sizes(config) if _on_cuda(gm) else ()
     if capture_sizes and token_symbol is None:
         logger.info(
             "compile_attn: graph %s has static shapes, so its pieces get no piecewise CUDA graphs; compile "
             "with torch.compile(..., dynamic=True) to make the token count dynamic", compile_id
         )
     cache = CompileCache(config.cache_dir) if config.cache_dir and config.compiler == "inductor" else None
-    compiler = PieceCompiler(config.compiler, cache, inductor_patches(mode, config.inductor_config, on_cuda))
+    compiler = PieceCompiler(config.compiler, cache, {**inductor_options_for_mode(mode), **config.inductor_config})
 
     rows: list[PieceRow] = []
     progress = tqdm(split.pieces, desc="compile_attn: pieces", unit="piece", disable=None, leave=False)

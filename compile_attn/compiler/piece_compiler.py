@@ -48,18 +48,6 @@ class CompiledPiece:
         return out[0] if self.single_output else out
 
 
-# Inductor options compile_attn turns on for pieces that run on a GPU, under those of ``torch.compile(mode=...)``
-# and the user's ``inductor_config`` (either can turn them off). combo_kernels launches independent pointwise
-# kernels (e.g. the rotary of q and of k) as one: 4% off a Llama-3.2-1B decode graph on the H100
-# (benchmarks/RESULTS.md). Inductor's CPU code generation has no combo kernels, so CPU pieces do without it.
-GPU_INDUCTOR_DEFAULTS: dict[str, Any] = {"combo_kernels": True}
-
-
-def inductor_patches(mode: str | None, user: dict[str, Any], on_gpu: bool) -> dict[str, Any]:
-    """Inductor config patches for the pieces: compile_attn's GPU defaults, then ``mode``'s, then the user's."""
-    return {**(GPU_INDUCTOR_DEFAULTS if on_gpu else {}), **inductor_options_for_mode(mode), **user}
-
-
 def inductor_options_for_mode(mode: str | None) -> dict[str, Any]:
     """Inductor config patches of a ``torch.compile(mode=...)``, minus Inductor's own CUDA graphs."""
     if mode in (None, "default"):

@@ -139,20 +139,6 @@ def test_inductor_config_patches_reach_the_piece_compiler(monkeypatch):
         GraphConfig(inductor_config=[("combo_kernels", True)])
 
 
-def test_gpu_inductor_defaults_yield_to_mode_and_user_patches():
-    """combo_kernels is on for GPU pieces by default; torch.compile's mode and the user's inductor_config come
-    after it (the user can turn it off), and CPU pieces, for which Inductor has no combo kernels, get none of it."""
-    from compile_attn.compiler.piece_compiler import inductor_patches
-
-    assert inductor_patches(None, {}, on_gpu=True) == {"combo_kernels": True}
-    assert inductor_patches(None, {}, on_gpu=False) == {}
-    assert inductor_patches(None, {"combo_kernels": False}, on_gpu=True) == {"combo_kernels": False}
-    tuned = inductor_patches("max-autotune-no-cudagraphs", {"coordinate_descent_tuning": False}, on_gpu=True)
-    assert tuned["combo_kernels"] is True and tuned["max_autotune"] is True
-    assert tuned["coordinate_descent_tuning"] is False
-    assert "triton.cudagraphs" not in inductor_patches("reduce-overhead", {}, on_gpu=True)
-
-
 def test_options_and_config_object():
     assert resolve_config({"compiler": "eager"}).compiler == "eager"
     config = GraphConfig(compiler="eager", prefill_token_sizes=(8, 16))
