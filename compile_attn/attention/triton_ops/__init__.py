@@ -1,9 +1,9 @@
 """Triton attention kernels over a token-level paged KV cache: pure functions of torch tensors.
 
 ``kv_index`` builds the token CSR from ``req_to_token`` and stores new K/V, ``decode_attention``
-runs split-K paged decode (CUDA-graph capturable), ``decode_metadata`` builds a decode step's CSR and split
-counts in one launch, ``extend_attention`` runs prefill/extend over a
-cached prefix. Nothing here depends on the rest of compile_attn; the triton backend wraps these.
+runs split-K paged decode (CUDA-graph capturable), ``decode_metadata`` builds a decode step's CSR and
+split counts in one launch, ``extend_attention`` runs prefill/extend over a cached prefix. Nothing here
+depends on the rest of compile_attn; the triton backend wraps these.
 On CPU the kernels run only under ``TRITON_INTERPRET=1`` (tests).
 """
 
