@@ -20,7 +20,7 @@ from compile_attn.attention.triton_ops.decode_attention import (
     PROGRAMS_PER_SM,
     compute_num_kv_splits,
 )
-from compile_attn.attention.triton_ops.kv_index import build_kv_indices, build_kv_indptr
+from compile_attn.attention.triton_ops.kv_index import build_kv_indices, build_kv_indptr, copy_slots
 from compile_attn.attention.triton_ops.launch import CachedLaunch
 
 MAX_BATCH = 4096  # larger batches are rare and take the three-call path (each program loads every length)
@@ -81,11 +81,7 @@ def _decode_metadata_kernel(
     tl.store(Num_Kv_Splits + b, splits.to(tl.int32))
 
     row = tl.load(Req_Pool_Indices + b).to(tl.int64)
-    src = Req_To_Token + row * stride_req + start
-    for i in range(0, length, BLOCK):
-        o = i + tl.arange(0, BLOCK)
-        mask = o < length
-        tl.store(Kv_Indices + before + o, tl.load(src + o, mask=mask), mask=mask)
+    copy_slots(Req_To_Token + row * stride_req + start, Kv_Indices + before, length, BLOCK)
 
 
 _LAUNCH_DECODE_METADATA = CachedLaunch(_decode_metadata_kernel)

@@ -18,6 +18,15 @@ from compile_attn.attention.triton_ops.launch import CachedLaunch
 
 
 @triton.jit
+def copy_slots(src, dst, n, BLOCK: tl.constexpr):
+    """``dst[:n] = src[:n]`` in blocks: one request's slots from its ``req_to_token`` row into ``kv_indices``."""
+    for i in range(0, n, BLOCK):
+        offs = i + tl.arange(0, BLOCK)
+        mask = offs < n
+        tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+
+@triton.jit
 def _build_kv_indices_kernel(
     Req_To_Token,
     Req_Pool_Indices,
@@ -39,12 +48,7 @@ def _build_kv_indices_kernel(
     out_hi = tl.load(Kv_Indptr + b + 1).to(tl.int64)
     # Never write past this request's output range, whatever seq_lens says.
     n = tl.minimum(end - start, out_hi - out_lo)
-    src = Req_To_Token + row * stride_req + start
-    for i in range(0, n, BLOCK):
-        offs = i + tl.arange(0, BLOCK)
-        mask = offs < n
-        slots = tl.load(src + offs, mask=mask)
-        tl.store(Kv_Indices + out_lo + offs, slots, mask=mask)
+    copy_slots(Req_To_Token + row * stride_req + start, Kv_Indices + out_lo, n, BLOCK)
 
 
 _LAUNCH_BUILD_INDICES = CachedLaunch(_build_kv_indices_kernel)
