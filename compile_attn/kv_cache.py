@@ -226,6 +226,11 @@ class KVCache:
         have = len(self._pages[row])
         return max(0, -(-(self._lens[row] + extend_len) // self.page_size) - have)
 
+    def decode_pages_needed(self, rows: Sequence[int]) -> int:
+        """Pages that one more token for each of ``rows`` takes in all (``sum(pages_needed(r, 1))``, in one pass)."""
+        ps, lens, pages_of = self.page_size, self._lens, self._pages
+        return sum(max(0, (lens[r] + ps) // ps - len(pages_of[r])) for r in rows)
+
     def alloc_extend(self, rows: Sequence[int], extend_lens: Sequence[int]) -> torch.Tensor:
         """Allocate slots for ``extend_lens[i]`` new tokens of request ``rows[i]``, for the whole batch.
 
@@ -234,6 +239,10 @@ class KVCache:
         not fit, InvalidBatchError if a request would pass ``max_context``.
         """
         rows, extend_lens = list(rows), list(extend_lens)
+        if rows and extend_lens.count(1) == len(extend_lens) == len(rows):
+            out = self._alloc_decode(rows)
+            if out is not None:
+                return out
         for row, n in zip(rows, extend_lens):
             if row not in self._pages:
                 raise InvalidBatchError(f"request row {row} is not allocated; call alloc_request() first")
@@ -272,10 +281,38 @@ class KVCache:
         # One host-to-device copy (slots, then rows / starts / lengths per request); the per-token row and
         # position are expanded and the table written on the device.
         out, rows_t, starts_t, lens_t = to_device([slots, rows, starts, extend_lens], torch.int64, self.device)
-        total, bs = len(slots), len(starts)
-        if total == bs and all(n == 1 for n in extend_lens):  # decode: one token per request, nothing to expand
-            self.req_to_token[rows_t, starts_t] = out.to(torch.int32)
+        total = len(slots)
+        self.req_to_token[repeat_each(rows_t, lens_t, total), ragged_arange(starts_t, lens_t, total)] = (
+            out.to(torch.int32))
+        return out
+
+    def _alloc_decode(self, rows: list[int]) -> torch.Tensor | None:
+        """``alloc_extend`` of one token for each of ``rows`` in comprehensions, not a loop of calls: a decode
+        step of hundreds of requests runs it every step. None (nothing changed) when a check fails or the
+        bookkeeping is not the usual "pages cover exactly the tokens"; the general path then does the work or
+        raises the error."""
+        lens, ps = self._lens, self.page_size
+        try:
+            starts = [lens[r] for r in rows]
+            page_lists = [self._pages[r] for r in rows]
+        except KeyError:
+            return None
+        if max(starts) >= self.max_context or len(set(rows)) != len(rows):
+            return None
+        deficit = [s - len(pages) * ps for pages, s in zip(page_lists, starts)]  # >= 0: its pages are full
+        if max(deficit) >= ps:
+            return None
+        grow = [pages for pages, d in zip(page_lists, deficit) if d >= 0]
+        if len(grow) > self.allocator.available:
+            return None
+        for pages, page in zip(grow, self.allocator.alloc(len(grow))):
+            pages.append(page)
+        if ps == 1:
+            slots = [pages[s] for pages, s in zip(page_lists, starts)]
         else:
-            self.req_to_token[repeat_each(rows_t, lens_t, total), ragged_arange(starts_t, lens_t, total)] = (
-                out.to(torch.int32))
+            slots = [pages[s // ps] * ps + s % ps for pages, s in zip(page_lists, starts)]
+        lens.update(zip(rows, [s + 1 for s in starts]))
+        # one token per request: nothing to expand on the device
+        out, rows_t, starts_t = to_device([slots, rows, starts], torch.int64, self.device)
+        self.req_to_token[rows_t, starts_t] = out.to(torch.int32)
         return out

@@ -131,3 +131,51 @@ def test_freeing_a_page_twice_in_one_call_is_refused() -> None:
     kv.allocator.free(pages)
     with pytest.raises(ValueError, match="not an allocated page"):
         kv.allocator.free([pages[0]])
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@given(prefix=st.lists(st.integers(0, 40), min_size=1, max_size=8), steps=st.integers(1, 20),
+       seed=st.integers(0, 2**16))
+def test_decode_allocation_equals_the_general_path(page_size: int, prefix: list[int], steps: int, seed: int) -> None:
+    """One token for every request (the decode path, in comprehensions) lays out slots and bookkeeping exactly as
+    the general path does (forced here by a zero-token request in the same call)."""
+    fast, general = (_cache(page_size, num_tokens=1024, max_requests=10, max_context=64) for _ in range(2))
+    for kv in (fast, general):
+        perm = torch.randperm(len(kv.allocator._free), generator=torch.Generator().manual_seed(seed)).tolist()
+        kv.allocator._free = [kv.allocator._free[i] for i in perm]
+        rows = [kv.alloc_request() for _ in prefix]
+        kv.alloc_extend(rows, prefix)
+    idle = general.alloc_request()
+    fast.alloc_request()  # the same rows taken in both
+    for _ in range(steps):
+        a = fast.alloc_extend(rows, [1] * len(rows))
+        b = general.alloc_extend([*rows, idle], [1] * len(rows) + [0])
+        assert a.tolist() == b.tolist()
+    _assert_same_state(_state(fast), _state(general))
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_decode_allocation_errors_leave_the_cache_unchanged(page_size: int) -> None:
+    kv = _cache(page_size, num_tokens=16, max_context=12)
+    rows = [kv.alloc_request(), kv.alloc_request()]
+    kv.alloc_extend(rows, [11, 3])
+    before = _state(kv)
+    for bad_rows, error, match in (([rows[0], rows[1]], None, None), ([rows[1], rows[1]], InvalidBatchError, "twice"),
+                                   ([rows[1], 3], InvalidBatchError, "not allocated")):
+        if error is None:
+            kv.alloc_extend(bad_rows, [1, 1])  # row 0 reaches max_context exactly
+            with pytest.raises(InvalidBatchError, match="past max_context 12"):
+                kv.alloc_extend(bad_rows, [1, 1])
+            before = _state(kv)
+            continue
+        with pytest.raises(error, match=match):
+            kv.alloc_extend(bad_rows, [1, 1])
+        _assert_same_state(before, _state(kv))
+    kv.free_request(rows[0])
+    others = [kv.alloc_request() for _ in range(2)]
+    before = _state(kv)
+    with pytest.raises(KVCacheExhaustedError, match="nothing was allocated"):
+        while True:  # decode until the pool is full
+            kv.alloc_extend([rows[1], *others], [1, 1, 1])
+            before = _state(kv)
+    _assert_same_state(before, _state(kv))

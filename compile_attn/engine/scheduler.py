@@ -103,7 +103,15 @@ class Scheduler:
             return self.kv.allocator.available - reserved
 
         preempted: set[int] = set()
-        for req in [r for r in self.running if r.is_decoding]:
+        decoding = [r for r in self.running if r.is_decoding]
+        if decoding and len(decoding) <= min(self.max_batch_size, budget):
+            need = self.kv.decode_pages_needed([r.row for r in decoding])
+            if need <= free_pages():  # every decoding request fits: take them all, no preemption to consider
+                reserved, budget = need, budget - len(decoding)
+                chosen = [(r, 1) for r in decoding]
+                chosen_ids = {id(r) for r in decoding}
+                decoding = []
+        for req in decoding:
             if len(chosen) >= self.max_batch_size or budget == 0:
                 break
             if id(req) in preempted:  # preempted below while making room for an earlier one
