@@ -322,6 +322,12 @@ def _check_new_tokens(
         check_last_dim_contiguous("v_new", v_new)
 
 
+def check_split_options(split_size: int, max_kv_splits: int) -> None:
+    """The split-count options of :func:`compute_num_kv_splits` (and the decode metadata kernel) must be positive."""
+    if split_size <= 0 or max_kv_splits <= 0:
+        raise ValueError(f"split_size and max_kv_splits must be positive, got {split_size}, {max_kv_splits}")
+
+
 def compute_num_kv_splits(
     seq_lens: torch.Tensor,
     num_sms: int,
@@ -341,8 +347,7 @@ def compute_num_kv_splits(
     over about ``PROGRAMS_PER_SM * num_sms`` stage-1 programs, with no split shorter than
     ``split_size`` tokens. Both are clamped to ``[1, max_kv_splits]``.
     """
-    if split_size <= 0 or max_kv_splits <= 0:
-        raise ValueError(f"split_size and max_kv_splits must be positive, got {split_size}, {max_kv_splits}")
+    check_split_options(split_size, max_kv_splits)
     lens = seq_lens.to(torch.int64).clamp_min(0)
     if deterministic:
         splits = (lens + (split_size - 1)) // split_size

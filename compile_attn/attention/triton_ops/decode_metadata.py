@@ -18,9 +18,10 @@ from compile_attn.attention.triton_ops._common import check_device, next_pow2
 from compile_attn.attention.triton_ops.decode_attention import (
     DEFAULT_SPLIT_SIZE,
     PROGRAMS_PER_SM,
+    check_split_options,
     compute_num_kv_splits,
 )
-from compile_attn.attention.triton_ops.kv_index import build_kv_indices, build_kv_indptr, copy_slots
+from compile_attn.attention.triton_ops.kv_index import build_kv_indices, build_kv_indptr, check_req_to_token, copy_slots
 from compile_attn.attention.triton_ops.launch import CachedLaunch
 
 MAX_BATCH = 4096  # larger batches are rare and take the three-call path (each program loads every length)
@@ -115,10 +116,8 @@ def build_decode_metadata(
     if (window is None) != (kv_start is None):
         raise ValueError(f"a sliding window needs a kv_start buffer and kv_start needs a window; got window={window!r} "
                          f"and kv_start {'given' if kv_start is not None else 'None'}")
-    if split_size <= 0 or max_kv_splits <= 0:
-        raise ValueError(f"split_size and max_kv_splits must be positive, got {split_size}, {max_kv_splits}")
-    if req_to_token.stride(1) != 1:
-        raise ValueError("req_to_token must be contiguous along its position dimension")
+    check_split_options(split_size, max_kv_splits)
+    check_req_to_token(req_to_token)
     bs = seq_lens.shape[0]
     if bs == 0:
         kv_indptr[:1].zero_()

@@ -17,6 +17,12 @@ from compile_attn.attention.triton_ops._common import check_device, next_pow2
 from compile_attn.attention.triton_ops.launch import CachedLaunch
 
 
+def check_req_to_token(req_to_token: torch.Tensor) -> None:
+    """The index kernels read a request's slots as one contiguous run of its ``req_to_token`` row."""
+    if req_to_token.stride(1) != 1:
+        raise ValueError("req_to_token must be contiguous along its position dimension")
+
+
 @triton.jit
 def copy_slots(src, dst, n, BLOCK: tl.constexpr):
     """``dst[:n] = src[:n]`` in blocks: one request's slots from its ``req_to_token`` row into ``kv_indices``."""
@@ -79,8 +85,7 @@ def build_kv_indices(
     a request never writes outside its ``kv_indptr`` range. Returns ``kv_indices_out``.
     """
     check_device(_build_kv_indices_kernel, req_to_token, kv_indices_out)
-    if req_to_token.stride(1) != 1:
-        raise ValueError("req_to_token must be contiguous along its position dimension")
+    check_req_to_token(req_to_token)
     bs = req_pool_indices.shape[0]
     if bs == 0:
         return kv_indices_out
