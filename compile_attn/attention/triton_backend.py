@@ -111,16 +111,19 @@ class DecodeIndex:
 
 @dataclass
 class SplitScratch:
-    """fp32 per-split partial outputs and log-sum-exps of split-K decode, for one (num_heads, v_head_dim)."""
+    """fp32 per-split partial outputs and log-sum-exps of split-K decode, for one (num_heads, v_head_dim), and the
+    counters that let the split kernel merge them itself (one launch per decode layer)."""
 
     attn_logits: torch.Tensor  # [>= bs, Hq, max_kv_splits, Dv]
     attn_lse: torch.Tensor  # [>= bs, Hq, max_kv_splits]
+    semaphores: torch.Tensor  # int32 [>= bs, Hq], zero between launches
 
     @classmethod
     def allocate(cls, bs: int, num_heads: int, v_head_dim: int, max_kv_splits: int, device: torch.device) -> SplitScratch:
         return cls(
             attn_logits=torch.empty(bs, num_heads, max_kv_splits, v_head_dim, dtype=torch.float32, device=device),
             attn_lse=torch.empty(bs, num_heads, max_kv_splits, dtype=torch.float32, device=device),
+            semaphores=torch.zeros(bs, num_heads, dtype=torch.int32, device=device),
         )
 
     @property
@@ -356,6 +359,7 @@ class TritonBackend(AttentionBackend):
         _run_into(out[:bs] if padded else out, lambda o: self._ops.decode_attention_fwd(
             q, k_buf, v_buf, o, idx.kv_indptr, idx.kv_indices, idx.num_kv_splits, self.max_kv_splits,
             scratch.attn_logits, scratch.attn_lse, layer.scaling, layer.logit_cap, k_new=k, v_new=v, new_loc=loc,
+            semaphores=scratch.semaphores,
         ))
         if padded:
             out[bs:].zero_()

@@ -98,7 +98,8 @@ def record_launches() -> list[tuple[object, tuple, dict, str]]:
         triton_ops.decode_attention_fwd(
             q, kb, vb, torch.empty(bs, hq, dv, dtype=dtype), torch.tensor([0, ctx, 2 * ctx], dtype=torch.int32),
             torch.arange(2 * ctx, dtype=torch.int32), torch.full((bs,), 2, dtype=torch.int32), splits,
-            torch.empty(bs, hq, splits, dv), torch.empty(bs, hq, splits), 1 / math.sqrt(d), cap, **new)
+            torch.empty(bs, hq, splits, dv), torch.empty(bs, hq, splits), 1 / math.sqrt(d), cap, **new,
+            semaphores=torch.zeros(bs, hq, dtype=torch.int32) if fused == "store" else None)  # one launch
     # (q heads, kv heads, head dim, dtype, causal, window, softcap, custom mask)
     extend_cases = [
         (32, 8, 64, torch.bfloat16, True, -1, 0.0, False),

@@ -15,12 +15,15 @@ from compile_attn.attention.triton_ops import (
     check_supported,
     compute_num_kv_splits,
     decode_attention_fwd,
+    decode_semaphores,
 )
 
 
-def run_decode(cache, q, starts, num_kv_splits, max_kv_splits, sm_scale, logit_cap=0.0, new_tokens=None):
+def run_decode(cache, q, starts, num_kv_splits, max_kv_splits, sm_scale, logit_cap=0.0, new_tokens=None,
+               one_launch=False):
     """Host-built CSR (independent of build_kv_indices), poisoned scratch and output. ``new_tokens``:
-    (k_new, v_new, new_loc) for the fused K/V store."""
+    (k_new, v_new, new_loc) for the fused K/V store. ``one_launch``: the merge inside the split kernel
+    (semaphores), whose counters must be zero again afterwards."""
     bs, num_q_heads, _ = q.shape
     v_head_dim = cache.v_buffer.shape[-1]
     slots = [cache.slots(b, starts[b]) for b in range(bs)]
@@ -29,6 +32,7 @@ def run_decode(cache, q, starts, num_kv_splits, max_kv_splits, sm_scale, logit_c
     out = torch.full((bs, num_q_heads, v_head_dim), float("nan"), dtype=q.dtype, device=DEVICE)
     logits = torch.full((bs, num_q_heads, max_kv_splits, v_head_dim), float("nan"), device=DEVICE)
     lse = torch.full((bs, num_q_heads, max_kv_splits), float("nan"), device=DEVICE)
+    semaphores = decode_semaphores(bs + 1, num_q_heads, DEVICE) if one_launch else None
     decode_attention_fwd(
         q,
         cache.k_buffer,
@@ -43,7 +47,10 @@ def run_decode(cache, q, starts, num_kv_splits, max_kv_splits, sm_scale, logit_c
         sm_scale,
         logit_cap,
         **({} if new_tokens is None else dict(zip(("k_new", "v_new", "new_loc"), new_tokens))),
+        semaphores=semaphores,
     )
+    if one_launch:
+        assert not semaphores.any(), "the one-launch merge left a counter set"
     return out
 
 
@@ -75,6 +82,7 @@ def decode_cases(draw):
         "max_kv_splits": draw(st.sampled_from([1, 3, 8])),
         "auto_splits": draw(st.booleans()),
         "fused_store": draw(st.booleans()),
+        "one_launch": draw(st.booleans()),
         "seed": draw(st.integers(0, 2**31 - 1)),
     }
 
@@ -106,7 +114,8 @@ def test_decode_matches_reference(case):
     new_tokens = original = None
     if case["fused_store"]:
         *new_tokens, original = take_new_tokens(cache, bs, gen)
-    out = run_decode(cache, q, starts, num_kv_splits, max_kv_splits, sm_scale, case["logit_cap"], new_tokens)
+    out = run_decode(cache, q, starts, num_kv_splits, max_kv_splits, sm_scale, case["logit_cap"], new_tokens,
+                     one_launch=case["one_launch"])
     if original is not None:  # the fused store put every new token back, bit for bit
         assert torch.equal(cache.k_buffer, original[0]) and torch.equal(cache.v_buffer, original[1])
     ref = reference_decode(cache, q, starts, sm_scale, case["logit_cap"])
@@ -163,21 +172,23 @@ def test_decode_every_head_dim(head_dim, dtype):
     assert rel_err(out, ref) <= TOLERANCE[dtype]
 
 
-def test_decode_empty_and_padded_requests():
+@pytest.mark.parametrize("one_launch", [False, True])
+def test_decode_empty_and_padded_requests(one_launch):
     """seq_len 0 gives zeros; a padded request (seq_len 1 at scratch slot 0) gives finite values."""
     gen = torch.Generator().manual_seed(3)
     cache = make_paged_cache([0, 1, 50], 2, 64, 64, 1, torch.bfloat16, gen)
     cache.req_to_token[int(cache.rows[1]), 0] = 0  # the padded request reads scratch slot 0
     q = torch.randn(3, 8, 64, generator=gen).to(torch.bfloat16).to(DEVICE)
     splits = torch.tensor([4, 4, 4], dtype=torch.int32, device=DEVICE)
-    out = run_decode(cache, q, [0, 0, 0], splits, 4, 0.125)
+    out = run_decode(cache, q, [0, 0, 0], splits, 4, 0.125, one_launch=one_launch)
     assert torch.equal(out[0], torch.zeros_like(out[0]))
     assert out.isfinite().all()
     ref = reference_decode(cache, q, [0, 0, 0], 0.125)
     assert rel_err(out, ref) <= TOLERANCE[torch.bfloat16]
 
 
-def test_decode_split_count_does_not_change_result():
+@pytest.mark.parametrize("one_launch", [False, True])
+def test_decode_split_count_does_not_change_result(one_launch):
     """1..18 non-empty splits (more than one merge chunk of 16) all give the reference result."""
     gen = torch.Generator().manual_seed(4)
     cache = make_paged_cache([1100], 1, 64, 64, 1, torch.float32, gen)
@@ -187,8 +198,47 @@ def test_decode_split_count_does_not_change_result():
     cache.k_buffer[tail] = q[0, 0] * 0.5
     ref = reference_decode(cache, q, [0], 0.125)
     for n in (1, 2, 5, 32):
-        out = run_decode(cache, q, [0], torch.tensor([n], dtype=torch.int32, device=DEVICE), 32, 0.125)
+        out = run_decode(cache, q, [0], torch.tensor([n], dtype=torch.int32, device=DEVICE), 32, 0.125,
+                         one_launch=one_launch)
         assert rel_err(out, ref) <= TOLERANCE[torch.float32]
+
+
+def test_decode_one_launch_matches_two_launches_and_reruns():
+    """The in-kernel merge gives the two-launch result (to fp32 rounding), and a second launch on the same
+    counters (as a graph replay does) gives it again."""
+    gen = torch.Generator().manual_seed(8)
+    lengths = [0, 1, 63, 64, 65, 200, 700]
+    cache = make_paged_cache(lengths, 2, 64, 64, 1, torch.float32, gen)
+    q = torch.randn(len(lengths), 8, 64, generator=gen).to(DEVICE)
+    splits = torch.tensor([3, 1, 2, 2, 2, 4, 8], dtype=torch.int32, device=DEVICE)
+    two = run_decode(cache, q, [0] * len(lengths), splits, 8, 0.125)
+    one = run_decode(cache, q, [0] * len(lengths), splits, 8, 0.125, one_launch=True)
+    torch.testing.assert_close(one, two, rtol=1e-5, atol=1e-6)
+    assert rel_err(one, reference_decode(cache, q, [0] * len(lengths), 0.125)) <= TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize(
+    "semaphores,match",
+    [
+        (lambda: torch.zeros(2, 8, dtype=torch.int32, device=DEVICE), r"\(>= 3, >= 8\)"),
+        (lambda: torch.zeros(3, 4, dtype=torch.int32, device=DEVICE), "int32 of shape"),
+        (lambda: torch.zeros(3, 8, dtype=torch.int64, device=DEVICE), "torch.int64"),
+        (lambda: torch.zeros(8, 3, dtype=torch.int32, device=DEVICE).t(), "row-contiguous"),
+    ],
+)
+def test_decode_names_bad_semaphores(semaphores, match):
+    gen = torch.Generator().manual_seed(9)
+    cache = make_paged_cache([3, 5, 7], 2, 64, 64, 1, torch.float32, gen)
+    q = torch.randn(3, 8, 64, generator=gen).to(DEVICE)
+    out = torch.empty_like(q)
+    logits = torch.empty(3, 8, 2, 64, device=DEVICE)
+    lse = torch.empty(3, 8, 2, device=DEVICE)
+    indptr = torch.tensor([0, 3, 8, 15], dtype=torch.int32, device=DEVICE)
+    indices = torch.zeros(16, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match=match):
+        decode_attention_fwd(q, cache.k_buffer, cache.v_buffer, out, indptr, indices,
+                             torch.ones(3, dtype=torch.int32, device=DEVICE), 2, logits, lse, 0.125,
+                             semaphores=semaphores())
 
 
 def test_num_kv_splits_deterministic_depends_only_on_own_length():

@@ -14,6 +14,7 @@ from compile_attn.attention.triton_ops import (
     build_kv_indptr,
     compute_num_kv_splits,
     decode_attention_fwd,
+    decode_semaphores,
     extend_attention_fwd,
 )
 
@@ -42,9 +43,9 @@ def reference_decode(cache, q, sm_scale, logit_cap=0.0):
     return torch.cat(outs)
 
 
-def decode(cache, q, seq_lens, deterministic=False, logit_cap=0.0, new_tokens=None):
+def decode(cache, q, seq_lens, deterministic=False, logit_cap=0.0, new_tokens=None, one_launch=False):
     """Device-built metadata (build_kv_indptr/indices, compute_num_kv_splits), then decode; ``new_tokens``:
-    (k_new, v_new, new_loc) for the fused K/V store."""
+    (k_new, v_new, new_loc) for the fused K/V store; ``one_launch``: the merge inside the split kernel."""
     bs, num_q_heads, head_dim = q.shape
     v_head_dim = cache.v_buffer.shape[-1]
     indptr = torch.empty(bs + 1, dtype=torch.int32, device="cuda")
@@ -62,6 +63,7 @@ def decode(cache, q, seq_lens, deterministic=False, logit_cap=0.0, new_tokens=No
     out = torch.full((bs, num_q_heads, v_head_dim), float("nan"), dtype=q.dtype, device="cuda")
     logits = torch.full((bs, num_q_heads, MAX_KV_SPLITS, v_head_dim), float("nan"), device="cuda")
     lse = torch.full((bs, num_q_heads, MAX_KV_SPLITS), float("nan"), device="cuda")
+    semaphores = decode_semaphores(bs, num_q_heads, "cuda") if one_launch else None
     decode_attention_fwd(
         q,
         cache.k_buffer,
@@ -76,13 +78,17 @@ def decode(cache, q, seq_lens, deterministic=False, logit_cap=0.0, new_tokens=No
         1 / math.sqrt(head_dim),
         logit_cap,
         **({} if new_tokens is None else dict(zip(("k_new", "v_new", "new_loc"), new_tokens))),
+        semaphores=semaphores,
     )
+    if one_launch:
+        assert not semaphores.any()
     return out
 
 
+@pytest.mark.parametrize("one_launch", [False, True])
 @pytest.mark.parametrize("num_kv_heads,num_q_heads", [(8, 32), (1, 128)])  # group 128: two head blocks per KV head
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_decode_fused_store_long_context_bf16(num_kv_heads, num_q_heads, head_dim):
+def test_decode_fused_store_long_context_bf16(num_kv_heads, num_q_heads, head_dim, one_launch):
     """The fused K/V store: new tokens from k_new/v_new (their cache slots hold NaN until stored), against the
     reference over the restored cache, with the cache restored bit for bit."""
     gen = torch.Generator().manual_seed(head_dim + num_q_heads)
@@ -90,7 +96,8 @@ def test_decode_fused_store_long_context_bf16(num_kv_heads, num_q_heads, head_di
     cache = make_paged_cache(lengths, num_kv_heads, head_dim, head_dim, 16, torch.bfloat16, gen, device="cuda")
     q = torch.randn(len(lengths), num_q_heads, head_dim, generator=gen).to(torch.bfloat16).cuda()
     *new_tokens, original = take_new_tokens(cache, len(lengths), gen, device="cuda")
-    out = decode(cache, q, torch.tensor(lengths, dtype=torch.int32, device="cuda"), new_tokens=new_tokens)
+    out = decode(cache, q, torch.tensor(lengths, dtype=torch.int32, device="cuda"), new_tokens=new_tokens,
+                 one_launch=one_launch)
     assert torch.equal(cache.k_buffer, original[0]) and torch.equal(cache.v_buffer, original[1])
     ref = reference_decode(cache, q, 1 / math.sqrt(head_dim))
     assert not out.isnan().any()
@@ -100,16 +107,48 @@ def test_decode_fused_store_long_context_bf16(num_kv_heads, num_q_heads, head_di
 @pytest.mark.parametrize("head_dim,v_head_dim", [(64, 64), (128, 128), (256, 256), (192, 128)])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("logit_cap", [0.0, 30.0])
-def test_decode_long_context_bf16(head_dim, v_head_dim, page_size, logit_cap):
+@pytest.mark.parametrize("one_launch", [False, True])
+def test_decode_long_context_bf16(head_dim, v_head_dim, page_size, logit_cap, one_launch):
     gen = torch.Generator().manual_seed(head_dim + page_size)
     lengths = [1, 8192, *torch.randint(1, 8193, (10,), generator=gen).tolist()]
     cache = make_paged_cache(lengths, 8, head_dim, v_head_dim, page_size, torch.bfloat16, gen, device="cuda")
     q = torch.randn(len(lengths), 32, head_dim, generator=gen).to(torch.bfloat16).cuda()
     seq_lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
-    out = decode(cache, q, seq_lens, logit_cap=logit_cap)
+    out = decode(cache, q, seq_lens, logit_cap=logit_cap, one_launch=one_launch)
     ref = reference_decode(cache, q, 1 / math.sqrt(head_dim), logit_cap)
     assert not out.isnan().any()
     assert rel_err(out, ref) <= TOLERANCE[torch.bfloat16]
+
+
+def test_decode_one_launch_merge_has_no_race():
+    """Many requests with 16 splits each, partials poisoned with NaN before every launch: a merge that read a
+    partial before its program had written it would give NaN or a different answer. 30 launches, all identical
+    and matching the reference."""
+    gen = torch.Generator().manual_seed(11)
+    bs, hq, hkv, d = 96, 32, 8, 64
+    lengths = torch.randint(1024, 4097, (bs,), generator=gen).tolist()
+    cache = make_paged_cache(lengths, hkv, d, d, 1, torch.bfloat16, gen, device="cuda")
+    q = torch.randn(bs, hq, d, generator=gen).to(torch.bfloat16).cuda()
+    seq_lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    indptr = torch.empty(bs + 1, dtype=torch.int32, device="cuda")
+    build_kv_indptr(seq_lens, indptr)
+    indices = torch.empty(int(seq_lens.sum()), dtype=torch.int32, device="cuda")
+    build_kv_indices(cache.req_to_token, cache.rows, seq_lens, indptr, indices)
+    splits = torch.full((bs,), MAX_KV_SPLITS, dtype=torch.int32, device="cuda")
+    logits = torch.empty(bs, hq, MAX_KV_SPLITS, d, device="cuda")
+    lse = torch.empty(bs, hq, MAX_KV_SPLITS, device="cuda")
+    semaphores = decode_semaphores(bs, hq, "cuda")
+    outs = []
+    for _ in range(30):
+        logits.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        out = torch.full((bs, hq, d), float("nan"), dtype=torch.bfloat16, device="cuda")
+        decode_attention_fwd(q, cache.k_buffer, cache.v_buffer, out, indptr, indices, splits, MAX_KV_SPLITS, logits,
+                             lse, 1 / math.sqrt(d), semaphores=semaphores)
+        outs.append(out)
+    assert not semaphores.any()
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    assert rel_err(outs[0], reference_decode(cache, q, 1 / math.sqrt(d))) <= TOLERANCE[torch.bfloat16]
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
@@ -168,7 +207,8 @@ def test_extend_long_prefix_bf16(head_dim, sliding_window, logit_cap):
         q_lo += e
 
 
-def test_decode_cuda_graph_replay_with_new_metadata():
+@pytest.mark.parametrize("one_launch", [False, True])
+def test_decode_cuda_graph_replay_with_new_metadata(one_launch):
     """Capture metadata building + decode once; replay after rewriting every index buffer's contents."""
     max_bs, max_context, head_dim = 8, 3000, 128
     gen = torch.Generator().manual_seed(7)
@@ -189,6 +229,7 @@ def test_decode_cuda_graph_replay_with_new_metadata():
     out = torch.zeros(max_bs, 32, head_dim, dtype=torch.bfloat16, device="cuda")
     logits = torch.empty(max_bs, 32, MAX_KV_SPLITS, head_dim, device="cuda")
     lse = torch.empty(max_bs, 32, MAX_KV_SPLITS, device="cuda")
+    semaphores = decode_semaphores(max_bs, 32, "cuda") if one_launch else None
 
     def step():
         build_kv_indptr(seq_lens, indptr)
@@ -206,6 +247,7 @@ def test_decode_cuda_graph_replay_with_new_metadata():
             logits,
             lse,
             1 / math.sqrt(head_dim),
+            semaphores=semaphores,
         )
 
     def load(lengths, seed):
@@ -241,7 +283,8 @@ def test_decode_cuda_graph_replay_with_new_metadata():
             assert rel_err(out[b : b + 1], ref) <= TOLERANCE[torch.bfloat16], (i, b)
 
 
-def test_deterministic_decode_is_batch_invariant():
+@pytest.mark.parametrize("one_launch", [False, True])
+def test_deterministic_decode_is_batch_invariant(one_launch):
     """The same request gives identical bits alone, at another batch position, and among others."""
     gen = torch.Generator().manual_seed(11)
     target_len, head_dim = 3001, 128
@@ -254,7 +297,7 @@ def test_deterministic_decode_is_batch_invariant():
     for members in ([0], [0, 1, 2], [5, 0], [*range(1, 30), 0, *range(30, 41)]):
         sub = make_sub_batch(cache, members)
         seq_lens = torch.tensor(sub.lengths, dtype=torch.int32, device="cuda")
-        out = decode(sub, q_all[members], seq_lens, deterministic=True)
+        out = decode(sub, q_all[members], seq_lens, deterministic=True, one_launch=one_launch)
         results.append(out[members.index(0)])
     for other in results[1:]:
         assert torch.equal(other, results[0])

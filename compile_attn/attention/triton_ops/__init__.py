@@ -13,6 +13,7 @@ from compile_attn.attention.triton_ops.decode_attention import (
     DEFAULT_SPLIT_SIZE,
     compute_num_kv_splits,
     decode_attention_fwd,
+    decode_semaphores,
 )
 from compile_attn.attention.triton_ops.decode_metadata import build_decode_metadata
 from compile_attn.attention.triton_ops.extend_attention import build_mask_indptr, extend_attention_fwd
@@ -30,6 +31,7 @@ __all__ = [
     "check_supported",
     "compute_num_kv_splits",
     "decode_attention_fwd",
+    "decode_semaphores",
     "extend_attention_fwd",
     "store_kv",
 ]

@@ -7,7 +7,14 @@ It writes a normalised partial output and its base-2 log-sum-exp. Stage 2 merges
 
 Given the step's new K/V (``k_new``/``v_new``), stage 1 also does the K/V store: the program whose split
 holds a request's last position takes that token's K/V from ``k_new``/``v_new`` instead of the cache and
-writes them to their slot, so a decode layer is two launches, not three (no ``store_kv`` before it).
+writes them to their slot (no ``store_kv`` before it).
+
+Given ``semaphores`` (an int32 counter per request and head block, zero between launches), stage 2 runs inside
+stage 1 and a decode layer is one launch: a request with one non-empty split writes its output directly; with
+more, each split program stores its partial, then counts itself in with an atomic add (release/acquire), and the
+last one to arrive merges the partials in split order and sets the counter back to zero. Nobody waits on anyone,
+and the merge order does not depend on which program came last, so the result is deterministic. Without them
+stage 2 is its own launch.
 
 Every shape is fixed by ``max_kv_splits`` and the batch size, and nothing here syncs with the host
 or allocates: the pair can be recorded in a CUDA graph and replayed with new index contents.
@@ -60,6 +67,8 @@ def _decode_split_kernel(
     K_New,
     V_New,
     New_Loc,
+    Out,
+    Semaphores,
     sm_scale,
     logit_cap,
     stride_qb,
@@ -78,6 +87,9 @@ def _decode_split_kernel(
     stride_knh,
     stride_vnb,
     stride_vnh,
+    stride_ob,
+    stride_oh,
+    stride_sem,
     max_kv_splits,
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -93,6 +105,7 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     FUSE_NEW: tl.constexpr,
     STORE_NEW: tl.constexpr,
+    FUSE_MERGE: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1) // H_BLOCKS
@@ -182,19 +195,58 @@ def _decode_split_kernel(
                     tl.store(K_Buf + slot * stride_kt + kv_head * stride_kh + offs_d, k_new, mask=mask_d)
                     tl.store(V_Buf + slot * stride_vt + kv_head * stride_vh + offs_dv, v_new, mask=mask_dv)
 
-    # Empty splits (past the end of the request, or seq_len 0) write nothing; stage 2 skips them.
-    store_h = offs_g < tl.where(hi > lo, GROUP, 0)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
-    tl.store(
-        Part_Out + b * stride_pb + offs_h[:, None] * stride_ph + split * stride_ps + offs_dv[None, :],
-        acc / l_safe[:, None],
-        mask=store_h[:, None] & mask_dv[None, :],
-    )
-    tl.store(
-        Part_Lse + b * stride_lb + offs_h * stride_lh + split * stride_ls,
-        m_i + tl.log2(l_safe),
-        mask=store_h,
-    )
+    part_ptrs = Part_Out + b * stride_pb + offs_h[:, None] * stride_ph + split * stride_ps + offs_dv[None, :]
+    lse_ptrs = Part_Lse + b * stride_lb + offs_h * stride_lh + split * stride_ls
+    if FUSE_MERGE:
+        num_valid = tl.cdiv(seq_len, tl.maximum(split_len, 1))
+        mask_out = mask_h[:, None] & mask_dv[None, :]
+        if num_valid <= 1:
+            # One split (or no KV: zeros): its normalised output is the answer; no partials, no counter.
+            if split == 0:
+                out_ptrs = Out + b * stride_ob + offs_h[:, None] * stride_oh + offs_dv[None, :]
+                tl.store(out_ptrs, (acc / l_safe[:, None]).to(Out.dtype.element_ty), mask=mask_out)
+        elif split < num_valid:
+            tl.store(part_ptrs, acc / l_safe[:, None], mask=mask_out)
+            tl.store(lse_ptrs, m_i + tl.log2(l_safe), mask=mask_h)
+            tl.debug_barrier()  # every thread's partial is written before the release below
+            counter = Semaphores + b * stride_sem + tl.program_id(1)
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_valid - 1:
+                tl.store(counter, 0)  # ready for the next launch (or graph replay)
+                _merge_partials(Part_Out, Part_Lse, Out, b, offs_h, mask_h, offs_dv, mask_out, num_valid, stride_pb,
+                                stride_ph, stride_ps, stride_lb, stride_lh, stride_ls, stride_ob, stride_oh,
+                                BLOCK_H, BLOCK_DV)
+    else:
+        # Empty splits (past the end of the request, or seq_len 0) write nothing; stage 2 skips them.
+        store_h = offs_g < tl.where(hi > lo, GROUP, 0)
+        tl.store(part_ptrs, acc / l_safe[:, None], mask=store_h[:, None] & mask_dv[None, :])
+        tl.store(lse_ptrs, m_i + tl.log2(l_safe), mask=store_h)
+
+
+@triton.jit
+def _merge_partials(Part_Out, Part_Lse, Out, b, offs_h, mask_h, offs_dv, mask_out, num_valid, stride_pb, stride_ph,
+                    stride_ps, stride_lb, stride_lh, stride_ls, stride_ob, stride_oh,
+                    BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """Stage 2 for one request and head block inside stage 1 (the last split program to finish): combine the
+    ``num_valid`` (>= 2) partials in split order. Loads go to L2 (``.cg``): other programs wrote them."""
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_sum = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    for s in range(0, num_valid):
+        # Padding rows of the head block load lse 0 (not -inf) so their arithmetic stays finite; never stored.
+        lse = tl.load(Part_Lse + b * stride_lb + offs_h * stride_lh + s * stride_ls, mask=mask_h, other=0.0,
+                      cache_modifier=".cg")
+        part = tl.load(Part_Out + b * stride_pb + offs_h[:, None] * stride_ph + s * stride_ps + offs_dv[None, :],
+                       mask=mask_out, other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new)
+        acc = acc * alpha[:, None] + w[:, None] * part
+        l_sum = l_sum * alpha + w
+        m = m_new
+    tl.store(Out + b * stride_ob + offs_h[:, None] * stride_oh + offs_dv[None, :],
+             (acc / l_sum[:, None]).to(Out.dtype.element_ty), mask=mask_out)
 
 
 _LAUNCH_SPLIT = CachedLaunch(_decode_split_kernel)
@@ -322,6 +374,23 @@ def _check_new_tokens(
         check_last_dim_contiguous("v_new", v_new)
 
 
+def decode_semaphores(batch_size: int, num_q_heads: int, device: torch.device | str) -> torch.Tensor:
+    """Zeroed counters for :func:`decode_attention_fwd`'s one-launch mode, for up to ``batch_size`` requests."""
+    return torch.zeros(batch_size, num_q_heads, dtype=torch.int32, device=device)
+
+
+def _check_semaphores(semaphores: torch.Tensor, bs: int, num_q_heads: int, device: torch.device) -> None:
+    shape = tuple(semaphores.shape)
+    if semaphores.dtype != torch.int32 or len(shape) != 2 or shape[0] < bs or shape[1] < num_q_heads:
+        raise ValueError(
+            f"semaphores must be int32 of shape (>= {bs}, >= {num_q_heads}) (see decode_semaphores), got "
+            f"{semaphores.dtype} {shape}"
+        )
+    if semaphores.stride(1) != 1 or semaphores.device != device:
+        raise ValueError(f"semaphores must be row-contiguous on {device}, got strides {semaphores.stride()} on "
+                         f"{semaphores.device}")
+
+
 def check_split_options(split_size: int, max_kv_splits: int) -> None:
     """The split-count options of :func:`compute_num_kv_splits` (and the decode metadata kernel) must be positive."""
     if split_size <= 0 or max_kv_splits <= 0:
@@ -380,6 +449,7 @@ def decode_attention_fwd(
     k_new: torch.Tensor | None = None,
     v_new: torch.Tensor | None = None,
     new_loc: torch.Tensor | None = None,
+    semaphores: torch.Tensor | None = None,
 ) -> None:
     """Decode attention of ``q[B, Hq, D]`` over the cache into ``out[B, Hq, Dv]``.
 
@@ -393,6 +463,10 @@ def decode_attention_fwd(
     request's last position is that token: it is taken from ``k_new``/``v_new`` (cast to the cache
     dtype), not read from the cache, and with ``new_loc[>=B]`` it is also stored at slot ``new_loc[b]``
     (``store_kv`` fused in). Requests with no KV take nothing from them.
+
+    With ``semaphores`` (int32 ``[>= B, >= Hq]``, zero-filled, e.g. from :func:`decode_semaphores`) the merge of
+    the splits runs inside the split kernel: one launch instead of two. The kernel leaves them zero again;
+    two launches must not share one buffer at the same time (one per stream, as the scratch).
     """
     check_device(_decode_split_kernel, q, k_buffer, v_buffer, out, kv_indptr, kv_indices)
     bs, num_q_heads, head_dim = q.shape
@@ -429,11 +503,14 @@ def decode_attention_fwd(
     if fuse_new:
         _check_new_tokens(k_new, v_new, new_loc, bs, num_kv_heads, head_dim, v_head_dim)
         new_strides = (*k_new.stride()[:2], *v_new.stride()[:2])
+    if semaphores is not None:
+        _check_semaphores(semaphores, bs, num_q_heads, q.device)
     if bs == 0:
         return
 
     h_blocks, split_meta, merge_meta = _launch_meta(num_q_heads, num_kv_heads, head_dim, v_head_dim, q.dtype,
                                                     max_kv_splits, logit_cap > 0)
+    fuse_merge = semaphores is not None
     _LAUNCH_SPLIT(
         (bs, num_kv_heads * h_blocks, max_kv_splits),
         q,
@@ -447,6 +524,8 @@ def decode_attention_fwd(
         k_new if fuse_new else q,  # unread placeholders when FUSE_NEW is off
         v_new if fuse_new else q,
         new_loc if new_loc is not None else kv_indptr,
+        out,
+        semaphores if fuse_merge else kv_indptr,  # unread placeholder when FUSE_MERGE is off
         float(sm_scale),
         float(logit_cap),
         *qs[:2],
@@ -455,11 +534,16 @@ def decode_attention_fwd(
         *ls[:3],
         *lses[:3],
         *new_strides,
+        *os_[:2],
+        semaphores.stride(0) if fuse_merge else 0,
         max_kv_splits,
         FUSE_NEW=fuse_new,
         STORE_NEW=new_loc is not None,
+        FUSE_MERGE=fuse_merge,
         **split_meta,
     )
+    if fuse_merge:
+        return
     _LAUNCH_MERGE(
         (bs, num_q_heads),
         attn_logits,
