@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from compile_attn.compiler.cache import CompileCache
 from compile_attn.compiler.counters import compile_counters
 from compile_attn.compiler.debug_dump import DebugDump, PieceRow, SplitSummary, resolve_debug_dir
+from compile_attn.compiler.direct_split_calls import direct_split_piece
 from compile_attn.compiler.piece_compiler import PieceCompiler, inductor_options_for_mode
 from compile_attn.compiler.token_dim import find_token_symbol, token_count_getter
 from compile_attn.config import GraphConfig
@@ -133,6 +134,9 @@ def compile_attn_backend(
     progress = tqdm(split.pieces, desc="compile_attn: pieces", unit="piece", disable=None, leave=False)
     for piece in progress:
         if piece.is_split_op:
+            runnable_op, redirected = direct_split_piece(piece.graph_module)
+            split.split_gm.__dict__[piece.name] = runnable_op  # no Module call, no dispatcher (direct_split_calls)
+            compile_counters.split_calls_direct += redirected
             rows.append(PieceRow(piece.index, piece.name, "split op (eager)", None, piece.op_labels, False))
             continue
         example = _piece_inputs(piece)

@@ -26,7 +26,8 @@ class CompileCounters:
     cache_saves: persistent compile cache. graphs_captured / graph_replays: piecewise CUDA graphs.
     replays_refused: replays declined because an input lives at another address than at capture
     (the piece ran without its graph). linear_groups_fused: groups of shared-input linear layers run
-    as one GEMM (see ``compile_attn.passes.fuse_linears``).
+    as one GEMM (see ``compile_attn.passes.fuse_linears``). split_calls_direct: split-op calls that the
+    compiled model makes to the op's Python body, not through ``torch.ops`` (see ``compiler.direct_split_calls``).
     """
 
     graphs_seen: int = 0
@@ -44,6 +45,7 @@ class CompileCounters:
     graph_replays: int = 0
     replays_refused: int = 0
     linear_groups_fused: int = 0
+    split_calls_direct: int = 0
 
     def snapshot(self) -> dict[str, int]:
         return dataclasses.asdict(self)
@@ -61,8 +63,8 @@ class CompileCounters:
     def expect(self, **expected: int) -> Iterator[None]:
         """Assert that the block changes exactly the named counters by the given amounts.
 
-        Counters not named must not change, except ``graph_replays`` and ``linear_groups_fused``
-        (checked only when named).
+        Counters not named must not change, except ``graph_replays``, ``linear_groups_fused`` and
+        ``split_calls_direct`` (checked only when named).
         """
         unknown = set(expected) - set(self.snapshot())
         if unknown:
@@ -70,7 +72,7 @@ class CompileCounters:
         before = self.snapshot()
         yield
         got = self.delta(before)
-        for optional in ("graph_replays", "linear_groups_fused"):
+        for optional in ("graph_replays", "linear_groups_fused", "split_calls_direct"):
             if optional not in expected:
                 got.pop(optional, None)
         want = {k: v for k, v in expected.items() if v != 0}

@@ -44,7 +44,9 @@ def split_op_python_impl(target: Any) -> Callable[..., Any] | None:
 
 
 def unregister_split_op(op: Any) -> None:
-    _SPLIT_OPS.discard(op_name(op) or "")
+    name = op_name(op) or ""
+    _SPLIT_OPS.discard(name)
+    _PY_IMPLS.pop(name, None)
 
 
 def is_split_op(target: Any) -> bool:

@@ -32,7 +32,7 @@ def test_inductor_pieces_match_eager_and_identical_layers_compile_once():
     compiled = torch.compile(model, backend="compile_attn", dynamic=True, options={"cache_dir": None})
     # 3 layers: [first, attn, middle, attn, middle, attn, last]; the two middle pieces are identical
     with compile_counters.expect(graphs_seen=1, floats_specialized=2, pieces_split=7, split_op_pieces=3,
-                                 pieces_compiled=3, pieces_reused=1):
+                                 pieces_compiled=3, pieces_reused=1, split_calls_direct=3):
         out = run_step(compiled, SMALL, 11, seed=3)
     torch.testing.assert_close(out, run_step(model, SMALL, 11, seed=3), rtol=1e-5, atol=1e-5)
     with compile_counters.expect():  # other token counts (>= 2: Dynamo specializes 1) reuse the code
