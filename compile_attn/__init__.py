@@ -9,6 +9,7 @@ from compile_attn.attention import (
     GraphSupport,
     available_backends,
     create_backend,
+    installed_backends,
     register_backend,
 )
 from compile_attn.batch import ForwardBatch, ForwardMode
@@ -75,6 +76,7 @@ __all__ = [
     "forward_context",
     "get_forward_context",
     "has_forward_context",
+    "installed_backends",
     "register_backend",
     "register_split_op",
 ]

@@ -23,7 +23,7 @@ def _version(pkg: str) -> str:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from compile_attn.attention import available_backends, resolve_auto_backend
+    from compile_attn.attention import available_backends, installed_backends, resolve_auto_backend
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows = [
@@ -35,7 +35,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("flashinfer", _version("flashinfer-python")),
         ("sgl-kernel", _version("sgl-kernel")),
         ("device", torch.cuda.get_device_name() if device.type == "cuda" else "cpu (no CUDA GPU)"),
-        ("backends", ", ".join(available_backends())),
+        ("backends", ", ".join(installed_backends())),
+        ("not installed", ", ".join(sorted(set(available_backends()) - set(installed_backends()))) or "-"),
         ("auto backend", resolve_auto_backend(device)),
     ]
     width = max(len(k) for k, _ in rows)

@@ -37,3 +37,22 @@ def test_layer_constants_are_checked() -> None:
     with pytest.raises(ValueError, match="sliding_window must be a positive"):
         AttentionLayer(0, 8, 2, 64, sliding_window=0)
     assert torch.ops.compile_attn.attention is not None
+
+
+def test_installed_backends_need_their_kernel_package(monkeypatch) -> None:
+    from compile_attn.attention import installed_backends, registry
+
+    assert "torch_native" in installed_backends()
+    assert set(installed_backends()) <= set(available_backends())
+    real = registry.module_available
+    monkeypatch.setattr(registry, "module_available",
+                        lambda module: module not in ("sgl_kernel", "flashinfer") and real(module))
+    names = installed_backends()
+    assert "fa3" not in names and "flashinfer" not in names
+    assert "fa3" in available_backends()  # still a known name: create_backend explains what to install
+    has_triton = real("triton")
+    assert ("triton" in names) == has_triton
+    assert ("hybrid" in names) == has_triton  # two kernel backends: triton + torch_native
+    monkeypatch.setattr(registry, "module_available",
+                        lambda module: module not in ("sgl_kernel", "flashinfer", "triton") and real(module))
+    assert installed_backends() == ["torch_native"]

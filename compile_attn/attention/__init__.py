@@ -8,6 +8,7 @@ from compile_attn.attention.registry import (
     available_backends,
     create_backend,
     get_backend_class,
+    installed_backends,
     register_backend,
     resolve_auto_backend,
 )
@@ -19,6 +20,7 @@ __all__ = [
     "available_backends",
     "create_backend",
     "get_backend_class",
+    "installed_backends",
     "register_backend",
     "resolve_auto_backend",
 ]

@@ -34,6 +34,9 @@ _LAZY_BACKENDS: dict[str, str] = {
     "hybrid": "compile_attn.attention.hybrid_backend",
 }
 
+# name -> the package its kernels come from (a backend is "installed" when that package is importable)
+_REQUIRES: dict[str, str] = {"triton": "triton", "flashinfer": "flashinfer", "fa3": "sgl_kernel"}
+
 B = TypeVar("B", bound="type[AttentionBackend]")
 
 
@@ -59,10 +62,18 @@ def module_available(module: str) -> bool:
 
 
 def available_backends() -> list[str]:
-    """Names that ``create_backend`` knows (registered, or importable on demand)."""
+    """Names that ``create_backend`` knows (registered, or importable on demand), whether or not the package
+    their kernels need is installed: see :func:`installed_backends` for that."""
     names = set(_BACKENDS)
     names.update(n for n, mod in _LAZY_BACKENDS.items() if module_available(mod))
     return sorted(names)
+
+
+def installed_backends() -> list[str]:
+    """Known backends whose kernel package is importable here (``triton``, ``flashinfer``, ``sgl_kernel`` for
+    fa3; hybrid counts when two of them are). Says nothing about the device: fa3 still needs a Hopper GPU."""
+    names = [n for n in available_backends() if n != "hybrid" and module_available(_REQUIRES.get(n, "torch"))]
+    return sorted([*names, "hybrid"] if "hybrid" in available_backends() and len(names) >= 2 else names)
 
 
 def get_backend_class(name: str) -> type[AttentionBackend]:
@@ -89,8 +100,8 @@ def auto_backend_candidates(device: torch.device) -> list[str]:
     if major >= 8:
         candidates.append(("flashinfer", "flashinfer"))
     candidates.append(("triton", "triton"))
-    known = available_backends()
-    return [name for name, module in candidates if module_available(module) and name in known] + ["torch_native"]
+    installed = installed_backends()
+    return [name for name, _ in candidates if name in installed] + ["torch_native"]
 
 
 def resolve_auto_backend(device: torch.device) -> str:
