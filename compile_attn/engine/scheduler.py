@@ -103,7 +103,8 @@ class Scheduler:
             return self.kv.allocator.available - reserved
 
         preempted: set[int] = set()
-        decoding = [r for r in self.running if r.is_decoding]
+        # One pass over the running list (Request.is_decoding inlined: this runs for every request every step).
+        decoding = [r for r in self.running if r.num_cached > 0 and len(r.token_ids) - r.num_cached == 1]
         if decoding and len(decoding) <= min(self.max_batch_size, budget):
             need = self.kv.decode_pages_needed([r.row for r in decoding])
             if need <= free_pages():  # every decoding request fits: take them all, no preemption to consider
@@ -129,8 +130,11 @@ class Scheduler:
                 chosen_ids.add(id(req))
                 budget -= 1
 
-        candidates = [r for r in self.running if not r.is_decoding and id(r) not in chosen_ids]
-        candidates += list(self.waiting)
+        if len(chosen) == len(self.running):  # every running request decodes this step (the steady state)
+            candidates = list(self.waiting)
+        else:
+            candidates = [r for r in self.running if not r.is_decoding and id(r) not in chosen_ids]
+            candidates += self.waiting
         for req in candidates:
             if len(chosen) >= self.max_batch_size or budget == 0:
                 break
