@@ -69,6 +69,7 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,64")
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--no-fuse-linears", action="store_true")
+    parser.add_argument("--compile-sizes", default="", help="GraphConfig.compile_sizes, comma-separated, e.g. 1")
     parser.add_argument("--inductor-config", default="{}",
                         help='Inductor config patches for the compiled pieces, JSON, e.g. \'{"combo_kernels": false}\'')
     parser.add_argument("--attention-marker", default="decode_split", help="substring of the attention kernel's name")
@@ -83,7 +84,8 @@ def main() -> None:
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     cfg = bench.BenchConfig(batch_sizes=sizes, context=args.context, backends=[args.backend], modes=[args.mode],
                             hf_baselines=[], fuse_linears=not args.no_fuse_linears,
-                            inductor_config=json.loads(args.inductor_config))
+                            inductor_config=json.loads(args.inductor_config),
+                            compile_sizes=tuple(int(x) for x in args.compile_sizes.split(",") if x))
     model = bench._hf_model(cfg, "sdpa", torch.bfloat16)
     floors = {bs: bench.floor_ms(model, cfg, bs, torch.bfloat16) for bs in sizes}
     adapter = HFModelAdapter(model)

@@ -49,6 +49,7 @@ class EngineBenchConfig:
     peak_flops: float = PEAK_BF16_FLOPS
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     bytecode_cache: bool = True  # the children write and read .pyc files in the benchmark's temporary folder
+    compile_options: dict = field(default_factory=dict)  # GraphConfig fields for LLM(compile_options=...)
 
 
 def prefill_flops(shape: dict, requests: int, prompt_len: int) -> float:
@@ -79,7 +80,7 @@ def child(cfg: EngineBenchConfig, cache_dir: str) -> dict:
         profiler.enable()
     llm = LLM(model, attn_backend=cfg.backend, max_batch_size=cfg.max_batch_size, max_num_tokens=cfg.max_num_tokens,
               kv_cache_tokens=cfg.kv_cache_tokens, max_context=cfg.prompt_len + 64, device=cfg.device, dtype=dtype,
-              compile_options={"cache_dir": cache_dir})
+              compile_options={**cfg.compile_options, "cache_dir": cache_dir})
     sync()
     ready_s = time.perf_counter() - start
     if profiler is not None:

@@ -90,6 +90,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         profile=not args.no_profile,
         fuse_linears=not args.no_fuse_linears,
         inductor_config=json.loads(args.inductor_config),
+        compile_sizes=tuple(int(x) for x in args.compile_sizes.split(",") if x),
     )
     if args.engine_only:
         rows = []
@@ -100,7 +101,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.engine or args.engine_only:
         from compile_attn import bench_engine
 
-        common = dict(shape=cfg.shape, backend=cfg.backends[0], bytecode_cache=not args.no_bytecode_cache)
+        # the engine starts compile with the same options as the decode rows
+        compile_options = {"fuse_linears": cfg.fuse_linears, "inductor_config": dict(cfg.inductor_config),
+                           "compile_sizes": tuple(cfg.compile_sizes)}
+        common = dict(shape=cfg.shape, backend=cfg.backends[0], bytecode_cache=not args.no_bytecode_cache,
+                      compile_options=compile_options)
         ecfg = bench_engine.EngineBenchConfig(**common)
         if args.tiny:
             ecfg = bench_engine.EngineBenchConfig(**common, requests=2, prompt_len=64, max_batch_size=8,
@@ -148,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "later graph replays of the same process)")
     bench.add_argument("--inductor-config", default="{}",
                        help='Inductor config patches for the compiled pieces, JSON, e.g. \'{"combo_kernels": true}\'')
+    bench.add_argument("--compile-sizes", default="",
+                       help="comma-separated token counts compiled again with static shapes (GraphConfig.compile_sizes), "
+                            "e.g. 1")
     bench.add_argument("--no-fuse-linears", action="store_true",
                        help="keep q/k/v and gate/up as separate GEMMs (GraphConfig.fuse_linears=False)")
     bench.add_argument("--engine", action="store_true",

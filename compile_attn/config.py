@@ -42,6 +42,10 @@ class GraphConfig:
     evaluation off (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``), which saves ~0.15 ms per
     piecewise step on the H100 host. This holds because ``CompiledModel`` compiles one graph for every token
     count and the runner passes only inputs of the kinds seen during capture. Off under ``verify``.
+    compile_sizes: token counts at which every piece is compiled once more with static shapes and
+    ``coordinate_descent_tuning`` (e.g. ``(1,)``: bs-1 decode's linear layers become fused matrix-vector
+    reductions); other sizes run the symbolic-shape compile. Each size adds one compile per unique piece to
+    the start (cached like the others). See ``compile_attn.compiler.compile_sizes``.
     """
 
     mode: GraphMode = GraphMode.FULL_AND_PIECEWISE
@@ -54,10 +58,11 @@ class GraphConfig:
     fuse_linears: bool = True
     inductor_config: dict[str, Any] = field(default_factory=dict, hash=False)
     skip_guards: bool = True
+    compile_sizes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", GraphMode.parse(self.mode))
-        for name in ("decode_batch_sizes", "prefill_token_sizes"):
+        for name in ("decode_batch_sizes", "prefill_token_sizes", "compile_sizes"):
             sizes = tuple(int(s) for s in getattr(self, name))
             if any(s <= 0 for s in sizes):
                 raise ValueError(f"GraphConfig.{name} must be positive integers, got {sizes}")

@@ -19,6 +19,7 @@ from torch import fx
 from tqdm.auto import tqdm
 
 from compile_attn.compiler.cache import CompileCache
+from compile_attn.compiler.compile_sizes import SizeDispatch
 from compile_attn.compiler.counters import compile_counters
 from compile_attn.compiler.debug_dump import DebugDump, PieceRow, SplitSummary, resolve_debug_dir
 from compile_attn.compiler.direct_split_calls import direct_split_piece
@@ -143,9 +144,12 @@ def compile_attn_backend(
         compiled = compiler.compile(piece, example)
         getter = token_count_getter(example, token_symbol)
         runnable: Any = compiled
+        if config.compile_sizes and getter is not None and token_symbol is not None:
+            static = {size: compiler.compile_static(piece, example, token_symbol, size) for size in config.compile_sizes}
+            runnable = SizeDispatch(compiled, static, getter)
         if capture_sizes and getter is not None:
             runnable = PiecewiseGraphWrapper(
-                compiled, piece.name, capture_sizes, getter,
+                runnable, piece.name, capture_sizes, getter,
                 debug=dump is not None, on_capture=dump.record_capture if dump is not None else None,
             )
         split.split_gm.__dict__[piece.name] = runnable  # shadows the submodule, which stays in _modules

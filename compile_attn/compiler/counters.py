@@ -28,6 +28,8 @@ class CompileCounters:
     (the piece ran without its graph). linear_groups_fused: groups of shared-input linear layers run
     as one GEMM (see ``compile_attn.passes.fuse_linears``). split_calls_direct: split-op calls that the
     compiled model makes to the op's Python body, not through ``torch.ops`` (see ``compiler.direct_split_calls``).
+    pieces_compiled_static: extra compiles of a piece at one of ``GraphConfig.compile_sizes`` (static shapes;
+    cache hits count under cache_hits); static_piece_calls: calls that ran such an artifact.
     """
 
     graphs_seen: int = 0
@@ -46,6 +48,8 @@ class CompileCounters:
     replays_refused: int = 0
     linear_groups_fused: int = 0
     split_calls_direct: int = 0
+    pieces_compiled_static: int = 0
+    static_piece_calls: int = 0
 
     def snapshot(self) -> dict[str, int]:
         return dataclasses.asdict(self)
@@ -63,8 +67,8 @@ class CompileCounters:
     def expect(self, **expected: int) -> Iterator[None]:
         """Assert that the block changes exactly the named counters by the given amounts.
 
-        Counters not named must not change, except ``graph_replays``, ``linear_groups_fused`` and
-        ``split_calls_direct`` (checked only when named).
+        Counters not named must not change, except ``graph_replays``, ``linear_groups_fused``,
+        ``split_calls_direct`` and ``static_piece_calls`` (checked only when named).
         """
         unknown = set(expected) - set(self.snapshot())
         if unknown:
@@ -72,7 +76,7 @@ class CompileCounters:
         before = self.snapshot()
         yield
         got = self.delta(before)
-        for optional in ("graph_replays", "linear_groups_fused", "split_calls_direct"):
+        for optional in ("graph_replays", "linear_groups_fused", "split_calls_direct", "static_piece_calls"):
             if optional not in expected:
                 got.pop(optional, None)
         want = {k: v for k, v in expected.items() if v != 0}

@@ -1,7 +1,8 @@
 """Compile the pieces of one split graph: Inductor (default) or eager, identical pieces once, disk cache.
 
 Pieces are compiled with the token count symbolic (the graph's own dynamic dimension), so one
-compiled piece serves every token count. A piece whose structural key was seen before in the same
+compiled piece serves every token count; ``compile_static`` adds a static-shape compile at one token count
+(``GraphConfig.compile_sizes``). A piece whose structural key was seen before in the same
 graph reuses that compiled code; a unique piece is loaded from the persistent cache when present,
 else compiled with ``torch._inductor.standalone_compile`` and saved.
 """
@@ -13,12 +14,14 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import sympy
 import torch
 from torch import fx
 
 from compile_attn.compiler.cache import CompileCache, environment_fingerprint
+from compile_attn.compiler.compile_sizes import STATIC_PATCHES, static_example_inputs
 from compile_attn.compiler.counters import compile_counters
-from compile_attn.compiler.piece_key import piece_key
+from compile_attn.compiler.piece_key import PieceKey, piece_key
 from compile_attn.passes.split import Piece
 
 logger = logging.getLogger(__name__)
@@ -83,35 +86,70 @@ class PieceCompiler:
         if key.digest in self._compiled:
             compile_counters.pieces_reused += 1
             return self._compiled[key.digest]
+        compiled = self._load_or_compile(
+            piece, key, example_inputs, self.config_patches,
+            lambda gm: self._inductor_compile(piece.name, gm, example_inputs, "from_tracing_context",
+                                              self.config_patches),
+        )
+        if compiled.source == "inductor":
+            compile_counters.pieces_compiled += 1
+        self._compiled[key.digest] = compiled
+        return compiled
+
+    def compile_static(
+        self, piece: Piece, example_inputs: Sequence[Any], symbol: sympy.Symbol, size: int
+    ) -> CompiledPiece:
+        """``piece`` compiled for ``symbol = size`` with static shapes and ``STATIC_PATCHES`` (compile_sizes.py);
+        identical pieces share it. Only valid for calls at exactly that token count."""
+        if self.compiler == "eager":
+            return CompiledPiece(piece.graph_module, single_output=False, source="eager")
+        base = piece_key(piece.graph_module, list(example_inputs))
+        key = PieceKey(f"{base.digest}@{size}", base.stable, f"{base.text}\nstatic token count {size}")
+        if key.digest in self._compiled:
+            return self._compiled[key.digest]
+        patches = {**self.config_patches, **STATIC_PATCHES}
+        compiled = self._load_or_compile(
+            piece, key, example_inputs, patches,
+            lambda gm: self._inductor_compile(f"{piece.name}@{size}", gm,
+                                              static_example_inputs(example_inputs, symbol, size),
+                                              "from_example_inputs", patches),
+        )
+        if compiled.source == "inductor":
+            compile_counters.pieces_compiled_static += 1
+        self._compiled[key.digest] = compiled
+        return compiled
+
+    def _load_or_compile(
+        self, piece: Piece, key: PieceKey, example_inputs: Sequence[Any], patches: dict[str, Any],
+        compile_fn: Callable[[fx.GraphModule], Any],
+    ) -> CompiledPiece:
+        """From the persistent cache when it holds ``key`` under these patches, else ``compile_fn`` (then saved)."""
         gm, single = _with_tuple_output(piece.graph_module)
         entry = None
         if self.cache is not None:
             devices = [x.device for x in example_inputs if isinstance(x, torch.Tensor)]
-            entry = self.cache.entry_key(key, environment_fingerprint(devices, self.config_patches))
+            entry = self.cache.entry_key(key, environment_fingerprint(devices, patches))
         artifact = self.cache.load(entry) if entry is not None and self.cache is not None else None
         if artifact is not None:
             compile_counters.cache_hits += 1
-            compiled = CompiledPiece(artifact, single, source="cache")
-        else:
-            if entry is not None:
-                compile_counters.cache_misses += 1
-            artifact = self._inductor_compile(piece.name, gm, example_inputs)
-            compile_counters.pieces_compiled += 1
-            if entry is not None and self.cache is not None and self.cache.save(entry, artifact):
-                compile_counters.cache_saves += 1
-            compiled = CompiledPiece(artifact, single, source="inductor")
-        self._compiled[key.digest] = compiled
-        return compiled
+            return CompiledPiece(artifact, single, source="cache")
+        if entry is not None:
+            compile_counters.cache_misses += 1
+        artifact = compile_fn(gm)
+        if entry is not None and self.cache is not None and self.cache.save(entry, artifact):
+            compile_counters.cache_saves += 1
+        return CompiledPiece(artifact, single, source="inductor")
 
-    def _inductor_compile(self, name: str, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+    def _inductor_compile(self, name: str, gm: fx.GraphModule, example_inputs: Sequence[Any], dynamic_shapes: str,
+                          patches: dict[str, Any]) -> Any:
         from torch._inductor import standalone_compile
 
         start = time.perf_counter()
         artifact = standalone_compile(
             gm,
             list(example_inputs),
-            dynamic_shapes="from_tracing_context",
-            options={"config_patches": dict(self.config_patches)},
+            dynamic_shapes=dynamic_shapes,
+            options={"config_patches": dict(patches)},
         )
         logger.debug("compile_attn: Inductor compiled %s in %.2f s", name, time.perf_counter() - start)
         return artifact

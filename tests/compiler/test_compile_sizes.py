@@ -1,0 +1,99 @@
+"""GraphConfig.compile_sizes: pieces compiled once more with static shapes at chosen token counts; those counts
+run the static artifacts, every other count the symbolic ones, all matching eager; the static artifacts are
+cached like the others."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from compile_helpers import SMALL, run_step, toy_model
+
+from compile_attn.compiler import compile_counters
+from compile_attn.compiler.compile_sizes import SizeDispatch, static_example_inputs
+from compile_attn.compiler.compiled_model import compile_model
+from compile_attn.config import GraphConfig
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _compile(model, cache_dir, sizes):  # noqa: ANN001, ANN202
+    # dynamic=True: one symbolic graph for every token count >= 2 (Dynamo specialises 1 on its own; the engine's
+    # CompiledModel marks the count unbacked instead, see test_unbacked_token_count_with_compile_sizes)
+    return torch.compile(model, backend="compile_attn", dynamic=True,
+                         options={"cache_dir": str(cache_dir), "compile_sizes": sizes})
+
+
+def test_static_sizes_run_their_own_artifacts_and_match_eager(tmp_path):
+    model = toy_model()
+    compiled = _compile(model, tmp_path, (3, 4))
+    # 4 compiled pieces per step (first, middle, middle, last; the middle ones identical): 3 unique, each also
+    # compiled at 3 and at 4 tokens
+    with compile_counters.expect(graphs_seen=1, floats_specialized=2, pieces_split=7, split_op_pieces=3,
+                                 pieces_compiled=3, pieces_reused=1, pieces_compiled_static=6, cache_misses=9,
+                                 cache_saves=9):
+        out = run_step(compiled, SMALL, 5, seed=3)
+    torch.testing.assert_close(out, run_step(model, SMALL, 5, seed=3), rtol=1e-5, atol=1e-5)
+    for num_tokens, static_calls in ((3, 4), (4, 4), (2, 0), (7, 0)):
+        with compile_counters.expect(static_piece_calls=static_calls):  # and no compile of any kind
+            out = run_step(compiled, SMALL, num_tokens, seed=num_tokens)
+        torch.testing.assert_close(out, run_step(model, SMALL, num_tokens, seed=num_tokens), rtol=1e-5, atol=1e-5)
+
+    torch._dynamo.reset()  # a second start: every artifact, static ones included, comes from the cache
+    again = _compile(toy_model(seed=1), tmp_path, (3, 4))
+    with compile_counters.expect(graphs_seen=1, floats_specialized=2, pieces_split=7, split_op_pieces=3,
+                                 pieces_reused=1, cache_hits=9, static_piece_calls=4):
+        run_step(again, SMALL, 3, seed=1)
+
+
+def test_unbacked_token_count_with_compile_sizes():
+    """The engine's CompiledModel (unbacked token count): one token runs the pieces compiled for it."""
+    model = toy_model()
+    compiled = compile_model(model, {"cache_dir": None, "compile_sizes": (1,)})
+    run_step(compiled, SMALL, 5, seed=3)
+    before = compile_counters.snapshot()
+    for num_tokens in (1, 6):
+        out = run_step(compiled, SMALL, num_tokens, seed=num_tokens)
+        torch.testing.assert_close(out, run_step(model, SMALL, num_tokens, seed=num_tokens), rtol=1e-5, atol=1e-5)
+    assert compile_counters.delta(before).get("static_piece_calls", 0) >= 1
+
+
+def test_static_example_inputs_substitute_the_token_count():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    shape_env = ShapeEnv()
+    with FakeTensorMode(shape_env=shape_env) as mode:
+        x = mode.from_tensor(torch.empty(5, 4), symbolic_context=None)
+    s = shape_env.create_unbacked_symint()
+    with mode:
+        y = torch.empty(s, 4) * 2
+        z = torch.empty(2 * s + 1, 3)
+    symbol = s.node.expr
+    inputs = static_example_inputs([y, z, s, x, 7], symbol, 3)
+    assert inputs[0].shape == (3, 4) and inputs[0].stride() == (4, 1) and not isinstance(inputs[0], type(y))
+    assert inputs[1].shape == (7, 3)
+    assert inputs[2] == 3 and inputs[4] == 7
+    assert inputs[3].shape == (5, 4)
+    other = shape_env.create_unbacked_symint()  # a second dynamic size: no static stand-in exists
+    with pytest.raises(ValueError, match="does not become a number"):
+        static_example_inputs([s + other], symbol, 3)
+
+
+def test_size_dispatch_calls_a_static_artifact_only_at_its_size():
+    calls = []
+    dispatch = SizeDispatch(lambda *a: calls.append(("general", len(a[0]))),
+                            {1: lambda *a: calls.append(("static", len(a[0])))}, lambda args: len(args[0]))
+    for n in (1, 2, 1, 3):
+        dispatch([0] * n)
+    assert calls == [("static", 1), ("general", 2), ("static", 1), ("general", 3)]
+
+
+def test_compile_sizes_must_be_positive():
+    with pytest.raises(ValueError, match="compile_sizes must be positive"):
+        GraphConfig(compile_sizes=(0,))
+    assert GraphConfig(compile_sizes=(4, 1, 4)).compile_sizes == (1, 4)
