@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import array
 import logging
 import time
 from collections import Counter
@@ -138,8 +139,7 @@ class LLM:
         fb = ForwardBatch.build(
             req_pool_indices=[r.row for r in step.requests], prefix_lens=step.prefix_lens,
             extend_lens=step.extend_lens, out_cache_loc=step.out_cache_loc,
-            input_ids=[t for r, p, n in zip(step.requests, step.prefix_lens, step.extend_lens)
-                       for t in r.token_ids[p : p + n]],
+            input_ids=self._step_input_ids(step),
             device=self.device,
         )
         self.steps_by_mode[fb.forward_mode] += 1
@@ -159,6 +159,14 @@ class LLM:
         return finished
 
     # ------------------------------------------------------------------ internals
+    @staticmethod
+    def _step_input_ids(step: ScheduledStep) -> list[int]:
+        """The step's tokens, request after request: one slice copy per request (a prefill has thousands)."""
+        ids: list[int] = []
+        for r, p, n in zip(step.requests, step.prefix_lens, step.extend_lens):
+            ids.extend(r.token_ids[p : p + n])
+        return ids
+
     def _sample(self, step: ScheduledStep, fb: ForwardBatch, sampled: list[int]) -> list[int]:
         ends = list(accumulate(fb.extend_seq_lens_cpu))
         keep = [ends[i] - 1 for i in sampled]
@@ -190,8 +198,21 @@ class LLM:
             if self.tokenizer is None:
                 raise ValueError("string prompts need a tokenizer; pass token id lists or LLM(..., tokenizer=...)")
             return list(self.tokenizer(prompt)["input_ids"])
-        return list(map(int, prompt))
+        try:  # array.array converts in one C loop (a prefill's prompts are thousands of ids) and refuses non-ints
+            return array.array("q", prompt).tolist()
+        except (TypeError, OverflowError) as exc:
+            bad = next((t for t in prompt if not _is_token_id(t)), None)
+            raise ValueError(f"prompt token ids must be integers that fit int64, got {bad!r} "
+                             f"({type(bad).__name__}); pass a list of ints or a string with a tokenizer") from exc
 
     def _output(self, r: Request) -> RequestOutput:
         text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True) if self.tokenizer else None
         return RequestOutput(r.request_id, list(r.prompt_ids), list(r.output_ids), r.finish_reason or "length", text)
+
+
+def _is_token_id(value: object) -> bool:
+    try:
+        array.array("q", [value])
+    except (TypeError, OverflowError):
+        return False
+    return True

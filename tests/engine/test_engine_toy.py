@@ -3,6 +3,8 @@ continuous batching, chunked prefill, staggered arrivals, and preemption in a ti
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -177,3 +179,13 @@ def test_hybrid_backend_greedy_equals_recompute(graph_mode: str) -> None:
         assert r.output_ids == greedy_by_recompute(model, p, 5)
     if graph_mode == "full":
         assert llm.step_runner.runner.stats.runs["full"] > 0, "no decode step replayed a full graph"
+
+
+@pytest.mark.parametrize("prompt,bad", [([1, 2.5, 3], "2.5 (float)"), ([4, "5"], "'5' (str)"), ([2**70], str(2**70))])
+def test_prompt_ids_that_are_not_int64_are_refused_by_name(model: ToyDecoder, prompt: list, bad: str) -> None:
+    llm = make_llm(model, graph_mode="none", compile=False)
+    with pytest.raises(ValueError, match=f"prompt token ids must be integers.*got {re.escape(bad)}"):
+        llm.generate([prompt], SamplingParams(max_new_tokens=1))
+    assert not llm.scheduler.has_work()  # nothing was queued
+    ids = [torch.tensor(3), 4, True]  # anything with __index__ is taken as its integer
+    assert llm.generate([ids], SamplingParams(max_new_tokens=1, temperature=0))[0].prompt_token_ids == [3, 4, 1]
