@@ -137,14 +137,19 @@ class PageAllocator:
 
     def free(self, pages: Sequence[int]) -> None:
         pages = list(pages)
-        if len(set(pages)) != len(pages) or not self._allocated.issuperset(pages):
-            seen: set[int] = set()
-            for p in pages:
-                if p in seen or p not in self._allocated:
-                    raise ValueError(f"cannot free page {p}: it is not an allocated page")
-                seen.add(p)
-        self._allocated.difference_update(pages)
-        self._free.extend(pages)
+        allocated = self._allocated
+        before = len(allocated)
+        if allocated.issuperset(pages):
+            allocated.difference_update(pages)
+            if before - len(allocated) == len(pages):  # no page twice: nothing left to check
+                self._free.extend(pages)
+                return
+            allocated.update(pages)  # a page appears twice: undo (every page was allocated) and name it below
+        seen: set[int] = set()
+        for p in pages:
+            if p in seen or p not in allocated:
+                raise ValueError(f"cannot free page {p}: it is not an allocated page")
+            seen.add(p)
 
 
 def _slots_of(pages: list[int], start: int, n: int, page_size: int) -> list[int]:
