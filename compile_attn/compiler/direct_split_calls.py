@@ -14,7 +14,6 @@ is only used for models that are not compiled.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +25,8 @@ from compile_attn.ops.split_registry import split_op_python_impl
 def direct_split_piece(gm: fx.GraphModule) -> tuple[Callable[..., Any], int]:
     """(a callable running ``gm`` with its split ops' Python bodies called directly, how many calls were
     redirected). ``gm`` itself is left unchanged (the debug dump shows its graph as traced)."""
-    graph = copy.deepcopy(gm.graph)
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))  # node copies with shallow-copied meta (no fake-tensor deepcopy)
     redirected = 0
     for node in graph.nodes:
         if node.op != "call_function":

@@ -122,9 +122,9 @@ def test_inductor_config_patches_reach_the_piece_compiler(monkeypatch):
 
     real = piece_compiler.PieceCompiler._inductor_compile
 
-    def spy(self, name, gm, example_inputs):
-        seen.append(dict(self.config_patches))
-        return real(self, name, gm, example_inputs)
+    def spy(self, name, gm, example_inputs, dynamic_shapes, patches):
+        seen.append(dict(patches))  # what Inductor is given
+        return real(self, name, gm, example_inputs, dynamic_shapes, patches)
 
     monkeypatch.setattr(piece_compiler.PieceCompiler, "_inductor_compile", spy)
     torch.manual_seed(0)
