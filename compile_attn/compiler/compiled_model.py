@@ -26,6 +26,11 @@ class CompiledModel(nn.Module):
         self.compiled = torch.compile(model, backend="compile_attn", dynamic=False, options=options or {})
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        # A view into a larger upload (ForwardBatch.build sends a step's ints in one copy) has a storage offset,
+        # which Dynamo would guard on (0/1-specialised) or make a second symbol of: a recompile, and pieces
+        # with two dynamic sizes get no piecewise graphs. Graph steps pass static buffers at offset 0 and take
+        # no copy; eager steps copy their ids/positions (a few KB).
+        input_ids, positions = _at_offset_zero(input_ids), _at_offset_zero(positions)
         mark_unbacked(input_ids, 0)
         mark_unbacked(positions, 0)
         return self.compiled(input_ids, positions, *args, **kwargs)
@@ -38,6 +43,15 @@ class CompiledModel(nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             return getattr(self.model, name)  # tokenizer, config, ... of the wrapped model
+
+
+def _at_offset_zero(x: torch.Tensor) -> torch.Tensor:
+    """``x``, or a copy of it at storage offset 0 of the same kind (an inference tensor stays one, a normal
+    tensor stays normal: Dynamo guards on that too)."""
+    if not x.storage_offset():
+        return x
+    with torch.inference_mode(x.is_inference()):
+        return x.clone()
 
 
 def compile_model(model: nn.Module, options: dict[str, Any] | None = None) -> CompiledModel:

@@ -67,6 +67,20 @@ def test_no_recompiles_across_token_counts_after_warmup():
                                            rtol=1e-6, atol=1e-6)
 
 
+def test_compile_model_compiles_once_for_every_token_count_and_every_input_offset():
+    """compile_model (the engine's): one graph for 1 token and for many, with ids and positions that are views at
+    a storage offset into one upload (ForwardBatch.build), as eager engine steps pass them; every compiled piece
+    reads its token count (capturable)."""
+    from compile_attn.compiler.compiled_model import compile_model
+
+    model = toy_model()
+    compiled = compile_model(model, {"compiler": "eager", "cache_dir": None})
+    with compile_counters.expect(graphs_seen=1, pieces_split=7, split_op_pieces=3, split_calls_direct=3):
+        for num_tokens in (5, 1, 6, 1, 17):
+            out = run_step(compiled, SMALL, num_tokens, seed=num_tokens)
+            torch.testing.assert_close(out, run_step(model, SMALL, num_tokens, seed=num_tokens), rtol=1e-6, atol=1e-6)
+
+
 def test_dynamic_true_compiles_one_graph_for_all_token_counts():
     model = toy_model()
     compiled = torch.compile(model, backend="compile_attn", dynamic=True, options={"compiler": "eager"})
