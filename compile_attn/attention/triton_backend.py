@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
@@ -159,6 +159,15 @@ class DecodeGraphBuffers:
     max_bs: int
     indexes: dict[int | None, DecodeIndex]
     scratch: dict[tuple[int, int], SplitScratch]
+    heads: dict[int, dict[int | None, DecodeIndex]] = field(default_factory=dict)  # views per bucket, made once
+
+    def head(self, bs: int) -> dict[int | None, DecodeIndex]:
+        """Every window's index views for the first ``bs`` requests: sliced on a bucket's first step, then reused
+        (slicing costs host time on every decode step of a graph runner)."""
+        views = self.heads.get(bs)
+        if views is None:
+            views = self.heads[bs] = {w: idx.head(bs) for w, idx in self.indexes.items()}
+        return views
 
 
 @register_backend("triton")
@@ -292,7 +301,7 @@ class TritonBackend(AttentionBackend):
         graph = self._graph
         self.check_graph_view(fb, None if graph is None else graph.max_bs, self.graph_max_context)
         bs = fb.batch_size
-        return DecodeStep(bs, {w: idx.head(bs) for w, idx in graph.indexes.items()}, graph.scratch)
+        return DecodeStep(bs, graph.head(bs), graph.scratch)
 
     def _alloc_eager_decode(self, fb: ForwardBatch) -> DecodeStep:
         bs, lens = fb.batch_size, fb.seq_lens_cpu
