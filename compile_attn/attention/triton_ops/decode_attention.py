@@ -17,7 +17,7 @@ and the merge order does not depend on which program came last, so the result is
 stage 2 is its own launch.
 
 Every shape is fixed by ``max_kv_splits`` and the batch size, and nothing here syncs with the host
-or allocates: the pair can be recorded in a CUDA graph and replayed with new index contents.
+or allocates: the launches can be recorded in a CUDA graph and replayed with new index contents.
 """
 
 from __future__ import annotations
