@@ -89,6 +89,7 @@ def child(cfg: EngineBenchConfig, cache_dir: str) -> dict:
         with open(f"{profile_to}.{os.getpid()}.txt", "w") as f:
             pstats.Stats(profiler, stream=f).sort_stats("cumulative").print_stats(45)
     stats = llm.step_runner.runner.stats
+    options = {k: v for k, v in getattr(llm.step_runner.runner.model, "options", {}).items() if k != "cache_dir"}
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, cfg.shape["vocab_size"], (cfg.requests, cfg.prompt_len), generator=gen).tolist()
     params = SamplingParams(max_new_tokens=1, ignore_eos=True)
@@ -107,7 +108,7 @@ def child(cfg: EngineBenchConfig, cache_dir: str) -> dict:
     busy_ms = bench.kernel_ms(lambda: llm.generate(prompts, params), steps=3)[0] if cfg.device == "cuda" else None
     flops = prefill_flops(cfg.shape, cfg.requests, cfg.prompt_len)
     return dict(
-        backend=llm.backend.name, ready_s=ready_s, capture_s=stats.capture_seconds,
+        backend=llm.backend.name, compile_options=options, ready_s=ready_s, capture_s=stats.capture_seconds,
         first_capture_s=stats.first_capture_seconds, capture_s_by_mode=dict(stats.capture_seconds_by_mode),
         graphs=dict(stats.captures), graph_mib=stats.graph_memory_bytes / 2**20,
         kv_mib=llm.kv_cache.pool.bytes / 2**20, prefill_ms=prefill_s * 1e3, prefill_gpu_busy_ms=busy_ms,

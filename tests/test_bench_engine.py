@@ -24,7 +24,7 @@ def test_prefill_flops_match_the_weights_of_the_model() -> None:
 def test_cold_and_warm_start_in_fresh_processes() -> None:
     cfg = bench_engine.EngineBenchConfig(shape=dict(bench.TINY), backend="torch_native", requests=2, prompt_len=16,
                                          max_batch_size=2, max_num_tokens=32, kv_cache_tokens=128, iters=2,
-                                         device="cpu")
+                                         device="cpu", compile_options={"fuse_linears": False})
     results = bench_engine.run(cfg)
     assert set(results) == {"cold", "warm"}
     for r in results.values():
@@ -32,4 +32,5 @@ def test_cold_and_warm_start_in_fresh_processes() -> None:
         # (128 slots + the scratch slot) x 2 layers x (K and V) x 2 KV heads x head_dim 16 x 4 bytes (fp32)
         assert r["kv_mib"] * 2**20 == 129 * 2 * 2 * 2 * 16 * 4
         assert r["graphs"], "no graph was captured at start"
+        assert r["compile_options"]["fuse_linears"] is False  # the start processes compile with the given options
     assert "| cold | torch_native |" in bench_engine.to_markdown(results, cfg)
