@@ -52,7 +52,8 @@ class Request:
 
     @property
     def is_decoding(self) -> bool:
-        return self.num_cached > 0 and self.num_pending == 1
+        # num_pending spelt out: the scheduler asks this of every running request every step
+        return self.num_cached > 0 and len(self.token_ids) - self.num_cached == 1
 
 
 @dataclass

@@ -103,8 +103,7 @@ class Scheduler:
             return self.kv.allocator.available - reserved
 
         preempted: set[int] = set()
-        # One pass over the running list (Request.is_decoding inlined: this runs for every request every step).
-        decoding = [r for r in self.running if r.num_cached > 0 and len(r.token_ids) - r.num_cached == 1]
+        decoding = [r for r in self.running if r.is_decoding]
         if decoding and len(decoding) <= min(self.max_batch_size, budget):
             need = self.kv.decode_pages_needed([r.row for r in decoding])
             if need <= free_pages():  # every decoding request fits: take them all, no preemption to consider
