@@ -43,6 +43,11 @@ class BenchConfig:
     inductor_config: dict = field(default_factory=dict)  # Inductor config patches for the compiled pieces
     compile_sizes: Sequence[int] = ()  # GraphConfig.compile_sizes: static-shape compiles at these token counts
 
+    def compile_options(self) -> dict:
+        """The GraphConfig fields this benchmark varies, for every model it compiles (decode rows, engine starts)."""
+        return {"fuse_linears": self.fuse_linears, "inductor_config": dict(self.inductor_config),
+                "compile_sizes": tuple(self.compile_sizes)}
+
 
 @dataclass
 class Row:
@@ -174,8 +179,7 @@ def make_runner(adapter: torch.nn.Module, setup: DecodeSetup, cfg: BenchConfig, 
     sizes = tuple(sorted(cfg.batch_sizes))
     # the compile backend captures its piecewise graphs at its own sizes: give it the runner's buckets
     options = {"mode": mode, "decode_batch_sizes": sizes, "prefill_token_sizes": sizes, "cache_dir": None,
-               "fuse_linears": cfg.fuse_linears, "inductor_config": dict(cfg.inductor_config),
-               "compile_sizes": tuple(cfg.compile_sizes)}
+               **cfg.compile_options()}
     model = adapter if mode in ("none", "breakable") else compile_model(adapter, options)
     config = GraphConfig(mode=mode, decode_batch_sizes=sizes, prefill_token_sizes=sizes, cache_dir=None)
     runner = GraphRunner(model, setup.backend, config, max_batch_size=sizes[-1], max_num_tokens=sizes[-1])

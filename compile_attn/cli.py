@@ -102,10 +102,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from compile_attn import bench_engine
 
         # the engine starts compile with the same options as the decode rows
-        compile_options = {"fuse_linears": cfg.fuse_linears, "inductor_config": dict(cfg.inductor_config),
-                           "compile_sizes": tuple(cfg.compile_sizes)}
         common = dict(shape=cfg.shape, backend=cfg.backends[0], bytecode_cache=not args.no_bytecode_cache,
-                      compile_options=compile_options)
+                      compile_options=cfg.compile_options())
         ecfg = bench_engine.EngineBenchConfig(**common)
         if args.tiny:
             ecfg = bench_engine.EngineBenchConfig(**common, requests=2, prompt_len=64, max_batch_size=8,

@@ -94,14 +94,12 @@ def auto_backend_candidates(device: torch.device) -> list[str]:
     if device.type != "cuda":
         return ["torch_native"]
     major, _ = torch.cuda.get_device_capability(device)
-    candidates: list[tuple[str, str]] = []
-    if major == 9:
-        candidates.append(("fa3", "sgl_kernel"))
+    candidates = ["fa3"] if major == 9 else []
     if major >= 8:
-        candidates.append(("flashinfer", "flashinfer"))
-    candidates.append(("triton", "triton"))
-    installed = installed_backends()
-    return [name for name, _ in candidates if name in installed] + ["torch_native"]
+        candidates.append("flashinfer")
+    candidates.append("triton")
+    installed = installed_backends()  # each needs its kernel package (_REQUIRES)
+    return [name for name in candidates if name in installed] + ["torch_native"]
 
 
 def resolve_auto_backend(device: torch.device) -> str:

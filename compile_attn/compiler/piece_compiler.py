@@ -70,6 +70,7 @@ class PieceCompiler:
         self.config_patches = config_patches
         self.groups: dict[str, list[str]] = {}  # structural digest -> names of the pieces sharing it
         self._compiled: dict[str, CompiledPiece] = {}
+        self._keys: dict[str, PieceKey] = {}  # piece name -> its key
 
     def group_of(self, piece_name: str) -> int | None:
         """Index (in order of first appearance) of the group of identical pieces holding ``piece_name``."""
@@ -81,7 +82,7 @@ class PieceCompiler:
     def compile(self, piece: Piece, example_inputs: Sequence[Any]) -> CompiledPiece:
         if self.compiler == "eager":
             return CompiledPiece(piece.graph_module, single_output=False, source="eager")
-        key = piece_key(piece.graph_module, list(example_inputs))
+        key = self._key_of(piece, example_inputs)
         self.groups.setdefault(key.digest, []).append(piece.name)
         if key.digest in self._compiled:
             compile_counters.pieces_reused += 1
@@ -103,7 +104,7 @@ class PieceCompiler:
         identical pieces share it. Only valid for calls at exactly that token count."""
         if self.compiler == "eager":
             return CompiledPiece(piece.graph_module, single_output=False, source="eager")
-        base = piece_key(piece.graph_module, list(example_inputs))
+        base = self._key_of(piece, example_inputs)
         key = PieceKey(f"{base.digest}@{size}", base.stable, f"{base.text}\nstatic token count {size}")
         if key.digest in self._compiled:
             return self._compiled[key.digest]
@@ -118,6 +119,13 @@ class PieceCompiler:
             compile_counters.pieces_compiled_static += 1
         self._compiled[key.digest] = compiled
         return compiled
+
+    def _key_of(self, piece: Piece, example_inputs: Sequence[Any]) -> PieceKey:
+        """The piece's structural key, hashed once (``compile_static`` asks again for every compile size)."""
+        key = self._keys.get(piece.name)
+        if key is None:
+            key = self._keys[piece.name] = piece_key(piece.graph_module, list(example_inputs))
+        return key
 
     def _load_or_compile(
         self, piece: Piece, key: PieceKey, example_inputs: Sequence[Any], patches: dict[str, Any],
