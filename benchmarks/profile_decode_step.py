@@ -18,6 +18,7 @@ from collections import defaultdict
 import torch
 
 from compile_attn import bench
+from compile_attn.config import parse_compile_sizes
 
 
 def step_kernels(fn) -> list[tuple[str, float]]:
@@ -69,7 +70,8 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,64")
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--no-fuse-linears", action="store_true")
-    parser.add_argument("--compile-sizes", default="", help="GraphConfig.compile_sizes, comma-separated, e.g. 1")
+    parser.add_argument("--compile-sizes", default="auto",
+                        help="GraphConfig.compile_sizes: 'auto' (1 on a GPU), 'none', or comma-separated counts")
     parser.add_argument("--inductor-config", default="{}",
                         help='Inductor config patches for the compiled pieces, JSON, e.g. \'{"combo_kernels": false}\'')
     parser.add_argument("--attention-marker", default="decode_split", help="substring of the attention kernel's name")
@@ -85,7 +87,7 @@ def main() -> None:
     cfg = bench.BenchConfig(batch_sizes=sizes, context=args.context, backends=[args.backend], modes=[args.mode],
                             hf_baselines=[], fuse_linears=not args.no_fuse_linears,
                             inductor_config=json.loads(args.inductor_config),
-                            compile_sizes=tuple(int(x) for x in args.compile_sizes.split(",") if x))
+                            compile_sizes=parse_compile_sizes(args.compile_sizes))
     model = bench._hf_model(cfg, "sdpa", torch.bfloat16)
     floors = {bs: bench.floor_ms(model, cfg, bs, torch.bfloat16) for bs in sizes}
     adapter = HFModelAdapter(model)

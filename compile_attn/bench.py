@@ -41,12 +41,12 @@ class BenchConfig:
     profile: bool = True  # kernel time per step from the profiler (CUDA only)
     fuse_linears: bool = True  # q/k/v and gate/up as one GEMM each (compiled modes)
     inductor_config: dict = field(default_factory=dict)  # Inductor config patches for the compiled pieces
-    compile_sizes: Sequence[int] = ()  # GraphConfig.compile_sizes: static-shape compiles at these token counts
+    compile_sizes: Sequence[int] | None = None  # GraphConfig.compile_sizes (None: the device decides)
 
     def compile_options(self) -> dict:
         """The GraphConfig fields this benchmark varies, for every model it compiles (decode rows, engine starts)."""
         return {"fuse_linears": self.fuse_linears, "inductor_config": dict(self.inductor_config),
-                "compile_sizes": tuple(self.compile_sizes)}
+                "compile_sizes": None if self.compile_sizes is None else tuple(self.compile_sizes)}
 
 
 @dataclass

@@ -12,6 +12,8 @@ import time
 
 import torch
 
+from compile_attn.config import parse_compile_sizes
+
 TINY_MODEL = "tiny"
 
 
@@ -90,7 +92,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         profile=not args.no_profile,
         fuse_linears=not args.no_fuse_linears,
         inductor_config=json.loads(args.inductor_config),
-        compile_sizes=tuple(int(x) for x in args.compile_sizes.split(",") if x),
+        compile_sizes=parse_compile_sizes(args.compile_sizes),
     )
     if args.engine_only:
         rows = []
@@ -151,9 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "later graph replays of the same process)")
     bench.add_argument("--inductor-config", default="{}",
                        help='Inductor config patches for the compiled pieces, JSON, e.g. \'{"combo_kernels": true}\'')
-    bench.add_argument("--compile-sizes", default="",
-                       help="comma-separated token counts compiled again with static shapes (GraphConfig.compile_sizes), "
-                            "e.g. 1")
+    bench.add_argument("--compile-sizes", default="auto",
+                       help="token counts compiled again with static shapes (GraphConfig.compile_sizes): 'auto' "
+                            "(default: 1 on a GPU), 'none', or comma-separated counts, e.g. 1,2")
     bench.add_argument("--no-fuse-linears", action="store_true",
                        help="keep q/k/v and gate/up as separate GEMMs (GraphConfig.fuse_linears=False)")
     bench.add_argument("--engine", action="store_true",

@@ -122,7 +122,9 @@ def compile_attn_backend(
     bind_fused_weights(split.split_gm, fused)
     compile_counters.pieces_split += len(split.pieces)
     compile_counters.split_op_pieces += len(split.split_op_pieces)
-    capture_sizes = piecewise_capture_sizes(config) if _on_cuda(gm) else ()
+    on_cuda = _on_cuda(gm)
+    capture_sizes = piecewise_capture_sizes(config) if on_cuda else ()
+    compile_sizes = config.static_compile_sizes(on_cuda)
     if capture_sizes and token_symbol is None:
         logger.info(
             "compile_attn: graph %s has static shapes, so its pieces get no piecewise CUDA graphs; compile "
@@ -144,8 +146,8 @@ def compile_attn_backend(
         compiled = compiler.compile(piece, example)
         getter = token_count_getter(example, token_symbol)
         runnable: Any = compiled
-        if config.compile_sizes and getter is not None and token_symbol is not None:
-            static = {size: compiler.compile_static(piece, example, token_symbol, size) for size in config.compile_sizes}
+        if compile_sizes and getter is not None and token_symbol is not None:
+            static = {size: compiler.compile_static(piece, example, token_symbol, size) for size in compile_sizes}
             runnable = SizeDispatch(compiled, static, getter)
         if capture_sizes and getter is not None:
             runnable = PiecewiseGraphWrapper(

@@ -1,12 +1,17 @@
 """Pieces compiled once more for chosen token counts with static shapes (``GraphConfig.compile_sizes``).
 
 Every piece is compiled for a symbolic token count, so one artifact serves all sizes. Inductor then cannot
-use what it would know about a fixed size: at one token a linear layer is a matrix-vector product, which
-Inductor turns into a fused reduction (``coordinate_descent_tuning``; its ``mm`` decomposition asks for a
-statically known 1), with the producer (RMSNorm) or consumer (residual add) of the GEMM fused in. With
-``compile_sizes=(1,)`` a decoder's bs-1 decode pieces get such static artifacts; every other size keeps
-the symbolic one. Standalone artifacts check no guards, so ``SizeDispatch`` calls a static artifact only
-for exactly its size.
+use what it would know about a fixed size: at one token a linear layer is a matrix-vector product, bound by
+reading its weight, which cuBLAS runs at 1.4-2.8 TB/s for the Llama-3.2-1B shapes on the H100. For a static
+compile, ``linears_as_reductions`` writes every linear whose input has one row as a multiply-and-sum in fp32
+(what Inductor's own ``mm`` decomposition does, but only under ``coordinate_descent_tuning``, whose tuning ran
+again in every process on the H100: +30 s cold, +13 s warm start); Inductor turns it into one reduction
+kernel per linear, 1.6-2.8 TB/s with its default configs (benchmarks/bench_gemv.py). ``STATIC_PATCHES`` keeps
+a producer with more than a few ops (RMSNorm, SiLU * up) out of that kernel: inlined, it was recomputed by
+every program of the reduction (gate/up 29.5 -> 25.9 us, down 19.9 -> 13.6 us per layer on the H100). With
+``compile_sizes=(1,)`` a decoder's bs-1 decode pieces get such static artifacts; every other size keeps the
+symbolic one. Standalone artifacts check no guards, so ``SizeDispatch`` calls a static artifact only for
+exactly its size.
 """
 
 from __future__ import annotations
@@ -16,12 +21,16 @@ from typing import Any
 
 import sympy
 import torch
+from torch import fx
 
 from compile_attn.compiler.counters import compile_counters
+from compile_attn.passes.fuse_linears import LINEAR_TARGETS
 
-# Config patches of the static compiles on top of the piece's own: coordinate descent is what makes Inductor
-# decompose M=1 matmuls into reductions (torch/_inductor/decomposition.py, ``mm``).
-STATIC_PATCHES: dict[str, Any] = {"coordinate_descent_tuning": True}
+# Inductor config patches of the static compiles, over the piece's own. ``realize_opcount_threshold`` (default
+# 30): a pointwise producer with more ops than this is computed into a buffer instead of being inlined into its
+# consumers. Measured on the H100, Llama-3.2-1B shape, bs-1 decode graph replay: 1.35 ms at the default,
+# 1.24 at 2, 1.21 at 8 (the same as coordinate descent tuning's 1.23, without its start-time cost).
+STATIC_PATCHES: dict[str, Any] = {"realize_opcount_threshold": 8}
 
 
 def _concrete(value: Any, symbol: sympy.Symbol, size: int) -> int:
@@ -63,3 +72,42 @@ class SizeDispatch:
             return self.general(*args)
         compile_counters.static_piece_calls += 1
         return fn(*args)
+
+
+def linear_as_reduction(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(input, weight, bias)`` as a multiply-and-sum over ``in_features`` in fp32, rounded once to the
+    input's dtype (cuBLAS also accumulates bf16 products in fp32). For a one-row input Inductor compiles it to
+    one reduction kernel that reads the weight once; for more rows it would read the weight once per row."""
+    out = (input.float().unsqueeze(-2) * weight.float()).sum(-1)
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(input.dtype)
+
+
+def _rows(node: fx.Node, symbol: sympy.Symbol, size: int) -> int | None:
+    """Rows of the linear input ``node`` at ``symbol = size`` (from its traced example value), or None."""
+    value = node.meta.get("example_value", node.meta.get("val")) if isinstance(node, fx.Node) else None
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return None
+    rows = 1
+    for dim in value.shape[:-1]:
+        rows *= dim
+    try:
+        return _concrete(rows, symbol, size)
+    except ValueError:  # a size that does not follow the token count
+        return None
+
+
+def linears_as_reductions(gm: fx.GraphModule, symbol: sympy.Symbol, size: int) -> tuple[fx.GraphModule, int]:
+    """``gm`` with every linear call whose input has one row at ``symbol = size`` calling ``linear_as_reduction``
+    (a new module when any does; ``gm`` itself is left as it is), and how many calls were rewritten."""
+    targets = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in LINEAR_TARGETS
+               and _rows(n.kwargs.get("input", n.args[0] if n.args else None), symbol, size) == 1]
+    if not targets:
+        return gm, 0
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    graph.output(graph.graph_copy(gm.graph, env))
+    for node in targets:
+        env[node].target = linear_as_reduction
+    return fx.GraphModule(gm, graph), len(targets)

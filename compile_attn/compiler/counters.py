@@ -29,7 +29,8 @@ class CompileCounters:
     as one GEMM (see ``compile_attn.passes.fuse_linears``). split_calls_direct: split-op calls that the
     compiled model makes to the op's Python body, not through ``torch.ops`` (see ``compiler.direct_split_calls``).
     pieces_compiled_static: extra compiles of a piece at one of ``GraphConfig.compile_sizes`` (static shapes;
-    cache hits count under cache_hits); static_piece_calls: calls that ran such an artifact.
+    cache hits count under cache_hits); static_piece_calls: calls that ran such an artifact;
+    linears_as_reductions: one-row linear calls those static pieces run as reductions (``compile_sizes``).
     """
 
     graphs_seen: int = 0
@@ -50,6 +51,7 @@ class CompileCounters:
     split_calls_direct: int = 0
     pieces_compiled_static: int = 0
     static_piece_calls: int = 0
+    linears_as_reductions: int = 0
 
     def snapshot(self) -> dict[str, int]:
         return dataclasses.asdict(self)
@@ -68,7 +70,7 @@ class CompileCounters:
         """Assert that the block changes exactly the named counters by the given amounts.
 
         Counters not named must not change, except ``graph_replays``, ``linear_groups_fused``,
-        ``split_calls_direct`` and ``static_piece_calls`` (checked only when named).
+        ``split_calls_direct``, ``static_piece_calls`` and ``linears_as_reductions`` (checked only when named).
         """
         unknown = set(expected) - set(self.snapshot())
         if unknown:
@@ -76,7 +78,8 @@ class CompileCounters:
         before = self.snapshot()
         yield
         got = self.delta(before)
-        for optional in ("graph_replays", "linear_groups_fused", "split_calls_direct", "static_piece_calls"):
+        for optional in ("graph_replays", "linear_groups_fused", "split_calls_direct", "static_piece_calls",
+                         "linears_as_reductions"):
             if optional not in expected:
                 got.pop(optional, None)
         want = {k: v for k, v in expected.items() if v != 0}

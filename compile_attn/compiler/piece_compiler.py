@@ -19,7 +19,7 @@ import torch
 from torch import fx
 
 from compile_attn.compiler.cache import CompileCache, environment_fingerprint
-from compile_attn.compiler.compile_sizes import STATIC_PATCHES, static_example_inputs
+from compile_attn.compiler.compile_sizes import STATIC_PATCHES, linears_as_reductions, static_example_inputs
 from compile_attn.compiler.counters import compile_counters
 from compile_attn.compiler.piece_key import PieceKey, piece_key
 from compile_attn.passes.split import Piece
@@ -88,7 +88,7 @@ class PieceCompiler:
             compile_counters.pieces_reused += 1
             return self._compiled[key.digest]
         compiled = self._load_or_compile(
-            piece, key, example_inputs, self.config_patches,
+            piece.graph_module, key, example_inputs, self.config_patches,
             lambda gm: self._inductor_compile(piece.name, gm, example_inputs, "from_tracing_context",
                                               self.config_patches),
         )
@@ -100,20 +100,25 @@ class PieceCompiler:
     def compile_static(
         self, piece: Piece, example_inputs: Sequence[Any], symbol: sympy.Symbol, size: int
     ) -> CompiledPiece:
-        """``piece`` compiled for ``symbol = size`` with static shapes and ``STATIC_PATCHES`` (compile_sizes.py);
-        identical pieces share it. Only valid for calls at exactly that token count."""
+        """``piece`` compiled for ``symbol = size`` with static shapes, its one-row linears as reductions
+        (``linears_as_reductions``) and ``STATIC_PATCHES``; identical pieces share it. Only valid for calls at
+        exactly that token count."""
         if self.compiler == "eager":
             return CompiledPiece(piece.graph_module, single_output=False, source="eager")
         base = self._key_of(piece, example_inputs)
-        key = PieceKey(f"{base.digest}@{size}", base.stable, f"{base.text}\nstatic token count {size}")
+        # the digest names the rewrite, so artifacts compiled before it existed are not loaded for it
+        key = PieceKey(f"{base.digest}@{size}+linears_as_reductions", base.stable,
+                       f"{base.text}\nstatic token count {size}, one-row linears as reductions")
         if key.digest in self._compiled:
             return self._compiled[key.digest]
+        gm, rewritten = linears_as_reductions(piece.graph_module, symbol, size)
+        compile_counters.linears_as_reductions += rewritten
         patches = {**self.config_patches, **STATIC_PATCHES}
         compiled = self._load_or_compile(
-            piece, key, example_inputs, patches,
-            lambda gm: self._inductor_compile(f"{piece.name}@{size}", gm,
-                                              static_example_inputs(example_inputs, symbol, size),
-                                              "from_example_inputs", patches),
+            gm, key, example_inputs, patches,
+            lambda g: self._inductor_compile(f"{piece.name}@{size}", g,
+                                             static_example_inputs(example_inputs, symbol, size),
+                                             "from_example_inputs", patches),
         )
         if compiled.source == "inductor":
             compile_counters.pieces_compiled_static += 1
@@ -128,11 +133,11 @@ class PieceCompiler:
         return key
 
     def _load_or_compile(
-        self, piece: Piece, key: PieceKey, example_inputs: Sequence[Any], patches: dict[str, Any],
+        self, gm: fx.GraphModule, key: PieceKey, example_inputs: Sequence[Any], patches: dict[str, Any],
         compile_fn: Callable[[fx.GraphModule], Any],
     ) -> CompiledPiece:
         """From the persistent cache when it holds ``key`` under these patches, else ``compile_fn`` (then saved)."""
-        gm, single = _with_tuple_output(piece.graph_module)
+        gm, single = _with_tuple_output(gm)
         entry = None
         if self.cache is not None:
             devices = [x.device for x in example_inputs if isinstance(x, torch.Tensor)]

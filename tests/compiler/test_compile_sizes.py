@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from compile_helpers import SMALL, run_step, toy_model
 
 from compile_attn.compiler import compile_counters
@@ -54,7 +55,11 @@ def test_unbacked_token_count_with_compile_sizes():
     """The engine's CompiledModel (unbacked token count): one token runs the pieces compiled for it."""
     model = toy_model()
     compiled = compile_model(model, {"cache_dir": None, "compile_sizes": (1,)})
+    before = compile_counters.linears_as_reductions
     run_step(compiled, SMALL, 5, seed=3)
+    # every linear of the unique pieces runs as a reduction at one token: fused q/k/v, o, gate/up, down per
+    # layer (first piece: q/k/v; middle: o, gate/up, down, q/k/v; last: o, gate/up, down, LM head)
+    assert compile_counters.linears_as_reductions - before == 1 + 4 + 4
     for num_tokens, static_calls in ((1, 4), (6, 0)):
         with compile_counters.expect(static_piece_calls=static_calls):  # no recompile at 1 token either
             out = run_step(compiled, SMALL, num_tokens, seed=num_tokens)
@@ -96,3 +101,77 @@ def test_compile_sizes_must_be_positive():
     with pytest.raises(ValueError, match="compile_sizes must be positive"):
         GraphConfig(compile_sizes=(0,))
     assert GraphConfig(compile_sizes=(4, 1, 4)).compile_sizes == (1, 4)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("shape", [(1, 48), (1, 1, 48), (3, 48)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_as_reduction_matches_float64(dtype, tol, shape, bias):
+    from compile_attn.compiler.compile_sizes import linear_as_reduction
+
+    gen = torch.Generator().manual_seed(sum(shape) + bias)
+    x = torch.randn(shape, generator=gen).to(dtype)
+    w = torch.randn(40, 48, generator=gen).to(dtype)
+    b = torch.randn(40, generator=gen).to(dtype) if bias else None
+    want = x.double() @ w.double().T + (b.double() if bias else 0)
+    got = linear_as_reduction(x, w, b)
+    assert got.dtype == dtype and got.shape == (*shape[:-1], 40)
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * 4)
+
+
+def _three_linears(x, table, w1, b1, w2, b2, w3, b3):  # noqa: ANN001, ANN202
+    """One linear over the token rows, one over a single row, one over three rows."""
+    return F.linear(x, w1, b1), F.linear(x.sum(0, keepdim=True), w2, b2), F.linear(table, w3, b3)
+
+
+def _dynamo_graph(fn, *inputs):  # noqa: ANN001, ANN202
+    caught = []
+
+    def backend(gm, example_inputs):  # noqa: ANN001, ANN202
+        caught.append((gm, example_inputs))
+        return gm
+
+    torch._dynamo.mark_dynamic(inputs[0], 0)
+    torch.compile(fn, backend=backend, fullgraph=True)(*inputs)
+    return caught[0]
+
+
+@pytest.mark.parametrize("size,rewritten", [(1, 2), (2, 1)])
+def test_linears_as_reductions_rewrites_one_row_linears_only(size, rewritten):
+    from compile_attn.compiler.compile_sizes import linear_as_reduction, linears_as_reductions
+
+    gen = torch.Generator().manual_seed(size)
+    params = [torch.randn(shape, generator=gen) for shape in ((6, 8), (6,)) * 3]
+    gm, example = _dynamo_graph(_three_linears, torch.randn(5, 8), torch.randn(3, 8), *params)
+    symbol = next(e for e in example if isinstance(e, torch.SymInt)).node.expr
+    before = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    new_gm, count = linears_as_reductions(gm, symbol, size)
+    assert count == rewritten
+    assert [n.target for n in gm.graph.nodes if n.op == "call_function"] == before  # the input is untouched
+    assert sum(n.target is linear_as_reduction for n in new_gm.graph.nodes) == rewritten
+    x, table = torch.randn(size, 8, generator=gen), torch.randn(3, 8, generator=gen)
+    by_name = dict(zip(("x", "table", "w1", "b1", "w2", "b2", "w3", "b3"), (x, table, *params)))
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    inputs = [size if isinstance(e, torch.SymInt) else by_name[n.name[2:-1]]  # l_w1_ -> w1
+              for n, e in zip(placeholders, example)]
+    want = [x.double() @ params[0].double().T + params[1].double(),
+            x.double().sum(0, keepdim=True) @ params[2].double().T + params[3].double(),
+            table.double() @ params[4].double().T + params[5].double()]
+    for got, ref in zip(new_gm(*inputs), want):
+        torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_compile_sizes_left_to_the_device():
+    from compile_attn.config import AUTO_GPU_COMPILE_SIZES, parse_compile_sizes
+
+    auto = GraphConfig()
+    assert auto.compile_sizes is None
+    assert auto.static_compile_sizes(on_cuda=True) == AUTO_GPU_COMPILE_SIZES == (1,)
+    assert auto.static_compile_sizes(on_cuda=False) == ()
+    assert GraphConfig(compile_sizes=()).static_compile_sizes(on_cuda=True) == ()
+    assert GraphConfig(compile_sizes=(2,)).static_compile_sizes(on_cuda=False) == (2,)
+    assert parse_compile_sizes("auto") is None
+    assert parse_compile_sizes("none") == parse_compile_sizes("") == ()
+    assert parse_compile_sizes("4,1") == (4, 1)
+    with pytest.raises(ValueError, match="'1;2'"):
+        parse_compile_sizes("1;2")
