@@ -78,9 +78,14 @@ class GraphConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", GraphMode.parse(self.mode))
         for name in ("decode_batch_sizes", "prefill_token_sizes", "compile_sizes"):
-            if getattr(self, name) is None:  # compile_sizes left to the device (static_compile_sizes)
+            value = getattr(self, name)
+            if value is None and name == "compile_sizes":  # left to the device (static_compile_sizes)
                 continue
-            sizes = tuple(int(s) for s in getattr(self, name))
+            try:
+                sizes = tuple(int(s) for s in value)
+            except (TypeError, ValueError):
+                raise TypeError(f"GraphConfig.{name} must be a sequence of integers, e.g. (1, 2, 4), got {value!r}"
+                                ) from None
             if any(s <= 0 for s in sizes):
                 raise ValueError(f"GraphConfig.{name} must be positive integers, got {sizes}")
             object.__setattr__(self, name, tuple(sorted(set(sizes))))

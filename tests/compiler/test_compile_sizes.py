@@ -101,6 +101,10 @@ def test_compile_sizes_must_be_positive():
     with pytest.raises(ValueError, match="compile_sizes must be positive"):
         GraphConfig(compile_sizes=(0,))
     assert GraphConfig(compile_sizes=(4, 1, 4)).compile_sizes == (1, 4)
+    with pytest.raises(TypeError, match="compile_sizes must be a sequence of integers.*got 1"):
+        GraphConfig(compile_sizes=1)
+    with pytest.raises(TypeError, match="decode_batch_sizes must be a sequence of integers.*got None"):
+        GraphConfig(decode_batch_sizes=None)  # only compile_sizes has a None default
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
