@@ -102,9 +102,11 @@ def main() -> None:
                 step_md = backend.step_metadata
                 idx = step_md.indexes[None]
                 sc = step_md.scratch[(hq, layer.v_head_dim)]
-                parts["triton_ops.decode_attention_fwd (with the fused store)"] = lambda: ops.decode_attention_fwd(
+                # as the backend calls it: fused store, one launch (the split programs merge, semaphores)
+                parts["triton_ops.decode_attention_fwd (fused store, one launch)"] = lambda: ops.decode_attention_fwd(
                     q, kb, vb, out, idx.kv_indptr, idx.kv_indices, idx.num_kv_splits, backend.max_kv_splits,
-                    sc.attn_logits, sc.attn_lse, layer.scaling, 0.0, k_new=k, v_new=v, new_loc=fb.out_cache_loc)
+                    sc.attn_logits, sc.attn_lse, layer.scaling, 0.0, k_new=k, v_new=v, new_loc=fb.out_cache_loc,
+                    semaphores=sc.semaphores)
             parts["torch add_ (one aten launch, reference)"] = lambda: out.add_(1.0)
             for name, fn in parts.items():
                 lines.append(f"{name}: {per_call_us(fn):.1f} us per call")
