@@ -61,6 +61,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=1024)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--cprofile", type=int, default=40,
+                        help="print the host's cProfile of 5 steps, this many functions by cumulative time (0: off)")
     args = parser.parse_args()
 
     from torch.autograd import DeviceType
@@ -110,6 +112,19 @@ def main() -> None:
         print(f"| {ms:.3f} | {before[:70]} | {after[:70]} |")
     print("\n```\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20,
                                                    max_name_column_width=60) + "\n```")
+    if args.cprofile:
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(5):
+            llm.generate(prompts, params)
+        torch.cuda.synchronize()
+        profiler.disable()
+        print("\n## host cProfile of 5 prefill steps (inflated by the profiler: for ranking)\n\n```")
+        pstats.Stats(profiler).sort_stats("cumulative").print_stats(args.cprofile)
+        print("```")
     print("\n## synchronizing CUDA calls in one prefill step (torch.cuda.set_sync_debug_mode)\n")
     for site, count in sync_sites(lambda: llm.generate(prompts, params)).items():
         print(f"- {count} x\n```\n{site}```")

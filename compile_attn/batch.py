@@ -122,11 +122,11 @@ class ForwardBatch:
             acc += e
         if input_ids is None:
             input_ids = torch.zeros(num_tokens, dtype=torch.int64)
-        # Host values go to the device in one copy per dtype; default positions are expanded there.
-        ints = to_device([seq_lens, prefix_lens, extend_lens, start_loc], torch.int32, device)
+        # Host values go to the device in one copy per dtype; default positions are expanded on the host.
         if positions is None:  # decode (one token per request): each position is the prefix length
-            positions = ints[1] if num_tokens == bs and all(e == 1 for e in extend_lens) else (
-                ragged_arange(ints[1], ints[2], num_tokens))
+            positions = prefix_lens if num_tokens == bs and extend_lens.count(1) == bs else (
+                ragged_arange(prefix_lens, extend_lens))
+        ints = to_device([seq_lens, prefix_lens, extend_lens, start_loc], torch.int32, device)
         longs = to_device([input_ids, positions, req_idx, out_cache_loc], torch.int64, device)
         return cls(
             forward_mode=forward_mode,

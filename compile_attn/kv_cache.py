@@ -283,12 +283,11 @@ class KVCache:
             self._lens[row] = start + n
         if not slots:
             return torch.empty(0, dtype=torch.int64, device=self.device)
-        # One host-to-device copy (slots, then rows / starts / lengths per request); the per-token row and
-        # position are expanded and the table written on the device.
-        out, rows_t, starts_t, lens_t = to_device([slots, rows, starts, extend_lens], torch.int64, self.device)
-        total = len(slots)
-        self.req_to_token[repeat_each(rows_t, lens_t, total), ragged_arange(starts_t, lens_t, total)] = (
-            out.to(torch.int32))
+        # One host-to-device copy: the slots, then each token's request row and position (expanded on the host),
+        # and the table written with them on the device.
+        out, token_rows, token_positions = to_device(
+            [slots, repeat_each(rows, extend_lens), ragged_arange(starts, extend_lens)], torch.int64, self.device)
+        self.req_to_token[token_rows, token_positions] = out.to(torch.int32)
         return out
 
     def _alloc_decode(self, rows: list[int]) -> torch.Tensor | None:

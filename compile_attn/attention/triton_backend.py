@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 from types import ModuleType
 
 import torch
@@ -20,7 +21,7 @@ from compile_attn.attention.base import AttentionBackend, GraphSupport
 from compile_attn.attention.registry import register_backend
 from compile_attn.batch import ForwardBatch
 from compile_attn.errors import BackendUnavailableError, UnsupportedConfigError
-from compile_attn.host_tensors import upload
+from compile_attn.host_tensors import to_device
 from compile_attn.kv_cache import KVCache
 from compile_attn.layer import AttentionLayer
 
@@ -51,12 +52,9 @@ def kernels_interpreted() -> bool:
     return is_interpreted(_store_kv_kernel)
 
 
-def _exclusive_cumsum(lens: Sequence[int]) -> torch.Tensor:
-    """Host ``[len(lens) + 1]`` int32 offsets."""
-    out = torch.zeros(len(lens) + 1, dtype=torch.int32)
-    if lens:
-        torch.cumsum(torch.tensor(list(lens), dtype=torch.int64), dim=0, dtype=torch.int32, out=out[1:])
-    return out
+def _exclusive_cumsum(lens: Sequence[int]) -> list[int]:
+    """Host ``[len(lens) + 1]`` offsets."""
+    return [0, *accumulate(lens)]
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -325,17 +323,15 @@ class TritonBackend(AttentionBackend):
     def _prepare_extend(self, fb: ForwardBatch) -> ExtendStep:
         ext, prefix = fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu
         qo_cpu, kv_cpu = _exclusive_cumsum(ext), _exclusive_cumsum(prefix)
-        qo_indptr = upload(qo_cpu, self.device)
-        kv_indptr = upload(kv_cpu, self.device)
-        total_prefix = int(kv_cpu[-1])
+        qo_indptr, kv_indptr = to_device([qo_cpu, kv_cpu], torch.int32, self.device)  # one copy
+        total_prefix = kv_cpu[-1]
         kv_indices = torch.empty(max(total_prefix, 1), dtype=torch.int32, device=self.device)
         if total_prefix:
-            prefix_lens = kv_indptr[1:] - kv_indptr[:-1]
             self._ops.build_kv_indices(
-                self.kv_cache.req_to_token, fb.req_pool_indices, prefix_lens, kv_indptr, kv_indices
+                self.kv_cache.req_to_token, fb.req_pool_indices, fb.extend_prefix_lens, kv_indptr, kv_indices
             )
         return ExtendStep(
-            num_tokens=int(qo_cpu[-1]), qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices,
+            num_tokens=qo_cpu[-1], qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices,
             max_len_extend=max(ext, default=0),
         )
 
