@@ -59,9 +59,9 @@ def upload(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
 
 
 def to_device(
-    parts: list[torch.Tensor | np.ndarray | Sequence[int]], dtype: torch.dtype, device: torch.device
+    parts: list[torch.Tensor | np.ndarray | array.array | Sequence[int]], dtype: torch.dtype, device: torch.device
 ) -> list[torch.Tensor]:
-    """``parts`` (int lists, NumPy arrays or tensors) as ``dtype`` tensors on ``device``: the host ones through
+    """``parts`` (int lists, ``array.array``s, NumPy arrays or tensors) as ``dtype`` tensors on ``device``: the host ones through
     a single copy.
 
     Host parts are packed into one ``array.array`` (lists in one C loop each, arrays and CPU tensors as bytes)
@@ -82,13 +82,15 @@ def to_device(
                 out[i] = x.to(device=device, dtype=dtype)
                 continue
             x = x.detach().numpy()
+        elif isinstance(x, array.array) and x.typecode != code:
+            x = np.frombuffer(x, dtype=np.dtype(x.typecode)) if len(x) else np.empty(0, dtype=np_dtype)
         if isinstance(x, np.ndarray):
             arr = _fitting(x.reshape(1) if x.ndim == 0 else x, np_dtype)
             buf.frombytes(arr.tobytes())
             host.append((i, arr.size, arr.shape))
         else:
             n = len(buf)
-            buf.extend(x)
+            buf.extend(x)  # an array.array of the same type: a memory copy
             host.append((i, len(buf) - n, None))
     if not host:
         return out  # type: ignore[return-value]

@@ -10,9 +10,11 @@ request table live in ``kv_index``.
 
 from __future__ import annotations
 
+import array
 import logging
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from compile_attn.errors import InvalidBatchError, KVCacheExhaustedError
@@ -109,54 +111,65 @@ class PagedKVPool:
 class PageAllocator:
     """Free list of pages ``1..num_pages`` (page 0 is scratch). All-or-nothing ``alloc``.
 
-    Bookkeeping uses list slices and set operations (C loops), not per-page Python loops: a prefill of
-    thousands of tokens allocates and frees thousands of pages per step.
+    Pages go in and out as int64 ``array.array``s: a prefill of thousands of tokens allocates and frees
+    thousands of pages per step, and the stack's slices, the request's page lists and the step's upload buffer
+    are then memory copies, not per-int conversions. Which pages are allocated is a NumPy bool array, so
+    checking a free (every page allocated, none twice) is vectorised too.
     """
 
     def __init__(self, num_pages: int) -> None:
         self.num_pages = num_pages
-        self._free = list(range(num_pages, 0, -1))  # stack: low page ids are handed out first
-        self._allocated: set[int] = set()
+        self._free = array.array("q", range(num_pages, 0, -1))  # stack: low page ids are handed out first
+        self._allocated = np.zeros(num_pages + 1, dtype=bool)
+        self._num_allocated = 0
 
     @property
     def available(self) -> int:
         return len(self._free)
 
-    def alloc(self, n: int) -> list[int]:
+    def alloc(self, n: int) -> array.array:
         if n > len(self._free):
             raise KVCacheExhaustedError(
                 f"KV cache full: asked for {n} pages, {len(self._free)} free of {self.num_pages}; "
                 f"nothing was allocated. Free finished requests or create the cache with more tokens"
             )
         if n <= 0:
-            return []
-        pages = self._free[-1:-n - 1:-1]  # the top n of the stack, top first
+            return array.array("q")
+        pages = self._free[-n:]
+        pages.reverse()  # the top n of the stack, top first
         del self._free[-n:]
-        self._allocated.update(pages)
+        self._allocated[np.asarray(pages, dtype=np.int64)] = True
+        self._num_allocated += n
         return pages
 
-    def free(self, pages: Sequence[int]) -> None:
-        pages = list(pages)
-        allocated = self._allocated
-        before = len(allocated)
-        if allocated.issuperset(pages):
-            allocated.difference_update(pages)
-            if before - len(allocated) == len(pages):  # no page twice: nothing left to check
-                self._free.extend(pages)
-                return
-            allocated.update(pages)  # a page appears twice: undo (every page was allocated) and name it below
-        seen: set[int] = set()
-        for p in pages:
-            if p in seen or p not in allocated:
-                raise ValueError(f"cannot free page {p}: it is not an allocated page")
-            seen.add(p)
+    def free(self, pages: Sequence[int] | array.array) -> None:
+        """Return ``pages`` to the free list; ValueError (nothing freed) naming a page that is not allocated or
+        appears twice."""
+        p = np.asarray(pages, dtype=np.int64)
+        if not p.size:
+            return
+        inside = (p >= 1) & (p <= self.num_pages)
+        if not inside.all():
+            raise ValueError(f"cannot free page {int(p[~inside][0])}: it is not an allocated page")
+        held = self._allocated[p]
+        if not held.all():
+            raise ValueError(f"cannot free page {int(p[~held][0])}: it is not an allocated page")
+        self._allocated[p] = False
+        left = int(np.count_nonzero(self._allocated))
+        if self._num_allocated - left != p.size:  # a page appears twice: undo, and name it
+            self._allocated[p] = True
+            values, counts = np.unique(p, return_counts=True)
+            raise ValueError(f"cannot free page {int(values[counts > 1][0])}: it is not an allocated page "
+                             f"(it appears twice in one free)")
+        self._num_allocated = left
+        self._free.frombytes(p.tobytes())
 
 
-def _slots_of(pages: list[int], start: int, n: int, page_size: int) -> list[int]:
+def _slots_of(pages: array.array, start: int, n: int, page_size: int) -> array.array:
     """Slots of positions ``start .. start + n - 1`` of a request holding ``pages``: one run per page."""
     if page_size == 1:
         return pages[start:start + n]
-    out: list[int] = []
+    out = array.array("q")
     pos, end = start, start + n
     while pos < end:
         page, offset = divmod(pos, page_size)
@@ -195,7 +208,7 @@ class KVCache:
             head_dim=head_dim, v_head_dim=v_head_dim, dtype=dtype, device=device,
         )
         self.allocator = PageAllocator(num_pages)
-        self._pages: dict[int, list[int]] = {}  # request row -> its pages, in order
+        self._pages: dict[int, array.array] = {}  # request row -> its pages, in order (int64)
         self._lens: dict[int, int] = {}  # request row -> tokens allocated
 
     @property
@@ -212,7 +225,7 @@ class KVCache:
     def alloc_request(self) -> int:
         """Reserve a request row; its KV grows with ``alloc_extend``."""
         (row,) = self.req_to_token_pool.alloc(1)
-        self._pages[row], self._lens[row] = [], 0
+        self._pages[row], self._lens[row] = array.array("q"), 0
         return row
 
     def free_request(self, row: int) -> None:
@@ -270,7 +283,7 @@ class KVCache:
             )
         new_pages = self.allocator.alloc(needed)
         ps = self.page_size
-        slots: list[int] = []
+        slots = array.array("q")
         starts: list[int] = []
         taken = 0
         for row, n, k in zip(rows, extend_lens, per_row):

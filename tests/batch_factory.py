@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import array
+
 from dataclasses import dataclass
 
 import torch
@@ -47,7 +49,7 @@ def random_step(
     if shuffle_pages:  # scatter pages so requests do not occupy contiguous slots
         perm = torch.randperm(kv.allocator.available, generator=gen).tolist()
         free = kv.allocator._free
-        kv.allocator._free = [free[i] for i in perm]
+        kv.allocator._free = array.array("q", [free[i] for i in perm])
     rows = [kv.alloc_request() for _ in prefix_lens]
     fill_prefixes(kv, rows, list(prefix_lens), gen)
     loc = kv.alloc_extend(rows, list(extend_lens))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import array
+
 import pytest
 import torch
 from hypothesis import given
@@ -77,7 +79,7 @@ def test_request_table_exhaustion_and_bad_frees() -> None:
 def test_index_formats_agree_with_req_to_token(page_size: int, lens: list[int], seed: int) -> None:
     kv = _cache(page_size, num_tokens=256)
     perm = torch.randperm(kv.allocator.available, generator=torch.Generator().manual_seed(seed)).tolist()
-    kv.allocator._free = [kv.allocator._free[i] for i in perm]
+    kv.allocator._free = array.array("q", [kv.allocator._free[i] for i in perm])
     rows = [kv.alloc_request() for _ in lens]
     kv.alloc_extend(rows, lens)
     rows_t, lens_t = torch.tensor(rows), torch.tensor(lens)
@@ -88,7 +90,7 @@ def test_index_formats_agree_with_req_to_token(page_size: int, lens: list[int], 
     _, windowed = build_kv_indices(kv.req_to_token, rows_t, lens_t, lens_t, kv_start=start)
     assert windowed.tolist() == [int(kv.req_to_token[r, j]) for r, n in zip(rows, lens) for j in range(max(0, n - 3), n)]
     page_indptr, pages, last = build_paged_kv_indices(kv.req_to_token, rows_t, lens_t, page_size)
-    expected_pages = [kv._pages[r] for r in rows]
+    expected_pages = [kv._pages[r].tolist() for r in rows]
     assert pages.tolist() == [p for ps in expected_pages for p in ps]
     assert page_indptr.diff().tolist() == [len(ps) for ps in expected_pages]
     assert last.tolist() == [n - (len(ps) - 1) * page_size for n, ps in zip(lens, expected_pages)]
@@ -106,7 +108,7 @@ def test_one_large_extend_equals_the_same_tokens_in_small_extends(page_size: int
     kv_bulk, kv_steps = (_cache(page_size, num_tokens=512, max_context=256) for _ in range(2))
     for kv in (kv_bulk, kv_steps):  # the same shuffled free list in both caches
         perm = torch.randperm(len(kv.allocator._free), generator=torch.Generator().manual_seed(seed)).tolist()
-        kv.allocator._free = [kv.allocator._free[i] for i in perm]
+        kv.allocator._free = array.array("q", [kv.allocator._free[i] for i in perm])
     other_b, row_b = kv_bulk.alloc_request(), kv_bulk.alloc_request()
     other_s, row_s = kv_steps.alloc_request(), kv_steps.alloc_request()
     kv_bulk.alloc_extend([other_b], [3])
@@ -142,7 +144,7 @@ def test_decode_allocation_equals_the_general_path(page_size: int, prefix: list[
     fast, general = (_cache(page_size, num_tokens=1024, max_requests=10, max_context=64) for _ in range(2))
     for kv in (fast, general):
         perm = torch.randperm(len(kv.allocator._free), generator=torch.Generator().manual_seed(seed)).tolist()
-        kv.allocator._free = [kv.allocator._free[i] for i in perm]
+        kv.allocator._free = array.array("q", [kv.allocator._free[i] for i in perm])
         rows = [kv.alloc_request() for _ in prefix]
         kv.alloc_extend(rows, prefix)
     idle = general.alloc_request()

@@ -160,9 +160,9 @@ class LLM:
 
     # ------------------------------------------------------------------ internals
     @staticmethod
-    def _step_input_ids(step: ScheduledStep) -> list[int]:
-        """The step's tokens, request after request: one slice copy per request (a prefill has thousands)."""
-        ids: list[int] = []
+    def _step_input_ids(step: ScheduledStep) -> array.array:
+        """The step's tokens, request after request: one memory copy per request (a prefill has thousands)."""
+        ids = array.array("q")
         for r, p, n in zip(step.requests, step.prefix_lens, step.extend_lens):
             ids.extend(r.token_ids[p : p + n])
         return ids
@@ -193,13 +193,14 @@ class LLM:
             return "length"
         return None
 
-    def _encode(self, prompt: str | Sequence[int]) -> list[int]:
+    def _encode(self, prompt: str | Sequence[int]) -> array.array:
+        """The prompt's token ids as an int64 ``array.array`` (see ``Request.token_ids``)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("string prompts need a tokenizer; pass token id lists or LLM(..., tokenizer=...)")
-            return list(self.tokenizer(prompt)["input_ids"])
+            return array.array("q", self.tokenizer(prompt)["input_ids"])
         try:  # array.array converts in one C loop (a prefill's prompts are thousands of ids) and refuses non-ints
-            return array.array("q", prompt).tolist()
+            return array.array("q", prompt)
         except (TypeError, OverflowError) as exc:
             bad = next((t for t in prompt if not _is_token_id(t)), None)
             raise ValueError(f"prompt token ids must be integers that fit int64, got {bad!r} "
@@ -207,7 +208,7 @@ class LLM:
 
     def _output(self, r: Request) -> RequestOutput:
         text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True) if self.tokenizer else None
-        return RequestOutput(r.request_id, list(r.prompt_ids), list(r.output_ids), r.finish_reason or "length", text)
+        return RequestOutput(r.request_id, r.prompt_ids.tolist(), r.output_ids, r.finish_reason or "length", text)
 
 
 def _is_token_id(value: object) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import enum
 from dataclasses import dataclass, field
 
@@ -18,16 +19,19 @@ class RequestStatus(enum.Enum):
 class Request:
     """``token_ids`` is prompt + generated so far; ``num_cached`` of them have KV in the cache.
 
+    ``token_ids`` is an int64 ``array.array``, not a list: a prefill step gathers thousands of them into its
+    upload buffer, which for an array is a memory copy and for a list a conversion of each int.
+
     The tokens still to run through the model are ``token_ids[num_cached:]``: the prompt (or the
     rest of it) while prefilling, exactly the last sampled token while decoding. A preempted request
     drops its KV (``num_cached = 0``) and later recomputes prompt + outputs.
     """
 
     request_id: int
-    prompt_ids: list[int]
+    prompt_ids: array.array  # int64, like token_ids
     params: SamplingParams
     seed: int
-    token_ids: list[int] = field(default_factory=list)
+    token_ids: array.array = field(default_factory=lambda: array.array("q"))
     num_cached: int = 0
     row: int | None = None
     status: RequestStatus = RequestStatus.WAITING
@@ -35,12 +39,16 @@ class Request:
     num_preemptions: int = 0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.prompt_ids, array.array):
+            self.prompt_ids = array.array("q", self.prompt_ids)
         if not self.token_ids:
-            self.token_ids = list(self.prompt_ids)
+            self.token_ids = self.prompt_ids[:]  # a copy: outputs are appended to it
+        elif not isinstance(self.token_ids, array.array):
+            self.token_ids = array.array("q", self.token_ids)
 
     @property
     def output_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_ids) :]
+        return self.token_ids[len(self.prompt_ids) :].tolist()
 
     @property
     def num_output(self) -> int:
