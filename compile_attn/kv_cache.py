@@ -51,12 +51,19 @@ class ReqToTokenPool:
         return [self._free_rows.pop() for _ in range(n)]
 
     def free(self, rows: Sequence[int]) -> None:
+        """Return ``rows`` and reset their entries to the scratch slot: one device op for any number of rows."""
+        free = set(self._free_rows)
+        if len(set(rows)) != len(rows):
+            raise ValueError(f"cannot free request rows {list(rows)}: a row appears twice")
         for r in rows:
-            if r == PAD_REQUEST or not 0 < r < self.num_rows or r in self._free_rows:
+            if r == PAD_REQUEST or not 0 < r < self.num_rows or r in free:
                 raise ValueError(f"cannot free request row {r}: it is not an allocated row")
-        for r in rows:
-            self.req_to_token[r].fill_(PAD_SLOT)
-            self._free_rows.append(r)
+        if len(rows) == 1:
+            self.req_to_token[rows[0]].fill_(PAD_SLOT)
+        elif rows:
+            (index,) = to_device([rows], torch.int64, self.req_to_token.device)
+            self.req_to_token.index_fill_(0, index, PAD_SLOT)
+        self._free_rows.extend(rows)
 
 
 class PagedKVPool:
@@ -230,11 +237,23 @@ class KVCache:
 
     def free_request(self, row: int) -> None:
         """Return the row and all its pages."""
-        if row not in self._pages:
-            raise ValueError(f"request row {row} is not allocated")
-        self.allocator.free(self._pages.pop(row))
-        del self._lens[row]
-        self.req_to_token_pool.free([row])
+        self.free_requests([row])
+
+    def free_requests(self, rows: Sequence[int]) -> None:
+        """Return the rows and all their pages, in one call each to the page allocator and the request table."""
+        rows = list(rows)
+        for row in rows:
+            if row not in self._pages:
+                raise ValueError(f"request row {row} is not allocated")
+        if len(set(rows)) != len(rows):
+            raise ValueError(f"cannot free request rows {rows}: a row appears twice")
+        pages = array.array("q")
+        for row in rows:
+            pages.extend(self._pages[row])
+        self.allocator.free(pages)
+        for row in rows:
+            del self._pages[row], self._lens[row]
+        self.req_to_token_pool.free(rows)
 
     def room_in_last_page(self, row: int) -> int:
         """Tokens request ``row`` can still add without a new page."""

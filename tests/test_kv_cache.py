@@ -71,6 +71,31 @@ def test_request_table_exhaustion_and_bad_frees() -> None:
         kv.alloc_extend([rows[1], rows[1]], [1, 1])
 
 
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_freeing_requests_together_equals_one_by_one(page_size: int) -> None:
+    """free_requests (one allocator call, one device op for the rows) leaves the same cache as free_request per
+    row: pages back on the free list, rows reset to the scratch slot and reusable; bad calls change nothing."""
+    caches = [_cache(page_size, num_tokens=128, max_requests=4) for _ in range(2)]
+    for kv in caches:
+        rows = [kv.alloc_request() for _ in range(4)]
+        kv.alloc_extend(rows, [5, 9, 3, 7])
+    together, one_by_one = caches
+    before = _state(together)
+    with pytest.raises(ValueError, match="appears twice"):
+        together.free_requests([rows[0], rows[2], rows[0]])
+    with pytest.raises(ValueError, match="not allocated"):
+        together.free_requests([rows[1], 99])
+    _assert_same_state(before, _state(together))
+    together.free_requests([rows[2], rows[0], rows[3]])
+    for row in (rows[2], rows[0], rows[3]):
+        one_by_one.free_request(row)
+    _assert_same_state(_state(together), _state(one_by_one))
+    assert together.req_to_token[[rows[0], rows[2], rows[3]]].eq(PAD_SLOT).all()
+    assert together.req_to_token[rows[1], :9].ne(PAD_SLOT).all()  # the live request is untouched
+    again = [together.alloc_request() for _ in range(3)]
+    together.alloc_extend(again, [2, 2, 2])
+
+
 @given(
     page_size=st.sampled_from([1, 2, 16]),
     lens=st.lists(st.integers(1, 40), min_size=1, max_size=4),

@@ -146,7 +146,7 @@ class LLM:
         sampled = [i for i, (r, p, n) in enumerate(zip(step.requests, step.prefix_lens, step.extend_lens))
                    if p + n == len(r.token_ids)]
         next_ids = self._sample(step, fb, sampled)
-        finished = []
+        done = []
         for r, n in zip(step.requests, step.extend_lens):
             r.num_cached += n
         for i, tok in zip(sampled, next_ids):
@@ -154,9 +154,9 @@ class LLM:
             r.token_ids.append(tok)
             reason = self._stop_reason(r, tok)
             if reason:
-                self.scheduler.finish(r, reason)
-                finished.append(r)
-        return finished
+                done.append((r, reason))
+        self.scheduler.finish_all(done)  # one free for the step's finished requests
+        return [r for r, _ in done]
 
     # ------------------------------------------------------------------ internals
     @staticmethod
