@@ -61,11 +61,18 @@ class _Captured:
     outputs: Any  # weak references into the graph pool
     input_ptrs: tuple[int | None, ...]
     input_shapes: tuple[tuple[int, ...] | None, ...]
+    checked: tuple[int, ...]  # inputs whose address every replay checks: the tensors that are not parameters
+    checked_ptrs: tuple[int, ...]
 
 
 def _addresses(args: tuple[Any, ...]) -> tuple[int | None, ...]:
     # A list comprehension, not a generator: this runs for every piece of every replayed step.
     return tuple([a.data_ptr() if isinstance(a, torch.Tensor) else None for a in args])
+
+
+def _activations(args: tuple[Any, ...]) -> tuple[int, ...]:
+    """Positions of the tensor inputs that are not ``nn.Parameter``s (a piece's weights are most of its inputs)."""
+    return tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and not isinstance(a, torch.nn.Parameter))
 
 
 def _shapes(args: tuple[Any, ...]) -> tuple[tuple[int, ...] | None, ...]:
@@ -130,7 +137,9 @@ class PiecewiseGraphWrapper:
         self.runnable(*args)  # warm-up: lazy initialisation and autotuning happen outside the capture
         graph, out = self.ops.capture(self.runnable, args)
         self.ops.replay(graph)  # a capture only records; run it so that `out` holds this call's values
-        self.captured[size] = _Captured(graph, self.ops.weak_refs(out), _addresses(args), _shapes(args))
+        checked = _activations(args)
+        self.captured[size] = _Captured(graph, self.ops.weak_refs(out), _addresses(args), _shapes(args), checked,
+                                        tuple([args[i].data_ptr() for i in checked]))
         compile_counters.graphs_captured += 1
         if self.on_capture is not None:
             self.on_capture(self.name, size)
@@ -138,6 +147,12 @@ class PiecewiseGraphWrapper:
         return out
 
     def _moved_input(self, entry: _Captured, args: tuple[Any, ...]) -> int | None:
+        """The first input not at its capture-time address (or, in debug mode, shape), else None. Outside debug
+        mode only the activations are checked: parameters stay where they are (in-place weight updates keep their
+        addresses; replacing a parameter's tensor after capture needs the graphs captured again)."""
+        if not self.debug:
+            if tuple([args[i].data_ptr() for i in entry.checked]) == entry.checked_ptrs:
+                return None
         addresses = _addresses(args)
         if addresses != entry.input_ptrs:
             return next(i for i, (a, b) in enumerate(zip(addresses, entry.input_ptrs, strict=True)) if a != b)

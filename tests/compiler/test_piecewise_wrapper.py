@@ -87,6 +87,34 @@ def test_moved_input_is_refused_not_replayed_with_stale_data():
     assert ops.replays == 1  # only the replay right after the capture
 
 
+def test_replay_checks_activations_and_leaves_parameters_to_debug_mode():
+    """Outside debug mode a replay checks only the inputs that are not parameters (a piece's weights are most of
+    its inputs); a moved activation is still refused, and debug mode names a moved parameter too."""
+    for debug in (False, True):
+        wrapper, ops = make_wrapper(debug=debug)
+        w = torch.nn.Parameter(torch.randn(3, 5), requires_grad=False)
+        x = torch.randn(4, 3)
+        wrapper(x, w)  # capture
+        assert wrapper.captured[4].checked == (0,)
+        x.normal_()
+        out = wrapper(x, w)  # same addresses: replayed with the new values
+        torch.testing.assert_close(out[0], piece(x, w)[0])
+        assert ops.replays == 2
+        with compile_counters.expect(replays_refused=1):
+            if debug:
+                with pytest.raises(GraphReplayError, match="input 0"):
+                    wrapper(torch.randn(4, 3), w)
+            else:
+                wrapper(torch.randn(4, 3), w)
+        moved_w = torch.nn.Parameter(w.detach().clone(), requires_grad=False)
+        if debug:
+            with pytest.raises(GraphReplayError, match="input 1"):
+                wrapper(x, moved_w)
+        else:
+            wrapper(x, moved_w)  # not checked: replayed (weights must stay where capture saw them)
+            assert ops.replays == 3
+
+
 def test_moved_input_is_an_error_in_debug_mode():
     wrapper, _ = make_wrapper(debug=True)
     w = torch.randn(3, 5)
