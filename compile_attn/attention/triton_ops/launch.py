@@ -54,16 +54,20 @@ def _active(hook: Any) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
+# Where the installed Triton keeps its launch hooks (``triton.knobs.runtime`` in 3.4+, ``CompiledKernel`` before),
+# looked up once: the hooks themselves are read on every launch, since a profiler may install them at any time.
+_HOOK_HOLDERS = tuple(
+    h for h in (getattr(getattr(triton, "knobs", None), "runtime", None), CompiledKernel)
+    if h is not None and (hasattr(h, "launch_enter_hook") or hasattr(h, "launch_exit_hook"))
+)
+
+
 def _hooks_installed() -> bool:
     """True when a launch enter/exit hook is active (the short path does not call hooks)."""
-    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
-    if runtime is not None and (
-        _active(getattr(runtime, "launch_enter_hook", None)) or _active(getattr(runtime, "launch_exit_hook", None))
-    ):
-        return True
-    return _active(getattr(CompiledKernel, "launch_enter_hook", None)) or _active(
-        getattr(CompiledKernel, "launch_exit_hook", None)
-    )
+    for holder in _HOOK_HOLDERS:
+        if _active(getattr(holder, "launch_enter_hook", None)) or _active(getattr(holder, "launch_exit_hook", None)):
+            return True
+    return False
 
 
 _SCALARS = frozenset({int, float, bool, str, type(None)})
