@@ -30,21 +30,24 @@ def int_tensor(values: Sequence[int], dtype: torch.dtype = torch.int64) -> torch
     return torch.frombuffer(array.array(code, values), dtype=dtype)
 
 
+def _run_lengths(lens: Sequence[int] | np.ndarray, caller: str) -> np.ndarray:
+    """``lens`` as int64; ValueError (naming ``caller`` and the lengths) if one is negative."""
+    lens = np.asarray(lens, dtype=np.int64)
+    if lens.size and lens.min() < 0:
+        raise ValueError(f"{caller} needs non-negative run lengths, got {lens.tolist()}")
+    return lens
+
+
 def ragged_arange(starts: Sequence[int] | np.ndarray, lens: Sequence[int] | np.ndarray) -> np.ndarray:
     """``concatenate([arange(s, s + n) for s, n in zip(starts, lens)])`` without a Python loop (host, int64)."""
-    starts, lens = np.asarray(starts, dtype=np.int64), np.asarray(lens, dtype=np.int64)
-    if lens.size and lens.min() < 0:
-        raise ValueError(f"ragged_arange needs non-negative run lengths, got {lens.tolist()}")
+    lens = _run_lengths(lens, "ragged_arange")
     offsets = np.cumsum(lens) - lens  # where each run begins in the output
-    return np.arange(int(lens.sum()), dtype=np.int64) + np.repeat(starts - offsets, lens)
+    return np.arange(int(lens.sum()), dtype=np.int64) + np.repeat(np.asarray(starts, dtype=np.int64) - offsets, lens)
 
 
 def repeat_each(values: Sequence[int] | np.ndarray, lens: Sequence[int] | np.ndarray) -> np.ndarray:
     """``values[i]`` repeated ``lens[i]`` times, runs concatenated (host, int64)."""
-    lens = np.asarray(lens, dtype=np.int64)
-    if lens.size and lens.min() < 0:
-        raise ValueError(f"repeat_each needs non-negative run lengths, got {lens.tolist()}")
-    return np.repeat(np.asarray(values, dtype=np.int64), lens)
+    return np.repeat(np.asarray(values, dtype=np.int64), _run_lengths(lens, "repeat_each"))
 
 
 def upload(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:

@@ -137,9 +137,9 @@ class PiecewiseGraphWrapper:
         self.runnable(*args)  # warm-up: lazy initialisation and autotuning happen outside the capture
         graph, out = self.ops.capture(self.runnable, args)
         self.ops.replay(graph)  # a capture only records; run it so that `out` holds this call's values
-        checked = _activations(args)
-        self.captured[size] = _Captured(graph, self.ops.weak_refs(out), _addresses(args), _shapes(args), checked,
-                                        tuple([args[i].data_ptr() for i in checked]))
+        ptrs, checked = _addresses(args), _activations(args)
+        self.captured[size] = _Captured(graph, self.ops.weak_refs(out), ptrs, _shapes(args), checked,
+                                        tuple([ptrs[i] for i in checked]))
         compile_counters.graphs_captured += 1
         if self.on_capture is not None:
             self.on_capture(self.name, size)
