@@ -110,6 +110,16 @@ def main() -> None:
             parts["torch add_ (one aten launch, reference)"] = lambda: out.add_(1.0)
             for name, fn in parts.items():
                 lines.append(f"{name}: {per_call_us(fn):.1f} us per call")
+            if backend.graph_buffers is not None and hasattr(backend, "bound_decode_launches"):
+                # the same batch as a graph-bucket view: metadata in the static buffers, the same q/k/v/out
+                # every call, so after the first call the layer relaunches through its DecodePlan
+                bound_fb = setup.batch(bs)
+                bound_fb.graph_bucket = bs
+                backend.init_forward_metadata(bound_fb)
+                before = backend.bound_decode_launches
+                cost = per_call_us(lambda: backend.forward_decode(q, k, v, layer, bound_fb, out, True))
+                lines.append(f"backend.forward_decode, graph-bound (DecodePlan, {backend.bound_decode_launches - before}"
+                             f" bound launches): {cost:.1f} us per call")
             attention_profile = bench.host_profile(parts["torch.ops.compile_attn.attention"], calls=200, top=30)
     step_profile = bench.host_profile(step, calls=30, top=30)
     print("\n".join(lines))

@@ -5,6 +5,10 @@ buffers (``kv_indptr``/``kv_indices``/``num_kv_splits``, one set for full attent
 sliding-window size) and split-K scratch, and ``init_forward_metadata_in_graph`` fills them on the
 device with static shapes. Extend and mixed batches are prepared in ``init_forward_metadata_out_graph``
 from host lengths (the kernel's grid depends on them) and run eagerly between captured pieces.
+
+A decode layer run eagerly over graph-bound metadata (between piecewise graphs, or a breakable graph's
+break) keeps its launch after the first step (``DecodePlan``): while its q/k/v/out/slot tensors are the same
+(address, shape, strides, dtype), later steps relaunch it without the argument checks and launch keys.
 """
 
 from __future__ import annotations
@@ -137,6 +141,29 @@ class DecodeStep:
     indexes: dict[int | None, DecodeIndex]
     scratch: dict[tuple[int, int], SplitScratch]
     filled: bool = False  # set by init_forward_metadata_in_graph
+    graph_bound: bool = False  # indexes and scratch are the static graph buffers' (same objects every step)
+
+
+def _decode_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   loc: torch.Tensor | None) -> tuple:
+    """What a decode layer's launch depends on besides the layer, the step's metadata buffers and the KV pool:
+    where and how q, k, v, out and the new tokens' slots lie."""
+    return (
+        q.data_ptr(), q.shape, q.stride(), q.dtype, k.data_ptr(), k.shape, k.stride(), k.dtype,
+        v.data_ptr(), v.shape, v.stride(), v.dtype, out.data_ptr(), out.shape, out.stride(), out.dtype,
+        None if loc is None else (loc.data_ptr(), loc.shape, loc.dtype),
+    )
+
+
+@dataclass
+class DecodePlan:
+    """A decode layer's launch bound for repeats (``decode_attention_fwd_and_bind``), valid while the layer is
+    called with the same ``inputs`` (``_decode_inputs``) and the same graph-bound ``indexes``. Holds no tensor
+    of the step (addresses only); ``indexes`` are the backend's static buffers."""
+
+    inputs: tuple
+    indexes: dict[int | None, DecodeIndex]
+    launch: Callable[[], bool]
 
 
 @dataclass
@@ -209,6 +236,9 @@ class TritonBackend(AttentionBackend):
         self._graph: DecodeGraphBuffers | None = None
         self._eager_scratch: dict[tuple[int, int], SplitScratch] = {}
         self._step: DecodeStep | ExtendStep | None = None
+        # Graph-bound decode layers' launches, per (layer, batch size, save_kv_cache): see forward_decode.
+        self._decode_plans: dict[tuple[int, int, bool], DecodePlan] = {}
+        self.bound_decode_launches = 0  # decode layers launched through a DecodePlan (tests, debugging)
         logger.info(
             "triton backend: %d layers, windows %s, max_kv_splits %d, split_size %d%s, %s",
             len(self.layers), ["full" if w is None else w for w in self.windows], self.max_kv_splits,
@@ -268,6 +298,7 @@ class TritonBackend(AttentionBackend):
             shape: SplitScratch.allocate(max_bs, *shape, self.max_kv_splits, self.device) for shape in self.head_shapes
         }
         self._graph = DecodeGraphBuffers(max_bs, indexes, scratch)
+        self._decode_plans.clear()  # bound to the buffers just replaced
 
     def _index_capacity(self, window: int | None) -> int:
         """Most KV tokens one request reads in a decode graph."""
@@ -299,7 +330,7 @@ class TritonBackend(AttentionBackend):
         graph = self._graph
         self.check_graph_view(fb, None if graph is None else graph.max_bs, self.graph_max_context)
         bs = fb.batch_size
-        return DecodeStep(bs, graph.head(bs), graph.scratch)
+        return DecodeStep(bs, graph.head(bs), graph.scratch, graph_bound=True)
 
     def _alloc_eager_decode(self, fb: ForwardBatch) -> DecodeStep:
         bs, lens = fb.batch_size, fb.seq_lens_cpu
@@ -348,19 +379,44 @@ class TritonBackend(AttentionBackend):
     def forward_decode(self, q, k, v, layer, fb, out, save_kv_cache) -> None:
         step = self._require_step(decode=True)
         assert isinstance(step, DecodeStep)
+        loc = fb.out_cache_loc if save_kv_cache else None
+        bind = step.graph_bound
+        if bind:
+            # Between piecewise graphs a decode layer gets the same tensors every step (a graph's static outputs,
+            # the runner's static buffers, the graph-bound metadata): then its launch repeats as bound the first
+            # time, without the argument checks and launch keys (this runs once per layer per step, on the
+            # host's critical path).
+            plan_key = (layer.layer_id, step.batch_size, save_kv_cache)
+            inputs = _decode_inputs(q, k, v, out, loc)
+            plan = self._decode_plans.get(plan_key)
+            if plan is not None and plan.inputs == inputs and plan.indexes is step.indexes:
+                if plan.launch():
+                    self.bound_decode_launches += 1
+                    return
+                bind = False  # a launch hook (profiler) is active: launch the regular way, keep the plan
         k_buf, v_buf = self.kv_cache.pool.get_kv(layer.layer_id)
         bs = step.batch_size
         idx = step.indexes[layer.sliding_window]
         scratch = step.scratch[(layer.num_heads, layer.v_head_dim)]
-        # This runs once per layer per step (between piecewise graphs: on the host's critical path), so the
-        # common case (one row per request, contiguous rows) takes no slicing or copying. The kernel takes
+        # The common case (one row per request, contiguous rows) takes no slicing or copying. The kernel takes
         # each request's new token from k/v and (save_kv_cache) stores it: no separate store_kv launch.
         if q.shape[0] != bs:
-            q = q[:bs]
+            q, bind = q[:bs], False
         if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
             q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
+            bind = False
         padded = out.shape[0] > bs
-        loc = fb.out_cache_loc if save_kv_cache else None
+        if bind and not padded and out.stride(-1) == 1 and not (
+            self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        ):
+            again = self._ops.decode_attention_fwd_and_bind(
+                q, k_buf, v_buf, out, idx.kv_indptr, idx.kv_indices, idx.num_kv_splits, self.max_kv_splits,
+                scratch.attn_logits, scratch.attn_lse, layer.scaling, layer.logit_cap, k_new=k, v_new=v,
+                new_loc=loc, semaphores=scratch.semaphores,
+            )
+            if again is not None:
+                self._decode_plans[plan_key] = DecodePlan(inputs, step.indexes, again)
+            return
         _run_into(out[:bs] if padded else out, lambda o: self._ops.decode_attention_fwd(
             q, k_buf, v_buf, o, idx.kv_indptr, idx.kv_indices, idx.num_kv_splits, self.max_kv_splits,
             scratch.attn_logits, scratch.attn_lse, layer.scaling, layer.logit_cap, k_new=k, v_new=v, new_loc=loc,

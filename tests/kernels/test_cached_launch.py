@@ -55,6 +55,7 @@ def test_interpreted_kernels_take_the_regular_path_every_time() -> None:
         assert x.tolist() == [value] * 6 + [0.0, 0.0]
     if is_interpreted(_fill_kernel):
         assert (cached.fast, cached.slow) == (0, 3)
+        assert cached.bind((1,), x, 5.0, 6, BLOCK=8) is None  # nothing to bind: no compiled kernel
 
 
 def test_arguments_are_rebuilt_only_when_every_parameter_is_passed() -> None:

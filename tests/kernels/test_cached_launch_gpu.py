@@ -110,3 +110,42 @@ def test_cached_launch_inside_cuda_graph_capture_uses_the_capture_stream() -> No
     graph.replay()
     torch.cuda.synchronize()
     assert rel_err(out, _reference(cache, q, scale)) <= TOLERANCE[torch.bfloat16]
+
+
+def test_a_bound_launch_steps_aside_while_a_launch_hook_is_active() -> None:
+    """With a profiler's launch hook installed a bound decode launches nothing and says so (False); the caller's
+    regular launch then runs the hook. Without it, the bound launch runs again."""
+    import triton
+
+    gen = torch.Generator().manual_seed(9)
+    case = DecodeCase.make([40, 700], gen)
+    scale = 1 / math.sqrt(64)
+    again = decode_module.decode_attention_fwd_and_bind(
+        case.q, case.cache.k_buffer, case.cache.v_buffer, case.out, case.indptr, case.indices, case.splits, SPLITS,
+        case.logits, case.lse, scale)
+    assert again is not None
+    ref = _reference(case.cache, case.q, scale)
+    seen = []
+    runtime = triton.knobs.runtime
+    hook = runtime.launch_enter_hook
+    record = seen.append
+    if hasattr(hook, "add"):
+        hook.add(record)
+    else:
+        runtime.launch_enter_hook = record
+    try:
+        case.out.fill_(float("nan"))
+        assert again() is False
+        torch.cuda.synchronize()
+        assert case.out.isnan().all(), "a bound launch ran with a launch hook active"
+        case.run(scale)  # the regular path, which calls the hook
+        assert seen
+    finally:
+        if hasattr(hook, "add"):
+            hook.remove(record)
+        else:
+            runtime.launch_enter_hook = hook
+    assert rel_err(case.out, ref) <= TOLERANCE[torch.bfloat16]
+    case.out.fill_(float("nan"))
+    assert again() is True
+    assert rel_err(case.out, ref) <= TOLERANCE[torch.bfloat16]

@@ -15,8 +15,11 @@ from compile_attn.attention.triton_ops import (
     check_supported,
     compute_num_kv_splits,
     decode_attention_fwd,
+    decode_attention_fwd_and_bind,
     decode_semaphores,
 )
+from compile_attn.attention.triton_ops._common import is_interpreted
+from compile_attn.attention.triton_ops.decode_attention import _decode_split_kernel
 
 
 def run_decode(cache, q, starts, num_kv_splits, max_kv_splits, sm_scale, logit_cap=0.0, new_tokens=None,
@@ -215,6 +218,71 @@ def test_decode_one_launch_matches_two_launches_and_reruns():
     one = run_decode(cache, q, [0] * len(lengths), splits, 8, 0.125, one_launch=True)
     torch.testing.assert_close(one, two, rtol=1e-5, atol=1e-6)
     assert rel_err(one, reference_decode(cache, q, [0] * len(lengths), 0.125)) <= TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("one_launch", [False, True])
+def test_bound_decode_repeats_with_what_the_buffers_hold_then(one_launch):
+    """``decode_attention_fwd_and_bind`` decodes like ``decode_attention_fwd``; its bound repeat (compiled kernels
+    only: interpreted ones get None) reads the same buffers' contents at the time it runs: new queries, a new
+    token's K/V stored to another slot, other split counts, a request's KV range moved to other slots."""
+    gen = torch.Generator().manual_seed(12)
+    lengths = [0, 9, 130, 300]
+    cache = make_paged_cache(lengths, 2, 64, 64, 1, torch.bfloat16, gen)
+    bs, hq = len(lengths), 8
+    q = torch.randn(bs, hq, 64, generator=gen).to(torch.bfloat16).to(DEVICE)
+    k_new = torch.randn(bs, 2, 64, generator=gen).to(torch.bfloat16).to(DEVICE)
+    v_new = torch.randn(bs, 2, 64, generator=gen).to(torch.bfloat16).to(DEVICE)
+    slots = [cache.slots(b) for b in range(bs)]
+    indptr = torch.tensor([0] + [len(s) for s in slots], device=DEVICE).cumsum(0).to(torch.int32)
+    indices = torch.cat([*slots, torch.zeros(1, dtype=torch.long, device=DEVICE)]).to(torch.int32)
+    new_loc = torch.stack([s[-1] if len(s) else torch.tensor(0, device=DEVICE) for s in slots]).to(torch.int64)
+    splits = torch.tensor([1, 2, 3, 4], dtype=torch.int32, device=DEVICE)
+    out = torch.full_like(q, float("nan"))
+    logits = torch.empty(bs, hq, 4, 64, device=DEVICE)
+    lse = torch.empty(bs, hq, 4, device=DEVICE)
+    semaphores = decode_semaphores(bs, hq, DEVICE) if one_launch else None
+
+    def expected() -> torch.Tensor:
+        k_saved, v_saved = cache.k_buffer.clone(), cache.v_buffer.clone()
+        for b in range(1, bs):  # the new token is each request's last position (request 0 has no KV)
+            cache.k_buffer[new_loc[b]], cache.v_buffer[new_loc[b]] = k_new[b], v_new[b]
+        ref = torch.cat([
+            reference_attention(q[b:b + 1], cache.k_buffer[slots[b]], cache.v_buffer[slots[b]],
+                                torch.ones(1, len(slots[b]), dtype=torch.bool, device=DEVICE), 0.125)
+            for b in range(bs)
+        ])
+        cache.k_buffer.copy_(k_saved)
+        cache.v_buffer.copy_(v_saved)
+        return ref
+
+    ref = expected()
+    again = decode_attention_fwd_and_bind(q, cache.k_buffer, cache.v_buffer, out, indptr, indices, splits, 4, logits,
+                                          lse, 0.125, k_new=k_new, v_new=v_new, new_loc=new_loc,
+                                          semaphores=semaphores)
+    assert rel_err(out, ref) <= TOLERANCE[torch.bfloat16]
+    assert torch.equal(cache.k_buffer[new_loc[1:]], k_new[1:])
+    if is_interpreted(_decode_split_kernel):
+        assert again is None
+        return
+    assert again is not None
+    # same buffers, new contents: request 3 now reads request 2's slots (but the one request 2 stores to) and its
+    # own last one
+    q.copy_(torch.randn(bs, hq, 64, generator=gen).to(torch.bfloat16))
+    k_new.copy_(torch.randn(bs, 2, 64, generator=gen).to(torch.bfloat16))
+    splits.copy_(torch.tensor([4, 1, 4, 2], dtype=torch.int32))
+    moved = torch.cat([slots[2][:-1], slots[3][-1:]]).to(torch.int32)
+    indices[int(indptr[3]):int(indptr[3]) + len(moved)] = moved
+    indptr[4] = indptr[3] + len(moved)
+    slots[3] = moved.long()
+    new_loc[3] = moved[-1]
+    out.fill_(float("nan"))
+    cache.k_buffer[new_loc[1:]] = 0  # the bound launch must store the new K again
+    ref = expected()
+    assert again() is True
+    assert rel_err(out, ref) <= TOLERANCE[torch.bfloat16]
+    assert torch.equal(cache.k_buffer[new_loc[1:]], k_new[1:])
+    if one_launch:
+        assert not semaphores.any()
 
 
 @pytest.mark.parametrize(

@@ -259,6 +259,7 @@ def bound_buffers(backend) -> list[tuple[int, int]]:
 class ReplayReport:
     errors: list[float] = field(default_factory=list)
     trials: int = 0
+    bound_launches: int = 0  # decode layers the backend launched through a DecodePlan
 
 
 def decode_replays(device: str, dtype: torch.dtype, *, buckets: tuple[int, ...], trials: int, capture: bool,
@@ -339,4 +340,5 @@ def decode_replays(device: str, dtype: torch.dtype, *, buckets: tuple[int, ...],
             report.trials += 1
             for row in step.rows:
                 kv.free_request(row)
+    report.bound_launches = getattr(backend, "bound_decode_launches", 0)
     return report

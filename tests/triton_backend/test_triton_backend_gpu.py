@@ -121,6 +121,16 @@ def test_decode_cuda_graphs_replay_new_batches_per_bucket(page_size: int, determ
     assert max(report.errors) < TOL[BF16], report.errors
 
 
+def test_graph_bound_decode_without_a_graph_relaunches_bound_with_each_steps_data() -> None:
+    """What a decode layer between piecewise graphs sees: the same static tensors every step, run eagerly. From the
+    second step of a bucket on, every layer launches through its DecodePlan, reading that step's metadata and
+    inputs (ten new batches per bucket, every other one padded)."""
+    report = decode_replays("cuda", BF16, buckets=(1, 4, 16), trials=10, capture=False, max_len=3000,
+                            page_size=16, head_dim=64, reference=chunked_reference)
+    assert report.trials == 30 and max(report.errors) < TOL[BF16], report.errors
+    assert report.bound_launches == 2 * 30  # two layers, every trial after the warm-up call that bound them
+
+
 @pytest.mark.parametrize(
     "mode,dtype,window",
     [("full", BF16, None), ("full", F32, 24), ("full_and_piecewise", BF16, 24)],

@@ -13,6 +13,7 @@ from compile_attn.attention.triton_ops.decode_attention import (
     DEFAULT_SPLIT_SIZE,
     compute_num_kv_splits,
     decode_attention_fwd,
+    decode_attention_fwd_and_bind,
     decode_semaphores,
 )
 from compile_attn.attention.triton_ops.decode_metadata import build_decode_metadata
@@ -31,6 +32,7 @@ __all__ = [
     "check_supported",
     "compute_num_kv_splits",
     "decode_attention_fwd",
+    "decode_attention_fwd_and_bind",
     "decode_semaphores",
     "extend_attention_fwd",
     "store_kv",

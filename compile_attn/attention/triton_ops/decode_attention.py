@@ -23,6 +23,7 @@ or allocates: the launches can be recorded in a CUDA graph and replayed with new
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import triton
@@ -37,7 +38,7 @@ from compile_attn.attention.triton_ops._common import (
     next_pow2,
     softcap,
 )
-from compile_attn.attention.triton_ops.launch import CachedLaunch
+from compile_attn.attention.triton_ops.launch import BoundLaunch, CachedLaunch
 
 # Split boundaries are multiples of this many tokens; every stage-1 BLOCK_N divides it.
 SPLIT_ALIGN = 64
@@ -468,6 +469,80 @@ def decode_attention_fwd(
     the splits runs inside the split kernel: one launch instead of two. The kernel leaves them zero again;
     two launches must not share one buffer at the same time (one per stream, as the scratch).
     """
+    for launch, grid, args, kwargs in _decode_launches(
+        q, k_buffer, v_buffer, out, kv_indptr, kv_indices, num_kv_splits, max_kv_splits, attn_logits, attn_lse,
+        sm_scale, logit_cap, k_new=k_new, v_new=v_new, new_loc=new_loc, semaphores=semaphores,
+    ):
+        launch(grid, *args, **kwargs)
+
+
+def decode_attention_fwd_and_bind(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    out: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    num_kv_splits: torch.Tensor,
+    max_kv_splits: int,
+    attn_logits: torch.Tensor,
+    attn_lse: torch.Tensor,
+    sm_scale: float,
+    logit_cap: float = 0.0,
+    *,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
+    new_loc: torch.Tensor | None = None,
+    semaphores: torch.Tensor | None = None,
+) -> Callable[[], bool] | None:
+    """:func:`decode_attention_fwd`, returning the same launch bound for repeats (or None where it cannot be).
+
+    The returned ``again()`` launches exactly this decode again, skipping the argument checks and the launch keys: only for a
+    caller that knows the next call would pass the same tensors (same addresses, shapes, strides, dtypes) and
+    scalars, e.g. a decode layer between piecewise graphs, whose inputs are a graph's static outputs and the
+    backend's static metadata buffers. It reads the buffers' current contents, holds no tensor, and returns False
+    without launching while a launch hook (a profiler) is active; then call :func:`decode_attention_fwd`. None:
+    the kernels are interpreted, or this Triton's launch form is not the one mirrored (see ``launch``).
+    """
+    launches = _decode_launches(
+        q, k_buffer, v_buffer, out, kv_indptr, kv_indices, num_kv_splits, max_kv_splits, attn_logits, attn_lse,
+        sm_scale, logit_cap, k_new=k_new, v_new=v_new, new_loc=new_loc, semaphores=semaphores,
+    )
+    bound = []
+    for launch, grid, args, kwargs in launches:
+        launch(grid, *args, **kwargs)
+        bound.append(launch.bind(grid, *args, **kwargs))
+    if any(b is None for b in bound):
+        return None
+    if len(bound) == 1:
+        return bound[0]
+    return functools.partial(_launch_bound, tuple(bound))
+
+
+def _launch_bound(bound: tuple[BoundLaunch, ...]) -> bool:
+    return all([launch() for launch in bound])  # a list: every launch runs (or, with a hook active, none does)
+
+
+def _decode_launches(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    out: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    num_kv_splits: torch.Tensor,
+    max_kv_splits: int,
+    attn_logits: torch.Tensor,
+    attn_lse: torch.Tensor,
+    sm_scale: float,
+    logit_cap: float = 0.0,
+    *,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
+    new_loc: torch.Tensor | None = None,
+    semaphores: torch.Tensor | None = None,
+) -> list[tuple[CachedLaunch, tuple, tuple, dict]]:
+    """The checked launches (launcher, grid, positional and keyword arguments) of one decode_attention_fwd."""
     check_device(_decode_split_kernel, q, k_buffer, v_buffer, out, kv_indptr, kv_indices)
     bs, num_q_heads, head_dim = q.shape
     _, num_kv_heads, k_dim = k_buffer.shape
@@ -506,13 +581,12 @@ def decode_attention_fwd(
     if semaphores is not None:
         _check_semaphores(semaphores, bs, num_q_heads, q.device)
     if bs == 0:
-        return
+        return []
 
     h_blocks, split_meta, merge_meta = _launch_meta(num_q_heads, num_kv_heads, head_dim, v_head_dim, q.dtype,
                                                     max_kv_splits, logit_cap > 0)
     fuse_merge = semaphores is not None
-    _LAUNCH_SPLIT(
-        (bs, num_kv_heads * h_blocks, max_kv_splits),
+    split_args = (
         q,
         k_buffer,
         v_buffer,
@@ -537,15 +611,12 @@ def decode_attention_fwd(
         *os_[:2],
         semaphores.stride(0) if fuse_merge else 0,
         max_kv_splits,
-        FUSE_NEW=fuse_new,
-        STORE_NEW=new_loc is not None,
-        FUSE_MERGE=fuse_merge,
-        **split_meta,
     )
+    split_kwargs = dict(FUSE_NEW=fuse_new, STORE_NEW=new_loc is not None, FUSE_MERGE=fuse_merge, **split_meta)
+    launches = [(_LAUNCH_SPLIT, (bs, num_kv_heads * h_blocks, max_kv_splits), split_args, split_kwargs)]
     if fuse_merge:
-        return
-    _LAUNCH_MERGE(
-        (bs, num_q_heads),
+        return launches
+    merge_args = (
         attn_logits,
         attn_lse,
         out,
@@ -555,5 +626,6 @@ def decode_attention_fwd(
         *lses[:3],
         *os_[:2],
         max_kv_splits,
-        **merge_meta,
     )
+    launches.append((_LAUNCH_MERGE, (bs, num_q_heads), merge_args, merge_meta))
+    return launches

@@ -6,7 +6,8 @@ hashing the specialisation, reading knobs, building launch metadata. On the H100
 between graph replays, so it is on the critical path. ``CachedLaunch`` keys a call by the exact argument
 values (tensor data pointers and dtypes, ints and floats with their types, constexprs, launch options). Same
 key means Triton would specialise it identically, so the compiled kernel of the first call is launched
-directly through its launcher (``CompiledKernel.run``), the same call ``JITFunction.run`` ends with. In
+directly through its launcher (``CompiledKernel.run``), the same call ``JITFunction.run`` ends with, tensors
+passed as their addresses (checked by the regular launch that made the entry). In
 piecewise and graph-bucketed decode, every layer's arguments repeat step after step (static buffers), so
 after the first step every launch takes the short path.
 
@@ -74,15 +75,47 @@ _SCALARS = frozenset({int, float, bool, str, type(None)})
 
 
 def _call_key(args: tuple, kwargs: dict) -> tuple | None:
-    """The cache key of a launch: argument types, then scalars by value and tensors by (address, dtype), then the
-    keyword arguments. None for an argument that is neither (it is launched the regular way, uncached). Built
-    with one comprehension, not a function call per argument: this runs on every launch (~5 vs ~10 us for 30
-    arguments on the CI CPU)."""
+    """The cache key of a launch: argument types, then scalars by value and tensors by address, the tensors'
+    dtypes, then the keyword arguments. None for an argument that is neither (it is launched the regular way,
+    uncached). Built with comprehensions, not a function call per argument: this runs on every launch (~5 vs
+    ~10 us for 30 arguments on the CI CPU). ``key[1]`` is also what the short path passes to the launcher."""
     try:
-        values = tuple([a if type(a) in _SCALARS else (a.data_ptr(), a.dtype) for a in args])
+        values = tuple([a if type(a) in _SCALARS else a.data_ptr() for a in args])
     except AttributeError:
         return None
-    return (tuple(map(type, args)), values, tuple(kwargs.items()))
+    return (tuple(map(type, args)), values, tuple([a.dtype for a in args if type(a) not in _SCALARS]),
+            tuple(kwargs.items()))
+
+
+def _launch_args(key: tuple) -> tuple:
+    """The positional arguments of a launch as the launcher takes them: tensors as their addresses (Triton's
+    launchers take an int for a pointer parameter, and skip the per-pointer driver query they make for a
+    tensor, which the regular launch of the same key already made)."""
+    return key[1]
+
+
+class BoundLaunch:
+    """One launch with all its arguments fixed: ``bound()`` launches what ``CachedLaunch.__call__`` would for
+    them, on the current stream, skipping even the key. Made by :meth:`CachedLaunch.bind` for callers that
+    know their launch repeats exactly (same buffers at the same addresses, same scalars), such as a decode
+    layer of a piecewise graph step; checking that is the caller's job. Holds no tensor (only addresses).
+    Returns False, launching nothing, while a launch hook is active: the caller then launches the regular way.
+    """
+
+    __slots__ = ("_grid", "_run", "_tail")
+
+    def __init__(self, compiled: Any, grid: Sequence[int], launch_args: tuple, constexprs: tuple) -> None:
+        g = (*grid, 1, 1)
+        self._grid = (g[0], g[1], g[2])
+        self._run = compiled.run
+        self._tail = (compiled.function, compiled.packed_metadata, None, None, None, *launch_args, *constexprs)
+
+    def __call__(self) -> bool:
+        if _hooks_installed():
+            return False
+        device = driver.active.get_current_device()
+        self._run(*self._grid, driver.active.get_current_stream(device), *self._tail)
+        return True
 
 
 class CachedLaunch:
@@ -113,7 +146,7 @@ class CachedLaunch:
             stream = driver.active.get_current_stream(device)
             g = (*grid, 1, 1)
             compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, None, None, None,
-                         *args, *constexprs)
+                         *_launch_args(key), *constexprs)
             self.fast += 1
             return
         self.slow += 1
@@ -125,9 +158,22 @@ class CachedLaunch:
             return  # not a form this module mirrors: this kernel always takes the regular path from now on
         if len(self._cache) >= MAX_ENTRIES:
             self._cache.clear()
-        # The entry holds no tensors (the key has their addresses, a hit passes the caller's own): caching a
-        # launch never keeps memory alive.
+        # The entry holds no tensors (the key has their addresses, which a hit passes to the launcher): caching
+        # a launch never keeps memory alive.
         self._cache[key] = (compiled, constexprs)
+
+    def bind(self, grid: Sequence[int], *args: Any, **kwargs: Any) -> BoundLaunch | None:
+        """The launch ``self(grid, *args, **kwargs)`` as a :class:`BoundLaunch`, or None where the short path
+        cannot take it: interpreted kernels, a Triton this module does not mirror, arguments not cached yet (launch
+        them once through ``self`` first, which compiles the kernel)."""
+        if not self._usable:
+            return None
+        key = _call_key(args, kwargs)
+        hit = None if key is None else self._cache.get(key)
+        if hit is None:
+            return None
+        compiled, constexprs = hit
+        return BoundLaunch(compiled, grid, _launch_args(key), constexprs)
 
     def _trailing_args(self, num_positional: int, kwargs: dict) -> tuple | None:
         """The keyword parameters (constexprs), in signature order, that ``JITFunction.run`` passes after the
