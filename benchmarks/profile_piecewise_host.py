@@ -53,6 +53,60 @@ def issue_us(fn: Callable[[], object], calls: int = 200) -> tuple[float, float]:
     return sorted(issue)[calls // 2], sorted(wall)[calls // 2]
 
 
+def step_timeline(step: Callable[[], object], backend: object, steps: int = 50) -> str:
+    """Where the host's time to issue one step goes, from timestamps (``perf_counter_ns``, ~0.1 us each) taken at
+    the entry and exit of ``GraphRunner.run``, the compiled model's ``forward``, every piece wrapper and the
+    backend's ``forward_decode``: the median per step of each kind of interval, summed over the step."""
+    from compile_attn.compiler.compiled_model import CompiledModel
+    from compile_attn.graph_runner.piecewise import PiecewiseGraphWrapper
+    from compile_attn.graph_runner.runner import GraphRunner
+
+    stamps: list[tuple[str, int]] = []
+    clock = time.perf_counter_ns
+
+    def traced(cls: type, method: str, tag: str) -> Callable[[], None]:
+        original = getattr(cls, method)
+
+        def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            stamps.append((tag + ">", clock()))
+            try:
+                return original(*args, **kwargs)
+            finally:
+                stamps.append((tag + "<", clock()))
+
+        setattr(cls, method, wrapper)
+        return lambda: setattr(cls, method, original)
+
+    undo = [traced(GraphRunner, "run", "run"), traced(CompiledModel, "forward", "model"),
+            traced(PiecewiseGraphWrapper, "__call__", "piece"), traced(type(backend), "forward_decode", "attn")]
+    per_step: list[dict[str, float]] = []
+    try:
+        for _ in range(steps):
+            stamps.clear()
+            torch.cuda.synchronize()
+            step()
+            totals: dict[str, float] = {}
+            for (a, ta), (b, tb) in zip(stamps, stamps[1:]):
+                key = f"{a} -> {b}"
+                totals[key] = totals.get(key, 0.0) + (tb - ta) / 1e3
+            per_step.append(totals)
+    finally:
+        for u in undo:
+            u()
+    keys = sorted({k for t in per_step for k in t}, key=lambda k: -sorted(t.get(k, 0) for t in per_step)[steps // 2])
+    rows = ["| interval (host, one step) | count | us per step (median) |", "|---|---|---|"]
+    counts = {}
+    for (a, _), (b, _) in zip(stamps, stamps[1:]):
+        counts[f"{a} -> {b}"] = counts.get(f"{a} -> {b}", 0) + 1
+    total = 0.0
+    for k in keys:
+        med = sorted(t.get(k, 0.0) for t in per_step)[steps // 2]
+        total += med
+        rows.append(f"| `{k}` | {counts.get(k, 0)} | {med:.1f} |")
+    rows.append(f"| sum of medians | | {total:.1f} |")
+    return "\n".join(rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="triton")
@@ -122,7 +176,10 @@ def main() -> None:
                              f" bound launches): {cost:.1f} us per call")
             attention_profile = bench.host_profile(parts["torch.ops.compile_attn.attention"], calls=200, top=30)
     step_profile = bench.host_profile(step, calls=30, top=30)
+    with torch.inference_mode():
+        timeline = step_timeline(step, backend)
     print("\n".join(lines))
+    print(f"\n### Host timeline of a step\n{timeline}")
     print(f"\n### cProfile of 30 steps (by self time)\n```\n{step_profile}\n```")
     print(f"\n### cProfile of 200 attention op calls (by self time)\n```\n{attention_profile}\n```")
 
