@@ -56,6 +56,12 @@ class GraphConfig:
     evaluation off (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``), which saves ~0.15 ms per
     piecewise step on the H100 host. This holds because ``CompiledModel`` compiles one graph for every token
     count and the runner passes only inputs of the kinds seen during capture. Off under ``verify``.
+    direct_calls: once a piecewise step of a token-count bucket has run through Dynamo, later steps of that
+    bucket call the compiled graph with the same arguments themselves, without Dynamo's frame (its bytecode,
+    guards and the Python around the graph; ~0.2 ms per step on the H100 host), when that step ran one graph
+    and returned one of its output tensors. This holds under ``skip_guards``'s assumption, and when the model's
+    ``forward`` has no Python side effects outside its graph (Dynamo would replay them; a direct call does
+    not). Off under ``verify`` and with ``skip_guards`` off. See ``compile_attn.compiler.graph_calls``.
     compile_sizes: token counts at which every piece is compiled once more with static shapes (at one
     token its linear layers become fused matrix-vector reductions); other sizes run the symbolic-shape
     compile. Each size adds one compile per unique piece to a cold start (cached like the others). None
@@ -73,6 +79,7 @@ class GraphConfig:
     fuse_linears: bool = True
     inductor_config: dict[str, Any] = field(default_factory=dict, hash=False)
     skip_guards: bool = True
+    direct_calls: bool = True
     compile_sizes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:

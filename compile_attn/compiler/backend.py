@@ -2,8 +2,8 @@
 
 ``torch.compile(model, backend="compile_attn", options={...})`` with options named after
 ``GraphConfig`` fields (``compiler``, ``prefill_token_sizes``, ``cache_dir``, ``debug_dir``, ...) or
-``options={"config": GraphConfig(...)}``. The returned module runs compiled pieces and eager split
-ops in the original order. This module wires the passes and compilers together and owns no algorithm.
+``options={"config": GraphConfig(...)}``. The returned callable (a ``GraphEntry`` around the split
+GraphModule) runs compiled pieces and eager split ops in the original order. This module wires the passes and compilers together and owns no algorithm.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from compile_attn.compiler.compile_sizes import SizeDispatch
 from compile_attn.compiler.counters import compile_counters
 from compile_attn.compiler.debug_dump import DebugDump, PieceRow, SplitSummary, resolve_debug_dir
 from compile_attn.compiler.direct_split_calls import direct_split_piece
+from compile_attn.compiler.graph_calls import GraphEntry
 from compile_attn.compiler.piece_compiler import PieceCompiler, inductor_options_for_mode
 from compile_attn.compiler.token_dim import find_token_symbol, token_count_getter
 from compile_attn.config import GraphConfig
@@ -95,8 +96,9 @@ def compile_attn_backend(
     *,
     options: Mapping[str, Any] | None = None,
     mode: str | None = None,
-) -> fx.GraphModule:
-    """Dynamo backend: returns ``gm`` split at split ops, pieces compiled, captured per bucket on CUDA."""
+) -> GraphEntry:
+    """Dynamo backend: returns ``gm`` split at split ops, pieces compiled, captured per bucket on CUDA (wrapped
+    in a GraphEntry, which runs it)."""
     from compile_attn.graph_runner.piecewise import PiecewiseGraphWrapper  # imports this package's counters
 
     config = resolve_config(options)
@@ -168,4 +170,4 @@ def compile_attn_backend(
         compile_id, len(split.pieces), len(split.split_op_pieces), len(compiler.groups),
         time.perf_counter() - start,
     )
-    return split.split_gm
+    return GraphEntry(split.split_gm)  # calls it; graph runners may record a call and repeat it (graph_calls)

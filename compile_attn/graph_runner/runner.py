@@ -13,7 +13,6 @@ import contextlib
 import inspect
 import logging
 import time
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,6 +20,7 @@ from torch.utils import _pytree as pytree
 from tqdm import tqdm
 
 from compile_attn.batch import ForwardBatch
+from compile_attn.compiler.graph_calls import DirectCall, record_graph_calls
 from compile_attn.context import forward_context
 from compile_attn.graph_runner.breakable import capture_segments
 from compile_attn.graph_runner.full_graph import capture_full
@@ -85,6 +85,8 @@ class GraphRunner:
         self.captured = False
         self._model_calls = 0  # calls of the model through run / run_eager (not capture)
         self._guards_needed = False  # set if a call with guards skipped had to recompile
+        # per token count of a piecewise bucket: its direct graph call (None: the model allows none)
+        self._direct_calls: dict[int, DirectCall | None] = {}
         self._graphs: dict[Route, CapturedGraph | RerunGraph] = {}
         self._warned_fallback = False
         logger.info(
@@ -273,7 +275,7 @@ class GraphRunner:
             self.backend.init_forward_metadata_in_graph(view)
         with forward_context(view, self.backend, graph_mode=mode.value):
             if mode is ExecMode.PIECEWISE:
-                out = self._call_model(view, skip_guards=True)
+                out = self._call_piecewise(view)
             else:
                 out = self._graphs[route].replay()
         self.stats.runs[mode.value] += 1
@@ -284,8 +286,29 @@ class GraphRunner:
         the model has run: piecewise steps pass the static buffers that capture passed, so its graph exists."""
         if (self.captured and self.compiled and self._model_calls and self.config.skip_guards
                 and not self.config.verify and not self._guards_needed and _CAN_SKIP_GUARDS):
-            return _skip_guards()
+            return _SkipGuards()
         return contextlib.nullcontext()
+
+    def _call_piecewise(self, fb: ForwardBatch) -> Any:
+        """The compiled model on a piecewise bucket's static inputs: directly (``GraphConfig.direct_calls``)
+        once a step of this bucket ran through Dynamo with guards skipped and allowed it."""
+        tokens = fb.input_ids.shape[0]
+        direct = self._direct_calls.get(tokens)
+        if direct is not None:
+            self.stats.direct_calls += 1
+            return direct()
+        if not (self.config.direct_calls and isinstance(self._guard_stance(), _SkipGuards)):
+            return self._call_model(fb, skip_guards=True)
+        with record_graph_calls() as calls:
+            out = self._call_model(fb, skip_guards=True)
+        direct = DirectCall.from_record(calls, out) if not self._guards_needed else None
+        if direct is not None:
+            self._direct_calls[tokens] = direct
+        else:
+            logger.debug("GraphRunner: no direct calls at %d tokens (the model ran %d graph(s), returned %s)",
+                         tokens, len(calls), type(out).__name__)
+            self._direct_calls[tokens] = None  # not tried again
+        return out
 
     def _call_model(self, fb: ForwardBatch, skip_guards: bool) -> Any:
         """The model on ``fb``'s tokens; ``skip_guards``: without Dynamo's guard evaluation where allowed. Eager
@@ -304,6 +327,7 @@ class GraphRunner:
             logger.warning("GraphRunner: the compiled model needed a recompile with guards skipped (%s); "
                            "evaluating guards from now on", str(exc).splitlines()[0])
             self._guards_needed = True
+            self._direct_calls.clear()  # they skip Dynamo entirely: not after a step showed it is needed
             out = self.model(fb.input_ids, fb.positions)
         self._model_calls += 1
         return out
@@ -321,12 +345,16 @@ class GraphRunner:
 _CAN_SKIP_GUARDS = "skip_guard_eval_unsafe" in inspect.signature(torch.compiler.set_stance).parameters
 
 
-@contextlib.contextmanager
-def _skip_guards() -> Iterator[None]:
-    # Entered lazily: constructing torch.compiler.set_stance already switches the stance (it restores the
-    # previous one on exit), so it must not be built outside the ``with``.
-    with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-        yield
+class _SkipGuards(contextlib.AbstractContextManager):
+    """``torch.compiler.set_stance(skip_guard_eval_unsafe=True)`` for the duration of a ``with``. Built on enter:
+    constructing ``set_stance`` already switches the stance (it restores the previous one on exit)."""
+
+    def __enter__(self) -> None:
+        self._stance = torch.compiler.set_stance(skip_guard_eval_unsafe=True)
+        self._stance.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stance.__exit__(*exc)
 
 
 def _slice_tokens(out: Any, bucket_tokens: int, real_tokens: int) -> Any:

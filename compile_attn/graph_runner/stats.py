@@ -16,7 +16,8 @@ class GraphRunnerStats:
     segments and eager split-op calls across all breakable graphs. verified: buckets checked by verify.
     capture_seconds: the whole capture; capture_seconds_by_mode: its split per mode; first_capture_seconds: the
     first graph (the largest bucket), which includes the first call of a compiled model (Dynamo's trace and
-    the compile, or the load of cached pieces).
+    the compile, or the load of cached pieces). direct_calls: piecewise steps that called the compiled graph
+    directly, without Dynamo's frame (``GraphConfig.direct_calls``).
     """
 
     captures: Counter = field(default_factory=Counter)
@@ -29,3 +30,4 @@ class GraphRunnerStats:
     capture_seconds_by_mode: Counter = field(default_factory=Counter)
     first_capture_seconds: float = 0.0
     graph_memory_bytes: int = 0
+    direct_calls: int = 0

@@ -81,3 +81,57 @@ def test_verify_keeps_dynamo_guards() -> None:
                          max_num_tokens=16)
     runner.captured, runner._model_calls = True, 1
     assert isinstance(runner._guard_stance(), contextlib.nullcontext)
+
+
+@pytest.mark.parametrize("direct_calls", [True, False])
+def test_piecewise_steps_call_the_compiled_graph_directly_after_a_buckets_first_step(direct_calls: bool) -> None:
+    """GraphConfig.direct_calls: a model compiled with backend="compile_attn" runs one graph per step and returns its
+    output, so after a bucket's first step through Dynamo the runner calls that graph itself. Every step, with new
+    tokens, new requests and the same buckets again, matches eager."""
+    torch._dynamo.reset()
+    model = make_model()
+    options = {"compiler": "eager", "cache_dir": None, "prefill_token_sizes": (16, 32), "decode_batch_sizes": (1, 2, 4)}
+    compiled = torch.compile(model, backend="compile_attn", dynamic=True, options=options)
+    twin = Twin(seed=8)
+    layers = model.attention_layers()
+    config = GraphConfig(mode="piecewise", decode_batch_sizes=(1, 2, 4), prefill_token_sizes=(16, 32), cache_dir=None,
+                         direct_calls=direct_calls)
+    runner = GraphRunner(compiled, CountingBackend(twin.caches[0], layers), config, max_batch_size=4,
+                         max_num_tokens=32)
+    runner.capture()
+    plan = [("extend", 20), ("decode", 3), ("decode", 3), ("extend", 9), ("decode", 4), ("decode", 3),
+            ("extend", 30), ("decode", 1), ("decode", 4), ("decode", 2)]
+    run_scenario(runner, model, CountingBackend(twin.caches[1], layers), twin, plan)
+    piecewise_steps = runner.stats.runs["piecewise"]
+    if not direct_calls:
+        assert runner.stats.direct_calls == 0 and not runner._direct_calls
+        return
+    # buckets 32 (extends of 20, 9 and 30 tokens: 9 pads to 16), 16, and 4, 1, 2 (decodes): the first step of each
+    # after the runner's first model call goes through Dynamo, every later one directly
+    first_steps = len(runner._direct_calls) + 1
+    assert all(d is not None for d in runner._direct_calls.values()), runner._direct_calls
+    assert runner.stats.direct_calls == piecewise_steps - first_steps > 0
+
+
+def test_a_direct_call_needs_one_graph_call_that_returned_the_models_output() -> None:
+    """DirectCall.from_record: one call of one graph, the model's result one of its outputs (as it was); repeating
+    the call recomputes that output from its arguments' current contents."""
+    from compile_attn.compiler.graph_calls import DirectCall, GraphEntry, record_graph_calls
+
+    entry = GraphEntry(torch.fx.symbolic_trace(lambda x, w: (x * w, x + w)))
+    x, w = torch.ones(3), torch.full((3,), 2.0)
+    with record_graph_calls() as calls:
+        outputs = entry(x, w)
+    direct = DirectCall.from_record(calls, outputs[1])
+    assert direct is not None and direct.index == 1
+    x.fill_(5.0)
+    assert torch.equal(direct(), torch.full((3,), 7.0))
+    assert DirectCall.from_record(calls, outputs[1].clone()) is None  # not the graph's own output
+    assert DirectCall.from_record(calls, outputs) is None  # a tuple: the model builds its result itself
+    with record_graph_calls() as two:
+        entry(x, w)
+        entry(x, w)
+    assert DirectCall.from_record(two, two[-1].outputs[0]) is None  # Python ran between two graphs
+    assert DirectCall.from_record([], x) is None
+    entry(x, w)  # outside a record: nothing noted
+    assert len(two) == 2
