@@ -44,16 +44,17 @@ class GraphEntry:
     """The callable the compile backend returns to Dynamo for one graph: runs ``module`` (the split GraphModule)
     and notes the call in the innermost open record."""
 
-    __slots__ = ("module", "_forward")
+    __slots__ = ("module",)
 
     def __init__(self, module: torch.fx.GraphModule) -> None:
         self.module = module
-        self._forward = module.forward  # what a direct call runs: no nn.Module.__call__ around it
 
     def __call__(self, *args: Any) -> Any:
         outputs = self.module(*args)
         if _RECORDS:
-            _RECORDS[-1].append(GraphCall(self._forward, args, outputs))
+            # What a direct call runs: the generated ``forward`` itself, no ``nn.Module.__call__`` around it. Read
+            # after the call: a lazily recompiled GraphModule installs its real ``forward`` on its first call.
+            _RECORDS[-1].append(GraphCall(self.module.forward, args, outputs))
         return outputs
 
 
