@@ -110,6 +110,8 @@ def test_piecewise_steps_call_the_compiled_graph_directly_after_a_buckets_first_
     # after the runner's first model call goes through Dynamo, every later one directly
     first_steps = len(runner._direct_calls) + 1
     assert all(d is not None for d in runner._direct_calls.values()), runner._direct_calls
+    # the graph's generated forward itself, not a lazily recompiled module's first-call hook
+    assert {d.fn.__name__ for d in runner._direct_calls.values()} == {"forward"}
     assert runner.stats.direct_calls == piecewise_steps - first_steps > 0
 
 
