@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import triton
@@ -476,42 +477,21 @@ def decode_attention_fwd(
         launch(grid, *args, **kwargs)
 
 
-def decode_attention_fwd_and_bind(
-    q: torch.Tensor,
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    out: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_indices: torch.Tensor,
-    num_kv_splits: torch.Tensor,
-    max_kv_splits: int,
-    attn_logits: torch.Tensor,
-    attn_lse: torch.Tensor,
-    sm_scale: float,
-    logit_cap: float = 0.0,
-    *,
-    k_new: torch.Tensor | None = None,
-    v_new: torch.Tensor | None = None,
-    new_loc: torch.Tensor | None = None,
-    semaphores: torch.Tensor | None = None,
-) -> Callable[[], bool] | None:
-    """:func:`decode_attention_fwd`, returning the same launch bound for repeats (or None where it cannot be).
+def decode_attention_fwd_and_bind(*args: Any, **kwargs: Any) -> Callable[[], bool] | None:
+    """:func:`decode_attention_fwd` (same arguments), returning the same launch bound for repeats (or None where
+    it cannot be).
 
-    The returned ``again()`` launches exactly this decode again, skipping the argument checks and the launch keys: only for a
-    caller that knows the next call would pass the same tensors (same addresses, shapes, strides, dtypes) and
+    The returned ``again()`` launches exactly this decode again, skipping the argument checks and the launch
+    keys: only for a caller that knows the next call would pass the same tensors (same addresses, shapes, strides, dtypes) and
     scalars, e.g. a decode layer between piecewise graphs, whose inputs are a graph's static outputs and the
     backend's static metadata buffers. It reads the buffers' current contents, holds no tensor, and returns False
     without launching while a launch hook (a profiler) is active; then call :func:`decode_attention_fwd`. None:
     the kernels are interpreted, or this Triton's launch form is not the one mirrored (see ``launch``).
     """
-    launches = _decode_launches(
-        q, k_buffer, v_buffer, out, kv_indptr, kv_indices, num_kv_splits, max_kv_splits, attn_logits, attn_lse,
-        sm_scale, logit_cap, k_new=k_new, v_new=v_new, new_loc=new_loc, semaphores=semaphores,
-    )
     bound = []
-    for launch, grid, args, kwargs in launches:
-        launch(grid, *args, **kwargs)
-        bound.append(launch.bind(grid, *args, **kwargs))
+    for launch, grid, launch_args, launch_kwargs in _decode_launches(*args, **kwargs):
+        launch(grid, *launch_args, **launch_kwargs)
+        bound.append(launch.bind(grid, *launch_args, **launch_kwargs))
     if any(b is None for b in bound):
         return None
     if len(bound) == 1:
