@@ -16,6 +16,10 @@ kernels, a ``JITFunction.run`` that launches with ``kernel.run(..., *bound_args.
 constexprs included: the Triton versions this project supports), no launch hooks installed (profilers such as
 proton), every parameter passed explicitly, and a ``CompiledKernel`` returned synchronously. Otherwise every
 call goes through ``kernel[grid]``.
+
+``CachedLaunch.bind`` goes one step further for a caller that knows its launch repeats exactly (a decode layer
+between piecewise graphs, over static buffers): the returned ``BoundLaunch`` holds the launcher and the argument
+list and relaunches without building the key; checking that the arguments still hold is the caller's job.
 """
 
 from __future__ import annotations
