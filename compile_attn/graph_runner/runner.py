@@ -293,11 +293,11 @@ class GraphRunner:
         """The compiled model on a piecewise bucket's static inputs: directly (``GraphConfig.direct_calls``)
         once a step of this bucket ran through Dynamo with guards skipped and allowed it."""
         tokens = fb.input_ids.shape[0]
-        direct = self._direct_calls.get(tokens)
-        if direct is not None:
+        direct = self._direct_calls.get(tokens, _UNTRIED)
+        if direct is not None and direct is not _UNTRIED:
             self.stats.direct_calls += 1
             return direct()
-        if not (self.config.direct_calls and isinstance(self._guard_stance(), _SkipGuards)):
+        if direct is None or not (self.config.direct_calls and isinstance(self._guard_stance(), _SkipGuards)):
             return self._call_model(fb, skip_guards=True)
         with record_graph_calls() as calls:
             out = self._call_model(fb, skip_guards=True)
@@ -343,6 +343,9 @@ class GraphRunner:
 
 
 _CAN_SKIP_GUARDS = "skip_guard_eval_unsafe" in inspect.signature(torch.compiler.set_stance).parameters
+
+
+_UNTRIED = object()  # a bucket whose direct call was not looked for yet
 
 
 class _SkipGuards(contextlib.AbstractContextManager):

@@ -12,6 +12,7 @@ from gr_helpers import CountingBackend, Twin, eager_reference, make_model, run_s
 from compile_attn.config import GraphConfig
 from compile_attn.context import forward_context
 from compile_attn.graph_runner import ExecMode, GraphRunner
+from compile_attn.graph_runner import runner as runner_module
 
 
 @pytest.mark.parametrize("mode", ["piecewise", "full_and_piecewise"])
@@ -42,7 +43,9 @@ def test_compiled_model_matches_eager(mode: str) -> None:
     assert modes <= expected and "piecewise" in modes
 
 
-def test_piecewise_steps_skip_dynamo_guards_and_fall_back_to_guards_on_a_recompile() -> None:
+def test_piecewise_steps_skip_dynamo_guards_and_fall_back_to_guards_on_a_recompile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """GraphConfig.skip_guards: after capture, piecewise steps call the compiled model with guard evaluation off
     and match eager. A call that would need a new graph (torch raises under skip_guard_eval_unsafe) is run again
     with guards, correctly, and guards stay on from then on."""
@@ -58,6 +61,13 @@ def test_piecewise_steps_skip_dynamo_guards_and_fall_back_to_guards_on_a_recompi
     runner.capture()
     run_scenario(runner, model, ref_backend, twin, [("extend", 20), ("decode", 3), ("extend", 9), ("decode", 4)])
     assert runner._model_calls > 0 and not runner._guards_needed
+    # backend="eager" returns no GraphEntry: no direct calls, looked for once per bucket and not again
+    assert runner.stats.direct_calls == 0 and set(runner._direct_calls.values()) == {None}
+    looked = []
+    record = runner_module.record_graph_calls
+    monkeypatch.setattr(runner_module, "record_graph_calls", lambda: (looked.append(1), record())[1])
+    run_scenario(runner, model, ref_backend, twin, [("decode", 3), ("decode", 4)])
+    assert not looked
     assert not isinstance(runner._guard_stance(), contextlib.nullcontext)
     assert not torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe  # restored after every step
 
