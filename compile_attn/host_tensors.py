@@ -64,8 +64,8 @@ def upload(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
 def to_device(
     parts: list[torch.Tensor | np.ndarray | array.array | Sequence[int]], dtype: torch.dtype, device: torch.device
 ) -> list[torch.Tensor]:
-    """``parts`` (int lists, ``array.array``s, NumPy arrays or tensors) as ``dtype`` tensors on ``device``: the host ones through
-    a single copy.
+    """``parts`` (int lists, ``array.array``s, NumPy arrays or tensors) as ``dtype`` tensors on ``device``: the
+    host ones through a single copy.
 
     Host parts are packed into one ``array.array`` (lists in one C loop each, arrays and CPU tensors as bytes)
     and go in one copy per call (per dtype per step), through pinned memory (see ``upload``): at small

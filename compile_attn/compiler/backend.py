@@ -3,7 +3,8 @@
 ``torch.compile(model, backend="compile_attn", options={...})`` with options named after
 ``GraphConfig`` fields (``compiler``, ``prefill_token_sizes``, ``cache_dir``, ``debug_dir``, ...) or
 ``options={"config": GraphConfig(...)}``. The returned callable (a ``GraphEntry`` around the split
-GraphModule) runs compiled pieces and eager split ops in the original order. This module wires the passes and compilers together and owns no algorithm.
+GraphModule) runs compiled pieces and eager split ops in the original order. This module wires the passes
+and compilers together and owns no algorithm.
 """
 
 from __future__ import annotations

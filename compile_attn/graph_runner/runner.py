@@ -294,10 +294,12 @@ class GraphRunner:
         once a step of this bucket ran through Dynamo with guards skipped and allowed it."""
         tokens = fb.input_ids.shape[0]
         direct = self._direct_calls.get(tokens, _UNTRIED)
-        if direct is not None and direct is not _UNTRIED:
+        if direct is None:  # looked for: the model allows none
+            return self._call_model(fb, skip_guards=True)
+        if direct is not _UNTRIED:
             self.stats.direct_calls += 1
             return direct()
-        if direct is None or not (self.config.direct_calls and isinstance(self._guard_stance(), _SkipGuards)):
+        if not (self.config.direct_calls and isinstance(self._guard_stance(), _SkipGuards)):
             return self._call_model(fb, skip_guards=True)
         with record_graph_calls() as calls:
             out = self._call_model(fb, skip_guards=True)

@@ -482,9 +482,9 @@ def decode_attention_fwd_and_bind(*args: Any, **kwargs: Any) -> Callable[[], boo
     it cannot be).
 
     The returned ``again()`` launches exactly this decode again, skipping the argument checks and the launch
-    keys: only for a caller that knows the next call would pass the same tensors (same addresses, shapes, strides, dtypes) and
-    scalars, e.g. a decode layer between piecewise graphs, whose inputs are a graph's static outputs and the
-    backend's static metadata buffers. It reads the buffers' current contents, holds no tensor, and returns False
+    keys: only for a caller that knows the next call would pass the same tensors (same addresses, shapes,
+    strides, dtypes) and scalars, e.g. a decode layer between piecewise graphs, whose inputs are a graph's
+    static outputs and the backend's static metadata buffers. It reads the buffers' current contents, holds no tensor, and returns False
     without launching while a launch hook (a profiler) is active; then call :func:`decode_attention_fwd`. None:
     the kernels are interpreted, or this Triton's launch form is not the one mirrored (see ``launch``).
     """
