@@ -4,7 +4,8 @@ Pieces are compiled with the token count symbolic (the graph's own dynamic dimen
 compiled piece serves every token count; ``compile_static`` adds a static-shape compile at one token count
 (``GraphConfig.compile_sizes``). A piece whose structural key was seen before in the same
 graph reuses that compiled code; a unique piece is loaded from the persistent cache when present,
-else compiled with ``torch._inductor.standalone_compile`` and saved.
+else compiled with ``torch._inductor.standalone_compile`` and saved. Inductor scores fusions with
+``fusion_choices.UnbackedFusionChoices`` (buffers over the unbacked token count have a size).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import fx
 from compile_attn.compiler.cache import CompileCache, environment_fingerprint
 from compile_attn.compiler.compile_sizes import STATIC_PATCHES, linears_as_reductions, static_example_inputs
 from compile_attn.compiler.counters import compile_counters
+from compile_attn.compiler.fusion_choices import FUSION_PATCHES, choices_handler
 from compile_attn.compiler.piece_key import PieceKey, piece_key
 from compile_attn.passes.split import Piece
 
@@ -67,7 +69,7 @@ class PieceCompiler:
     def __init__(self, compiler: str, cache: CompileCache | None, config_patches: dict[str, Any]) -> None:
         self.compiler = compiler
         self.cache = cache
-        self.config_patches = config_patches
+        self.config_patches = {**FUSION_PATCHES, **config_patches}  # the caller's patches win
         self.groups: dict[str, list[str]] = {}  # structural digest -> names of the pieces sharing it
         self._compiled: dict[str, CompiledPiece] = {}
         self._keys: dict[str, PieceKey] = {}  # piece name -> its key
@@ -158,11 +160,12 @@ class PieceCompiler:
         from torch._inductor import standalone_compile
 
         start = time.perf_counter()
-        artifact = standalone_compile(
-            gm,
-            list(example_inputs),
-            dynamic_shapes=dynamic_shapes,
-            options={"config_patches": dict(patches)},
-        )
+        with choices_handler(patches):
+            artifact = standalone_compile(
+                gm,
+                list(example_inputs),
+                dynamic_shapes=dynamic_shapes,
+                options={"config_patches": dict(patches)},
+            )
         logger.debug("compile_attn: Inductor compiled %s in %.2f s", name, time.perf_counter() - start)
         return artifact

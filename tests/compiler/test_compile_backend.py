@@ -133,6 +133,7 @@ def test_debug_dump_has_decompiled_code_piece_graphs_and_summary(tmp_path, monke
 def test_inductor_config_patches_reach_the_piece_compiler(monkeypatch):
     seen = []
     from compile_attn.compiler import piece_compiler
+    from compile_attn.compiler.fusion_choices import UnbackedFusionChoices
 
     real = piece_compiler.PieceCompiler._inductor_compile
 
@@ -149,6 +150,7 @@ def test_inductor_config_patches_reach_the_piece_compiler(monkeypatch):
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
     assert seen and all(p.get("combo_kernels") is True for p in seen)
+    assert all(p.get("inductor_choices_class") is UnbackedFusionChoices for p in seen)  # compile_attn's default
     with pytest.raises(TypeError, match="inductor_config"):
         GraphConfig(inductor_config=[("combo_kernels", True)])
 
