@@ -3,9 +3,11 @@
 For each (batch x context) case (bf16, Hq 32 / Hkv 8 / D 64, page 1, shuffled slots) and each combination of
 programs per SM and minimum split size (how many KV splits stage 1 gets), BLOCK_N, num_warps and num_stages,
 the two-stage kernel is captured in a CUDA graph and timed with ``triton.testing.do_bench`` (median). Prints
-the best combinations per case, the current default's time, and writes everything as JSON.
+the best combinations per case, the current default's time, and writes everything as JSON. ``--one-launch``
+times the kernel with the merge fused in (semaphores), as the triton backend runs it.
 
     python benchmarks/sweep_triton_decode.py --out sweep.json
+    python benchmarks/sweep_triton_decode.py --one-launch --quick --cases 1x512,64x512
 """
 
 from __future__ import annotations
@@ -19,16 +21,20 @@ import torch
 
 from bench_triton_decode import PEAK_TB_S, make_case, time_us
 from compile_attn.attention.triton_ops import compute_num_kv_splits, decode_attention_fwd
+from compile_attn.attention.triton_ops.decode_attention import decode_semaphores
 from compile_attn.attention.triton_ops import decode_attention as decode_mod
 
 
-def run_case(case, max_kv_splits: int, num_sms: int, programs_per_sm: int, split_size: int, cfg: dict | None) -> float:
+def run_case(case, max_kv_splits: int, num_sms: int, programs_per_sm: int, split_size: int, cfg: dict | None,
+             one_launch: bool = False) -> float:
     q, k_buffer = case["q"], case["k_buffer"]
     bs, num_q_heads, head_dim = q.shape
     out = torch.empty_like(q)
     logits = torch.empty(bs, num_q_heads, max_kv_splits, head_dim, device="cuda")
     lse = torch.empty(bs, num_q_heads, max_kv_splits, device="cuda")
+    semaphores = decode_semaphores(bs, num_q_heads, "cuda") if one_launch else None
     default_cfg, default_pps = decode_mod._split_kernel_config, decode_mod.PROGRAMS_PER_SM
+    decode_mod._launch_meta.cache_clear()  # it caches the tile config per shape
     try:
         decode_mod.PROGRAMS_PER_SM = programs_per_sm
         if cfg is not None:
@@ -38,34 +44,40 @@ def run_case(case, max_kv_splits: int, num_sms: int, programs_per_sm: int, split
 
         def run() -> None:
             decode_attention_fwd(q, k_buffer, case["v_buffer"], out, case["kv_indptr"], case["kv_indices"], splits,
-                                 max_kv_splits, logits, lse, 1 / math.sqrt(head_dim))
+                                 max_kv_splits, logits, lse, 1 / math.sqrt(head_dim), semaphores=semaphores)
 
         return time_us(run, graph=True, rep=40)
     finally:
         decode_mod._split_kernel_config, decode_mod.PROGRAMS_PER_SM = default_cfg, default_pps
+        decode_mod._launch_meta.cache_clear()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default="1x512,16x512,64x512,256x512,64x4096")
     parser.add_argument("--max-kv-splits", type=int, default=16)
+    parser.add_argument("--one-launch", action="store_true",
+                        help="merge the splits inside the split kernel (semaphores), as the triton backend does")
+    parser.add_argument("--quick", action="store_true", help="a smaller grid (96 combinations per case)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     gen = torch.Generator().manual_seed(0)
     grid = list(itertools.product((2, 4, 8, 16), (32, 64, 128), (16, 32, 64), (2, 4), (2, 3, 4)))
+    if args.quick:
+        grid = list(itertools.product((2, 4, 8, 16), (32, 64, 128), (32, 64), (2, 4), (2, 3)))
     results = {}
     for name in args.cases.split(","):
         bs, ctx = (int(x) for x in name.split("x"))
         case = make_case(bs, ctx, 32, 8, 64, True, gen)
         kv_bytes = 2 * bs * ctx * 8 * 64 * 2
         default = run_case(case, args.max_kv_splits, num_sms, decode_mod.PROGRAMS_PER_SM,
-                           decode_mod.DEFAULT_SPLIT_SIZE, None)
+                           decode_mod.DEFAULT_SPLIT_SIZE, None, args.one_launch)
         rows = []
         for pps, split, block_n, warps, stages in grid:
             cfg = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
             try:
-                us = run_case(case, args.max_kv_splits, num_sms, pps, split, cfg)
+                us = run_case(case, args.max_kv_splits, num_sms, pps, split, cfg, args.one_launch)
             except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory for a tile/stage combination
                 rows.append(dict(programs_per_sm=pps, split_size=split, **cfg, us=None, error=str(exc)[:80]))
                 continue
