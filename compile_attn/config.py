@@ -40,6 +40,20 @@ def default_cache_dir() -> str:
     return os.path.join(base, "compile_attn")
 
 
+def _check_inductor_options(patches: Mapping[str, Any]) -> None:
+    """Unknown keys are an error when the config is made, not in the middle of the first compile."""
+    if not patches:
+        return
+    import torch
+    import torch._inductor.config as inductor_config
+
+    unknown = sorted(set(patches) - set(inductor_config.get_config_copy()))
+    if unknown:
+        raise ValueError(f"GraphConfig.inductor_config: unknown Inductor option(s) {unknown} in torch "
+                         f"{torch.__version__}; the names are those of torch._inductor.config, nested ones dotted "
+                         f"(e.g. 'combo_kernels', 'triton.max_tiles')")
+
+
 @dataclass(frozen=True)
 class GraphConfig:
     """Options of the compile backend and the graph runner.
@@ -100,6 +114,7 @@ class GraphConfig:
             raise TypeError(f"GraphConfig.inductor_config must be a dict of Inductor config patches, "
                             f"got {type(self.inductor_config).__name__}")
         object.__setattr__(self, "inductor_config", dict(self.inductor_config))
+        _check_inductor_options(self.inductor_config)
         if self.compiler not in COMPILERS:
             raise ValueError(f"GraphConfig.compiler must be one of {COMPILERS}, got {self.compiler!r}")
 

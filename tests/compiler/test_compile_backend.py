@@ -153,6 +153,9 @@ def test_inductor_config_patches_reach_the_piece_compiler(monkeypatch):
     assert all(p.get("inductor_choices_class") is UnbackedFusionChoices for p in seen)  # compile_attn's default
     with pytest.raises(TypeError, match="inductor_config"):
         GraphConfig(inductor_config=[("combo_kernels", True)])
+    with pytest.raises(ValueError, match=r"unknown Inductor option\(s\) \['combo_kernel'\]"):
+        GraphConfig(inductor_config={"combo_kernel": True})  # a misspelling is refused before any compile
+    GraphConfig(inductor_config={"triton.max_tiles": 2})  # nested options are dotted
 
 
 def test_options_and_config_object():
