@@ -82,6 +82,14 @@ def test_choices_handler_installs_the_configured_class_only():
         assert type(V.choices) is not UnbackedFusionChoices
 
 
+def test_piece_compiler_uses_the_choices_unless_the_caller_turns_them_off():
+    from compile_attn.compiler.piece_compiler import PieceCompiler
+
+    assert PieceCompiler("inductor", None, {}).config_patches["inductor_choices_class"] is UnbackedFusionChoices
+    off = PieceCompiler("inductor", None, {"inductor_choices_class": None}).config_patches
+    assert off["inductor_choices_class"] is None
+
+
 @pytest.mark.gpu
 def test_add_rmsnorm_is_one_triton_kernel_over_unbacked_rows():
     """Inductor alone emits three Triton kernels here (add; sum of squares; scaling) on torch 2.11."""
