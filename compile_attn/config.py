@@ -65,7 +65,9 @@ class GraphConfig:
     replay every bucket once and compare with eager execution. fuse_linears: run linear layers that read
     the same input (q/k/v, gate/up) as one GEMM; their weights become views of one fused tensor
     (see ``compile_attn.passes.fuse_linears``). inductor_config: ``torch._inductor.config`` patches
-    for the compiled pieces (e.g. ``{"combo_kernels": True}``), over those of ``torch.compile(mode=...)``.
+    for the compiled pieces (e.g. ``{"combo_kernels": True}``), over those of ``torch.compile(mode=...)`` and
+    compile_attn's ``inductor_choices_class`` (``compile_attn.compiler.fusion_choices``); unknown names are a
+    ValueError.
     skip_guards: once the graph runner has captured, it calls the compiled model with Dynamo's guard
     evaluation off (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``), which saves ~0.15 ms per
     piecewise step on the H100 host. This holds because ``CompiledModel`` compiles one graph for every token
