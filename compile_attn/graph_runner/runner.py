@@ -13,6 +13,7 @@ import contextlib
 import inspect
 import logging
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -281,13 +282,16 @@ class GraphRunner:
         self.stats.runs[mode.value] += 1
         return _slice_tokens(out, bucket, fb.num_tokens)
 
+    def _skipping_guards(self) -> bool:
+        """Whether calls of the compiled model run with Dynamo's guards off (``GraphConfig.skip_guards``): after
+        capture, once the model has run (piecewise steps pass the static buffers that capture passed, so its graph
+        exists), and unless a call showed that guards are needed."""
+        return bool(self.captured and self.compiled and self._model_calls and self.config.skip_guards
+                    and not self.config.verify and not self._guards_needed and _CAN_SKIP_GUARDS)
+
     def _guard_stance(self) -> contextlib.AbstractContextManager:
-        """Dynamo guards off (``GraphConfig.skip_guards``) for a call of the compiled model after capture, once
-        the model has run: piecewise steps pass the static buffers that capture passed, so its graph exists."""
-        if (self.captured and self.compiled and self._model_calls and self.config.skip_guards
-                and not self.config.verify and not self._guards_needed and _CAN_SKIP_GUARDS):
-            return _SkipGuards()
-        return contextlib.nullcontext()
+        """Dynamo guards off for a call of the compiled model where ``_skipping_guards``, else a no-op."""
+        return _skip_guards() if self._skipping_guards() else contextlib.nullcontext()
 
     def _call_piecewise(self, fb: ForwardBatch) -> Any:
         """The compiled model on a piecewise bucket's static inputs: directly (``GraphConfig.direct_calls``)
@@ -299,7 +303,7 @@ class GraphRunner:
         if direct is not _UNTRIED:
             self.stats.direct_calls += 1
             return direct()
-        if not (self.config.direct_calls and isinstance(self._guard_stance(), _SkipGuards)):
+        if not (self.config.direct_calls and self._skipping_guards()):
             return self._call_model(fb, skip_guards=True)
         with record_graph_calls() as calls:
             out = self._call_model(fb, skip_guards=True)
@@ -350,16 +354,12 @@ _CAN_SKIP_GUARDS = "skip_guard_eval_unsafe" in inspect.signature(torch.compiler.
 _UNTRIED = object()  # a bucket whose direct call was not looked for yet
 
 
-class _SkipGuards(contextlib.AbstractContextManager):
-    """``torch.compiler.set_stance(skip_guard_eval_unsafe=True)`` for the duration of a ``with``. Built on enter:
-    constructing ``set_stance`` already switches the stance (it restores the previous one on exit)."""
-
-    def __enter__(self) -> None:
-        self._stance = torch.compiler.set_stance(skip_guard_eval_unsafe=True)
-        self._stance.__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stance.__exit__(*exc)
+@contextlib.contextmanager
+def _skip_guards() -> Iterator[None]:
+    # Entered lazily: constructing torch.compiler.set_stance already switches the stance (it restores the
+    # previous one on exit), so it must not be built outside the ``with``.
+    with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+        yield
 
 
 def _slice_tokens(out: Any, bucket_tokens: int, real_tokens: int) -> Any:
