@@ -127,8 +127,7 @@ class PageAllocator:
     def __init__(self, num_pages: int) -> None:
         self.num_pages = num_pages
         self._free = array.array("q", range(num_pages, 0, -1))  # stack: low page ids are handed out first
-        self._allocated = np.zeros(num_pages + 1, dtype=bool)
-        self._num_allocated = 0
+        self._allocated = np.zeros(num_pages + 1, dtype=bool)  # by page id; always num_pages - available True
 
     @property
     def available(self) -> int:
@@ -146,7 +145,6 @@ class PageAllocator:
         pages.reverse()  # the top n of the stack, top first
         del self._free[-n:]
         self._allocated[np.asarray(pages, dtype=np.int64)] = True
-        self._num_allocated += n
         return pages
 
     def free(self, pages: Sequence[int] | array.array) -> None:
@@ -162,13 +160,12 @@ class PageAllocator:
         if not held.all():
             raise ValueError(f"cannot free page {int(p[~held][0])}: it is not an allocated page")
         self._allocated[p] = False
-        left = int(np.count_nonzero(self._allocated))
-        if self._num_allocated - left != p.size:  # a page appears twice: undo, and name it
+        expected_left = self.num_pages - len(self._free) - p.size
+        if int(np.count_nonzero(self._allocated)) != expected_left:  # a page appears twice: undo, and name it
             self._allocated[p] = True
             values, counts = np.unique(p, return_counts=True)
             raise ValueError(f"cannot free page {int(values[counts > 1][0])}: it is not an allocated page "
                              f"(it appears twice in one free)")
-        self._num_allocated = left
         self._free.frombytes(p.tobytes())
 
 
