@@ -29,7 +29,7 @@ from compile_attn.attention.triton_ops import (  # noqa: E402
 
 _PTR_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
               torch.int64: "*i64", torch.uint8: "*u8", torch.bool: "*i1"}
-_OPTIONS = ("num_warps", "num_stages")
+_OPTIONS = ("num_warps", "num_stages", "launch_pdl")
 
 
 def _type_of(value: object) -> str:
@@ -73,6 +73,7 @@ def record_launches() -> list[tuple[object, tuple, dict, str]]:
     launch.CachedLaunch.__call__ = record
     for module in (decode_attention, decode_metadata, extend_attention, kv_index):
         module.check_device = lambda *tensors: None  # CPU tensors stand in for CUDA ones; nothing runs
+    decode_attention._use_pdl = lambda q: True  # as on an H100: one-launch decode as a dependent launch
 
     gen = torch.Generator().manual_seed(0)
     slots, ctx = 64, 40

@@ -1,10 +1,14 @@
-"""Helpers shared by the Triton kernel families: argument checks, dtype mapping, soft-capping.
+"""Helpers shared by the Triton kernel families: argument checks, dtype mapping, soft-capping, whether a device
+takes programmatic dependent launches.
 
 Nothing here launches a kernel or allocates device memory; every check looks at shapes, dtypes and
 devices only, so callers stay free of host syncs (CUDA-graph capturable).
 """
 
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 import triton
@@ -36,6 +40,21 @@ def check_supported(head_dim: int, v_head_dim: int, dtype: torch.dtype) -> None:
 def is_interpreted(kernel) -> bool:
     """True when ``kernel`` was decorated under ``TRITON_INTERPRET=1`` (it then runs on CPU tensors)."""
     return type(kernel).__name__ == "InterpretedFunction"
+
+
+PDL_ENV = "COMPILE_ATTN_PDL"
+
+
+@functools.lru_cache(maxsize=None)
+def pdl_supported(device_index: int) -> bool:
+    """Whether kernels on CUDA device ``device_index`` launch as programmatic dependent launches: NVIDIA compute
+    capability 9.0 or newer (the ``griddepcontrol`` instructions), unless ``COMPILE_ATTN_PDL=0`` turns it off
+    (read once per process)."""
+    if os.environ.get(PDL_ENV, "1").strip().lower() in ("0", "false", "off", "no"):
+        return False
+    if torch.version.hip is not None:
+        return False
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 def check_device(kernel, *tensors: torch.Tensor) -> None:

@@ -16,6 +16,11 @@ last one to arrive merges the partials in split order and sets the counter back 
 and the merge order does not depend on which program came last, so the result is deterministic. Without them
 stage 2 is its own launch.
 
+On NVIDIA GPUs of compute capability 9.0+ the one-launch kernel is a programmatic dependent launch (PDL; off
+with ``COMPILE_ATTN_PDL=0``): it waits for the kernel before it in its first instruction and lets the next one
+start once its KV loop is done, so the launch gaps on both sides of each decode layer overlap the neighbouring
+kernels, as between Inductor's kernels compiled with ``triton.enable_pdl``.
+
 Every shape is fixed by ``max_kv_splits`` and the batch size, and nothing here syncs with the host
 or allocates: the launches can be recorded in a CUDA graph and replayed with new index contents.
 """
@@ -37,6 +42,7 @@ from compile_attn.attention.triton_ops._common import (
     is_interpreted,
     mma,
     next_pow2,
+    pdl_supported,
     softcap,
 )
 from compile_attn.attention.triton_ops.launch import BoundLaunch, CachedLaunch
@@ -108,7 +114,12 @@ def _decode_split_kernel(
     FUSE_NEW: tl.constexpr,
     STORE_NEW: tl.constexpr,
     FUSE_MERGE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:
+        # A programmatic dependent launch starts while the kernel before it finishes: wait for that kernel (and,
+        # since every kernel waits before it lets its dependents start, all before it) before reading anything.
+        tl.extra.cuda.gdc_wait()
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1) // H_BLOCKS
     offs_g = (tl.program_id(1) % H_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -173,6 +184,9 @@ def _decode_split_kernel(
             pv = tl.sum(p[:, :, None] * v[None, :, :].to(tl.float32), axis=1)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
+    if USE_PDL:
+        # The next kernel may start now; it waits for this whole grid to finish before it reads the output.
+        tl.extra.cuda.gdc_launch_dependents()
 
     if FUSE_NEW:
         if has_new:
@@ -336,7 +350,7 @@ def _split_kernel_config(block_d: int, block_dv: int, use_dot: bool) -> dict:
 @functools.lru_cache(maxsize=256)
 def _launch_meta(
     num_q_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: int, dtype: torch.dtype, max_kv_splits: int,
-    has_cap: bool,
+    has_cap: bool, pdl: bool,
 ) -> tuple[int, dict, dict]:
     """(head blocks per KV head, stage-1 constexprs and options, stage-2 ones): a function of the shapes only,
     computed once per shape (decode runs once per layer per step)."""
@@ -350,11 +364,18 @@ def _launch_meta(
         V_HEAD_DIM=v_head_dim, SPLIT_ALIGN=SPLIT_ALIGN, USE_DOT=use_dot, HAS_CAP=has_cap,
         DOT_PRECISION=dot_precision(_decode_split_kernel, dtype), **_split_kernel_config(block_d, block_dv, use_dot),
     )
+    if pdl:
+        split["launch_pdl"] = True
     merge = dict(
         V_HEAD_DIM=v_head_dim, BLOCK_DV=block_dv, BLOCK_S=min(next_pow2(max_kv_splits), 16), SPLIT_ALIGN=SPLIT_ALIGN,
         num_warps=2 if block_dv <= 128 else 4,
     )
     return h_blocks, split, merge
+
+
+def _use_pdl(q: torch.Tensor) -> bool:
+    """Whether the split kernel launches as a programmatic dependent launch for ``q``'s device."""
+    return q.is_cuda and not is_interpreted(_decode_split_kernel) and pdl_supported(q.device.index)
 
 
 def _check_new_tokens(
@@ -563,9 +584,11 @@ def _decode_launches(
     if bs == 0:
         return []
 
-    h_blocks, split_meta, merge_meta = _launch_meta(num_q_heads, num_kv_heads, head_dim, v_head_dim, q.dtype,
-                                                    max_kv_splits, logit_cap > 0)
     fuse_merge = semaphores is not None
+    # PDL for the one-launch form only: the two-launch form's merge kernel would wait on the split kernel anyway
+    pdl = fuse_merge and _use_pdl(q)
+    h_blocks, split_meta, merge_meta = _launch_meta(num_q_heads, num_kv_heads, head_dim, v_head_dim, q.dtype,
+                                                    max_kv_splits, logit_cap > 0, pdl)
     split_args = (
         q,
         k_buffer,
@@ -592,7 +615,8 @@ def _decode_launches(
         semaphores.stride(0) if fuse_merge else 0,
         max_kv_splits,
     )
-    split_kwargs = dict(FUSE_NEW=fuse_new, STORE_NEW=new_loc is not None, FUSE_MERGE=fuse_merge, **split_meta)
+    split_kwargs = dict(FUSE_NEW=fuse_new, STORE_NEW=new_loc is not None, FUSE_MERGE=fuse_merge, USE_PDL=pdl,
+                        **split_meta)
     launches = [(_LAUNCH_SPLIT, (bs, num_kv_heads * h_blocks, max_kv_splits), split_args, split_kwargs)]
     if fuse_merge:
         return launches
