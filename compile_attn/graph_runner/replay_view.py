@@ -47,11 +47,15 @@ class ReplayViews:
         self._extend_dirty = self.buffers.max_batch_size
 
     # ------------------------------------------------------------------ token fields
-    def _copy_tokens(self, fb: ForwardBatch, n: int) -> None:
+    def _copy_tokens(self, fb: ForwardBatch, n: int, *requests: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """The token fields, and ``requests`` (pairs of static and live int64 request fields) in the same
+        launch: copies of one dtype go through one ``_foreach_copy_`` (a single kernel on a GPU), since each
+        launch costs the host ~5-10 us on the critical path of a graph step."""
         b = self.buffers
-        b.input_ids[:n].copy_(fb.input_ids)
-        b.positions[:n].copy_(fb.positions)
-        b.out_cache_loc[:n].copy_(fb.out_cache_loc)
+        torch._foreach_copy_(
+            [b.input_ids[:n], b.positions[:n], b.out_cache_loc[:n], *(dst for dst, _ in requests)],
+            [fb.input_ids, fb.positions, fb.out_cache_loc, *(src for _, src in requests)],
+        )
         if self._tokens_dirty > n:
             pad = slice(n, self._tokens_dirty)
             b.input_ids[pad].zero_()
@@ -63,10 +67,8 @@ class ReplayViews:
     def decode_view(self, fb: ForwardBatch, bucket: int) -> ForwardBatch:
         """``fb`` (DECODE, ``batch_size <= bucket``) padded with requests up to ``bucket``."""
         b, bs = self.buffers, fb.batch_size
-        self._copy_tokens(fb, bs)
-        b.req_pool_indices[:bs].copy_(fb.req_pool_indices)
-        b.seq_lens[:bs].copy_(fb.seq_lens)
-        b.extend_prefix_lens[:bs].copy_(fb.extend_prefix_lens)
+        self._copy_tokens(fb, bs, (b.req_pool_indices[:bs], fb.req_pool_indices))
+        torch._foreach_copy_([b.seq_lens[:bs], b.extend_prefix_lens[:bs]], [fb.seq_lens, fb.extend_prefix_lens])
         if self._requests_dirty > bs:
             pad = slice(bs, self._requests_dirty)
             b.req_pool_indices[pad].fill_(PAD_REQUEST)
@@ -100,12 +102,11 @@ class ReplayViews:
     def extend_view(self, fb: ForwardBatch, bucket: int) -> ForwardBatch:
         """``fb`` (EXTEND/MIXED, ``num_tokens <= bucket``) with trailing padding tokens up to ``bucket``."""
         b, bs = self.buffers, fb.batch_size
-        self._copy_tokens(fb, fb.num_tokens)
-        b.req_pool_indices[:bs].copy_(fb.req_pool_indices)
-        b.seq_lens[:bs].copy_(fb.seq_lens)
-        b.extend_prefix_lens[:bs].copy_(fb.extend_prefix_lens)
-        b.extend_seq_lens[:bs].copy_(fb.extend_seq_lens)
-        b.extend_start_loc[:bs].copy_(fb.extend_start_loc)
+        self._copy_tokens(fb, fb.num_tokens, (b.req_pool_indices[:bs], fb.req_pool_indices))
+        torch._foreach_copy_(
+            [b.seq_lens[:bs], b.extend_prefix_lens[:bs], b.extend_seq_lens[:bs], b.extend_start_loc[:bs]],
+            [fb.seq_lens, fb.extend_prefix_lens, fb.extend_seq_lens, fb.extend_start_loc],
+        )
         self._requests_dirty = max(self._requests_dirty, bs)
         self._extend_dirty = max(self._extend_dirty, bs)
         return b.view(
