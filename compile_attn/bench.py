@@ -42,11 +42,13 @@ class BenchConfig:
     fuse_linears: bool = True  # q/k/v and gate/up as one GEMM each (compiled modes)
     inductor_config: dict = field(default_factory=dict)  # Inductor config patches for the compiled pieces
     compile_sizes: Sequence[int] | None = None  # GraphConfig.compile_sizes (None: the device decides)
+    static_inductor_config: dict = field(default_factory=dict)  # patches for the static compiles only
 
     def compile_options(self) -> dict:
         """The GraphConfig fields this benchmark varies, for every model it compiles (decode rows, engine starts)."""
         return {"fuse_linears": self.fuse_linears, "inductor_config": dict(self.inductor_config),
-                "compile_sizes": None if self.compile_sizes is None else tuple(self.compile_sizes)}
+                "compile_sizes": None if self.compile_sizes is None else tuple(self.compile_sizes),
+                "static_inductor_config": dict(self.static_inductor_config)}
 
 
 @dataclass

@@ -93,6 +93,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         fuse_linears=not args.no_fuse_linears,
         inductor_config=json.loads(args.inductor_config),
         compile_sizes=parse_compile_sizes(args.compile_sizes),
+        static_inductor_config=json.loads(args.static_inductor_config),
     )
     if args.engine_only:
         rows = []
@@ -153,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "later graph replays of the same process)")
     bench.add_argument("--inductor-config", default="{}",
                        help='Inductor config patches for the compiled pieces, JSON, e.g. \'{"combo_kernels": true}\'')
+    bench.add_argument("--static-inductor-config", default="{}",
+                       help="Inductor config patches for the static compiles (--compile-sizes) only, JSON, e.g. "
+                            '\'{"triton.enable_pdl": true}\' (GraphConfig.static_inductor_config)')
     bench.add_argument("--compile-sizes", default="auto",
                        help="token counts compiled again with static shapes (GraphConfig.compile_sizes): 'auto' "
                             "(default: 1 on a GPU), 'none', or comma-separated counts, e.g. 1,2")

@@ -40,7 +40,7 @@ def default_cache_dir() -> str:
     return os.path.join(base, "compile_attn")
 
 
-def _check_inductor_options(patches: Mapping[str, Any]) -> None:
+def _check_inductor_options(patches: Mapping[str, Any], field_name: str = "inductor_config") -> None:
     """Unknown keys are an error when the config is made, not in the middle of the first compile."""
     if not patches:
         return
@@ -49,7 +49,7 @@ def _check_inductor_options(patches: Mapping[str, Any]) -> None:
 
     unknown = sorted(set(patches) - set(inductor_config.get_config_copy()))
     if unknown:
-        raise ValueError(f"GraphConfig.inductor_config: unknown Inductor option(s) {unknown} in torch "
+        raise ValueError(f"GraphConfig.{field_name}: unknown Inductor option(s) {unknown} in torch "
                          f"{torch.__version__}; the names are those of torch._inductor.config, nested ones dotted "
                          f"(e.g. 'combo_kernels', 'triton.max_tiles')")
 
@@ -83,6 +83,10 @@ class GraphConfig:
     compile. Each size adds one compile per unique piece to a cold start (cached like the others). None
     (default): ``(1,)`` for a model on a GPU (bs-1 decode replay 1.51 -> 1.21 ms for the Llama-3.2-1B shape on
     the H100), ``()`` elsewhere. See ``compile_attn.compiler.compile_sizes``.
+    static_inductor_config: Inductor config patches for those static compiles only, over ``inductor_config``.
+    ``{"triton.enable_pdl": True}`` (programmatic dependent launches, Hopper and newer) made the bs-1 decode graph
+    replay of the Llama-3.2-1B shape 4.5% faster on the H100 and the warm start 2-3 s longer (over every piece it
+    also made the 8 x 1024 prefill ~10% slower): benchmarks/RESULTS.md.
     """
 
     mode: GraphMode = GraphMode.FULL_AND_PIECEWISE
@@ -97,6 +101,7 @@ class GraphConfig:
     skip_guards: bool = True
     direct_calls: bool = True
     compile_sizes: tuple[int, ...] | None = None
+    static_inductor_config: dict[str, Any] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", GraphMode.parse(self.mode))
@@ -112,11 +117,13 @@ class GraphConfig:
             if any(s <= 0 for s in sizes):
                 raise ValueError(f"GraphConfig.{name} must be positive integers, got {sizes}")
             object.__setattr__(self, name, tuple(sorted(set(sizes))))
-        if not isinstance(self.inductor_config, Mapping):
-            raise TypeError(f"GraphConfig.inductor_config must be a dict of Inductor config patches, "
-                            f"got {type(self.inductor_config).__name__}")
-        object.__setattr__(self, "inductor_config", dict(self.inductor_config))
-        _check_inductor_options(self.inductor_config)
+        for name in ("inductor_config", "static_inductor_config"):
+            patches = getattr(self, name)
+            if not isinstance(patches, Mapping):
+                raise TypeError(f"GraphConfig.{name} must be a dict of Inductor config patches, "
+                                f"got {type(patches).__name__}")
+            object.__setattr__(self, name, dict(patches))
+            _check_inductor_options(patches, name)
         if self.compiler not in COMPILERS:
             raise ValueError(f"GraphConfig.compiler must be one of {COMPILERS}, got {self.compiler!r}")
 

@@ -134,7 +134,8 @@ def compile_attn_backend(
             "with torch.compile(..., dynamic=True) to make the token count dynamic", compile_id
         )
     cache = CompileCache(config.cache_dir) if config.cache_dir and config.compiler == "inductor" else None
-    compiler = PieceCompiler(config.compiler, cache, {**inductor_options_for_mode(mode), **config.inductor_config})
+    compiler = PieceCompiler(config.compiler, cache, {**inductor_options_for_mode(mode), **config.inductor_config},
+                             config.static_inductor_config)
 
     rows: list[PieceRow] = []
     progress = tqdm(split.pieces, desc="compile_attn: pieces", unit="piece", disable=None, leave=False)

@@ -8,7 +8,8 @@ compile, ``linears_as_reductions`` writes every linear whose input has one row a
 again in every process on the H100: +30 s cold, +13 s warm start); Inductor turns it into one reduction
 kernel per linear, 1.6-2.8 TB/s with its default configs (benchmarks/bench_gemv.py). ``STATIC_PATCHES`` keeps
 a producer with more than a few ops (RMSNorm, SiLU * up) out of that kernel: inlined, it was recomputed by
-every program of the reduction (gate/up 29.5 -> 25.9 us, down 19.9 -> 13.6 us per layer on the H100). With
+every program of the reduction (gate/up 29.5 -> 25.9 us, down 19.9 -> 13.6 us per layer on the H100);
+``GraphConfig.static_inductor_config`` adds patches of the caller's for these compiles only. With
 ``compile_sizes=(1,)`` a decoder's bs-1 decode pieces get such static artifacts; every other size keeps the
 symbolic one. Standalone artifacts check no guards, so ``SizeDispatch`` calls a static artifact only for
 exactly its size.
@@ -31,7 +32,6 @@ from compile_attn.passes.fuse_linears import LINEAR_TARGETS
 # consumers. Measured on the H100, Llama-3.2-1B shape, bs-1 decode graph replay: 1.35 ms at the default,
 # 1.24 at 2, 1.21 at 8 (the same as coordinate descent tuning's 1.23, without its start-time cost).
 STATIC_PATCHES: dict[str, Any] = {"realize_opcount_threshold": 8}
-
 
 def _concrete(value: Any, symbol: sympy.Symbol, size: int) -> int:
     if isinstance(value, torch.SymInt):

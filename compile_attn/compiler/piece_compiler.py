@@ -66,10 +66,13 @@ def inductor_options_for_mode(mode: str | None) -> dict[str, Any]:
 class PieceCompiler:
     """Compiles the non-split pieces of one Dynamo graph; keeps the map of identical pieces."""
 
-    def __init__(self, compiler: str, cache: CompileCache | None, config_patches: dict[str, Any]) -> None:
+    def __init__(self, compiler: str, cache: CompileCache | None, config_patches: dict[str, Any],
+                 static_patches: dict[str, Any] | None = None) -> None:
         self.compiler = compiler
         self.cache = cache
         self.config_patches = {**FUSION_PATCHES, **config_patches}  # the caller's patches win
+        # the static compiles: those, then STATIC_PATCHES, then the caller's patches for static compiles
+        self.static_patches = {**self.config_patches, **STATIC_PATCHES, **(static_patches or {})}
         self.groups: dict[str, list[str]] = {}  # structural digest -> names of the pieces sharing it
         self._compiled: dict[str, CompiledPiece] = {}
         self._keys: dict[str, PieceKey] = {}  # piece name -> its key
@@ -103,7 +106,7 @@ class PieceCompiler:
         self, piece: Piece, example_inputs: Sequence[Any], symbol: sympy.Symbol, size: int
     ) -> CompiledPiece:
         """``piece`` compiled for ``symbol = size`` with static shapes, its one-row linears as reductions
-        (``linears_as_reductions``) and ``STATIC_PATCHES``; identical pieces share it. Only valid for calls at
+        (``linears_as_reductions``) with ``static_patches``; identical pieces share it. Only valid for calls at
         exactly that token count."""
         if self.compiler == "eager":
             return CompiledPiece(piece.graph_module, single_output=False, source="eager")
@@ -115,7 +118,7 @@ class PieceCompiler:
             return self._compiled[key.digest]
         gm, rewritten = linears_as_reductions(piece.graph_module, symbol, size)
         compile_counters.linears_as_reductions += rewritten
-        patches = {**self.config_patches, **STATIC_PATCHES}
+        patches = self.static_patches
         compiled = self._load_or_compile(
             gm, key, example_inputs, patches,
             lambda g: self._inductor_compile(f"{piece.name}@{size}", g,

@@ -179,3 +179,33 @@ def test_compile_sizes_left_to_the_device():
     assert parse_compile_sizes("4,1") == (4, 1)
     with pytest.raises(ValueError, match="'1;2'"):
         parse_compile_sizes("1;2")
+
+
+def test_static_inductor_config_reaches_the_static_compiles_only(tmp_path, monkeypatch):
+    from compile_attn.compiler.compile_sizes import STATIC_PATCHES
+    from compile_attn.compiler.piece_compiler import PieceCompiler
+
+    seen = []  # (static compile?, patches) of every piece compile
+    real = PieceCompiler._load_or_compile
+
+    def recording(self, gm, key, example_inputs, patches, compile_fn):  # noqa: ANN001, ANN202
+        seen.append(("@" in key.digest, dict(patches)))
+        return real(self, gm, key, example_inputs, patches, compile_fn)
+
+    monkeypatch.setattr(PieceCompiler, "_load_or_compile", recording)
+    model = toy_model()
+    options = {"cache_dir": str(tmp_path), "compile_sizes": (3,), "inductor_config": {"combo_kernels": True},
+               "static_inductor_config": {"triton.enable_pdl": True, "realize_opcount_threshold": 4}}
+    compiled = torch.compile(model, backend="compile_attn", dynamic=True, options=options)
+    for tokens in (3, 5):  # the static artifact, then the symbolic one
+        torch.testing.assert_close(run_step(compiled, SMALL, tokens, seed=1), run_step(model, SMALL, tokens, seed=1))
+    assert {static for static, _ in seen} == {True, False}
+    for static, patches in seen:
+        assert patches["combo_kernels"] is True
+        if static:  # the caller's static patches over STATIC_PATCHES
+            assert patches["triton.enable_pdl"] is True and patches["realize_opcount_threshold"] == 4
+        else:
+            assert "triton.enable_pdl" not in patches
+            assert patches.get("realize_opcount_threshold") != STATIC_PATCHES["realize_opcount_threshold"]
+    with pytest.raises(ValueError, match="static_inductor_config.*no_such_option"):
+        GraphConfig(static_inductor_config={"no_such_option": 1})
