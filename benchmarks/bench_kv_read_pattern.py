@@ -29,16 +29,21 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
+def _split_bounds(Indptr, b, s, split_len):
+    """(request b's first index entry, split s's first and end positions within the request)."""
+    base = tl.load(Indptr + b)
+    lo = s * split_len
+    return base, lo, tl.minimum(lo + split_len, tl.load(Indptr + b + 1) - base)
+
+
+@triton.jit
 def _read_per_head(K, V, Indptr, Indices, Out, split_len, stride_t, num_heads, num_splits,
                    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
     """Program (request, KV head, split): the split's K and V rows of one head (HEAD_DIM elements each)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
-    base = tl.load(Indptr + b)
-    n = tl.load(Indptr + b + 1) - base
-    lo = s * split_len
-    hi = tl.minimum(lo + split_len, n)
+    base, lo, hi = _split_bounds(Indptr, b, s, split_len)
     offs_d = tl.arange(0, HEAD_DIM)
     acc = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     for start in range(lo, hi, BLOCK_N):
@@ -58,10 +63,7 @@ def _read_per_token(K, V, Indptr, Indices, Out, split_len, stride_t, num_splits,
     """Program (request, split): the split's whole K and V rows (all heads, ROW elements each)."""
     b = tl.program_id(0)
     s = tl.program_id(1)
-    base = tl.load(Indptr + b)
-    n = tl.load(Indptr + b + 1) - base
-    lo = s * split_len
-    hi = tl.minimum(lo + split_len, n)
+    base, lo, hi = _split_bounds(Indptr, b, s, split_len)
     offs_r = tl.arange(0, ROW)
     acc = tl.zeros([BLOCK_N, ROW], tl.float32)
     for start in range(lo, hi, BLOCK_N):
