@@ -6,11 +6,13 @@ A is the compile_attn tree at ``--base`` (a git revision, exported with ``git ar
 exported tree: the GPU machine gets no ``.git``), put first on ``PYTHONPATH``; B is this checkout. ``--env-b``
 instead runs this checkout twice, B with extra environment variables (e.g. ``TORCHINDUCTOR_ENABLE_PDL=1``).
 Every argument after ``--`` goes to ``compile-attn bench``. Prints one markdown row per process and system:
-ms per step, graph replay in brackets.
+ms per step, graph replay in brackets; with ``--engine`` / ``--engine-only``, then one row per process and
+engine start (cold, warm): seconds to ready, prefill ms and % of peak.
 
     python benchmarks/ab_bench.py --base 07f0f82 --runs 2 -- --backend triton --modes piecewise,full \\
         --batch-sizes 1,64 --hf "" --no-profile
     python benchmarks/ab_bench.py --env-b TORCHINDUCTOR_ENABLE_PDL=1 -- --backend triton --modes full
+    python benchmarks/ab_bench.py --base 1168392 --runs 3 -- --engine-only --backend triton   # start time, prefill
 """
 
 from __future__ import annotations
@@ -43,13 +45,14 @@ def package_path(env: dict[str, str], cwd: Path) -> str:
                           text=True).stdout.strip()
 
 
-def run_bench(label: str, bench_args: list[str], env: dict[str, str], out: Path) -> list[dict]:
-    """One ``compile-attn bench`` process (in ``out``'s directory); its rows from the JSON it writes."""
+def run_bench(label: str, bench_args: list[str], env: dict[str, str], out: Path) -> dict:
+    """One ``compile-attn bench`` process (in ``out``'s directory): the JSON it writes (``decode`` rows, and
+    ``engine`` starts with ``--engine`` / ``--engine-only``)."""
     cmd = [sys.executable, "-m", "compile_attn.cli", "bench", *bench_args, "--out", str(out)]
     proc = subprocess.run(cmd, env=env, cwd=out.parent, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{label}: compile-attn bench failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(out.read_text())["decode"]["rows"]
+    return json.loads(out.read_text())
 
 
 def main() -> None:
@@ -92,12 +95,20 @@ def main() -> None:
         print(f"A = {names[0]} ({paths[0]}); B = {names[1]} ({paths[1]}); "
               f"compile-attn bench {shlex.join(bench_args)}\n")
         print("| process | system | bs | ms / step (graph replay) |\n|---|---|---|---|")
+        starts = []  # engine rows, printed after the decode table
         for i in range(1, args.runs + 1):
             for label, env in (("A", env_a), ("B", env_b)):
-                for row in run_bench(f"{label}{i}", bench_args, env, tmp_path / f"{label}{i}.json"):
+                report = run_bench(f"{label}{i}", bench_args, env, tmp_path / f"{label}{i}.json")
+                for row in report["decode"]["rows"]:
                     replay = f" ({row['replay_ms']:.3f})" if row.get("replay_ms") else ""
                     print(f"| {label}{i} | {row['system']} | {row['batch_size']} | {row['ms']:.3f}{replay} |",
                           flush=True)
+                for start, r in (report.get("engine") or {}).items():
+                    starts.append(f"| {label}{i} | {start} | {r['ready_s']:.1f} | {r['prefill_ms']:.1f} | "
+                                  f"{r['prefill_pct_peak']:.0f}% |")
+        if starts:
+            print("\n| process | engine start | ready s | prefill ms | % of peak |\n|---|---|---|---|---|")
+            print("\n".join(starts))
 
 
 if __name__ == "__main__":
