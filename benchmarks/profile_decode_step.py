@@ -21,8 +21,10 @@ from compile_attn import bench
 from compile_attn.config import parse_compile_sizes
 
 
-def step_kernels(fn) -> list[tuple[str, float]]:
-    """(kernel name, microseconds) of one call of ``fn`` after a warm-up call, in launch order."""
+def step_kernels(fn) -> tuple[list[tuple[str, float]], float]:
+    """(kernel name, microseconds) of one call of ``fn`` after a warm-up call, in launch order, and the GPU busy
+    microseconds (``bench.busy_us``: overlapping kernels count once; with dependent launches a kernel's own time
+    includes its wait for the one before it)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -32,7 +34,9 @@ def step_kernels(fn) -> list[tuple[str, float]]:
         fn()
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA and e.device_time > 0]
-    return [(e.name, e.device_time) for e in sorted(kernels, key=lambda e: e.time_range.start)]
+    ordered = sorted(kernels, key=lambda e: e.time_range.start)
+    busy = bench.busy_us([(e.time_range.start, e.time_range.end) for e in ordered])
+    return [(e.name, e.device_time) for e in ordered], busy
 
 
 def first_layer(kernels: list[tuple[str, float]], marker: str) -> list[tuple[str, float]]:
@@ -97,9 +101,8 @@ def main() -> None:
     with torch.inference_mode():
         for bs in sizes:
             fb = setup.batch(bs)
-            kernels = step_kernels(lambda: runner.run(fb))
+            kernels, busy = step_kernels(lambda: runner.run(fb))
             layer = first_layer(kernels, args.attention_marker)
-            busy = sum(us for _, us in kernels)
             report[bs] = dict(kernels_per_step=len(kernels), busy_us=busy, floor_us=floors[bs] * 1e3,
                               first_layer=[dict(kernel=n, us=us) for n, us in layer], by_name=aggregate(kernels))
             print(f"\n## bs {bs}: {len(kernels)} kernels, GPU busy {busy:.0f} us, floor {floors[bs] * 1e3:.0f} us")

@@ -108,9 +108,23 @@ def floor_ms(model: torch.nn.Module, cfg: BenchConfig, bs: int, dtype: torch.dty
     return (weights + kv) / cfg.bandwidth * 1e3
 
 
+def busy_us(intervals: Sequence[tuple[float, float]]) -> float:
+    """Length of the union of ``(start, end)`` intervals: the time at least one of them runs. Kernels that overlap
+    count once; with programmatic dependent launches a kernel starts (and is timed) while it waits for the one
+    before it, so the sum of kernel times would count that wait twice."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
 def kernel_ms(fn: Callable[[], object], steps: int = 5) -> tuple[float, list[str]]:
-    """GPU busy time per call of ``fn`` (sum of CUDA kernel times from the profiler, graph replays included)
-    and the five costliest kernels: step time minus this is launch gaps and host time."""
+    """GPU busy time per call of ``fn`` (the time at least one CUDA kernel or copy runs, from the profiler, graph
+    replays included; ``busy_us``) and the five costliest kernels: step time minus this is launch gaps and host
+    time. A kernel's own time includes any wait at its start for the kernel before it (dependent launches)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -120,7 +134,8 @@ def kernel_ms(fn: Callable[[], object], steps: int = 5) -> tuple[float, list[str
             fn()
         torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
-    total_us = sum(e.self_device_time_total for e in events) / steps
+    total_us = busy_us([(e.time_range.start, e.time_range.end) for e in prof.events()
+                        if e.device_type == DeviceType.CUDA and e.device_time > 0]) / steps
     launches = sum(e.count for e in events) / steps
     top = sorted(events, key=lambda e: -e.self_device_time_total)[:5]
     return total_us / 1e3, [f"{launches:.0f} kernels per step"] + [

@@ -20,3 +20,20 @@ def test_bench_runs_every_mode_and_hf_eager_on_a_tiny_model() -> None:
     assert abs(rows[1].floor_ms - expected_floor) < 1e-9
     assert "| HF eager | 2 |" in bench.to_markdown(rows)
     assert len(json.loads(bench.to_json(rows, cfg))["rows"]) == 4
+
+
+def test_busy_time_counts_overlapping_kernels_once() -> None:
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    assert bench.busy_us([]) == 0.0
+    assert bench.busy_us([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0)]) == 4.0  # [0, 3] and [5, 6]
+    assert bench.busy_us([(0.0, 10.0), (2.0, 3.0)]) == 10.0  # nested
+
+    @given(st.lists(st.tuples(st.integers(0, 50), st.integers(1, 20)), max_size=20))
+    def matches_a_grid_of_unit_cells(spans: list[tuple[int, int]]) -> None:
+        intervals = [(float(a), float(a + n)) for a, n in spans]
+        covered = {t for a, n in spans for t in range(a, a + n)}  # unit cells [t, t+1) under some interval
+        assert bench.busy_us(intervals) == float(len(covered))
+
+    matches_a_grid_of_unit_cells()
