@@ -346,3 +346,13 @@ def test_check_supported_names_bad_value(args, bad):
         check_supported(*args)
     assert "torch_native" in str(info.value) and "supported" in str(info.value)
     check_supported(128, 128, torch.bfloat16)
+
+
+@pytest.mark.parametrize("value,off", [("0", True), ("off", True), (" False ", True), ("1", False), ("", False)])
+def test_pdl_switch_reads_the_environment(monkeypatch, value, off):
+    from compile_attn.attention.triton_ops._common import PDL_ENV, pdl_turned_off
+
+    monkeypatch.setenv(PDL_ENV, value)
+    assert pdl_turned_off() is off
+    monkeypatch.delenv(PDL_ENV)
+    assert pdl_turned_off() is False

@@ -15,6 +15,7 @@ from kernel_reference import TOLERANCE, make_paged_cache, reference_attention, r
 from torch._inductor.utils import run_and_get_code
 
 from compile_attn.attention.triton_ops import decode_attention, decode_semaphores
+from compile_attn.attention.triton_ops._common import PDL_ENV, pdl_turned_off
 from compile_attn.attention.triton_ops.launch import CachedLaunch
 
 pytestmark = [
@@ -28,6 +29,8 @@ MAX_KV_SPLITS = 16
 def _pdl_device() -> None:
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs compute capability 9.0+")
+    if pdl_turned_off():
+        pytest.skip(f"{PDL_ENV}=0 turns the decode kernel's dependent launch off")
 
 
 def test_one_launch_decode_is_a_dependent_launch_only_with_semaphores():

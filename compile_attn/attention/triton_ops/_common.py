@@ -45,12 +45,17 @@ def is_interpreted(kernel) -> bool:
 PDL_ENV = "COMPILE_ATTN_PDL"
 
 
+def pdl_turned_off() -> bool:
+    """``COMPILE_ATTN_PDL`` is 0 (or false, off, no)."""
+    return os.environ.get(PDL_ENV, "1").strip().lower() in ("0", "false", "off", "no")
+
+
 @functools.lru_cache(maxsize=None)
 def pdl_supported(device_index: int) -> bool:
     """Whether kernels on CUDA device ``device_index`` launch as programmatic dependent launches: NVIDIA compute
     capability 9.0 or newer (the ``griddepcontrol`` instructions), unless ``COMPILE_ATTN_PDL=0`` turns it off
     (read once per process)."""
-    if os.environ.get(PDL_ENV, "1").strip().lower() in ("0", "false", "off", "no"):
+    if pdl_turned_off():
         return False
     if torch.version.hip is not None:
         return False
