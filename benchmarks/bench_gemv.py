@@ -10,10 +10,14 @@ CUDA graph, so neither launch gaps nor L2 hits flatter the small shapes. CUDA on
 
 ``--rows N`` times an ``N``-row input instead (a decode step at batch ``N``); the multiply-and-sum variant is for
 one row only, and ``--max-autotune`` adds Inductor's ``max-autotune`` (Triton ``mm`` templates benchmarked against
-cuBLAS for the static shape).
+cuBLAS for the static shape). ``--decompose-k`` adds max-autotune with Inductor's split-K choice ("decompose K":
+a batched ``mm`` over K chunks, then their sum) offered for every shape (``triton.decompose_k_threshold`` 0; by
+default Inductor offers it only for K >= 32 x max(M, N)). Its split counts are divisors of K up to
+min(K / M, K / N), so at 64 rows only ``down`` (K 8192, 4 splits at most) gets a split-K candidate; q/k/v and o,
+whose 16-24 output tiles leave most of the 132 SMs idle in cuBLAS, get none.
 
     python benchmarks/bench_gemv.py --out gemv.json
-    python benchmarks/bench_gemv.py --rows 64 --max-autotune
+    python benchmarks/bench_gemv.py --rows 64 --max-autotune --decompose-k
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ SHAPES = [
     ("lm_head", 2048, 128256),
 ]
 BANDWIDTH = 3.0e12
+# max-autotune (as mode="max-autotune-no-cudagraphs") with the decompose-K choice offered whatever the shape
+DECOMPOSE_K_OPTIONS = {"max_autotune": True, "triton.cudagraphs": False, "triton.decompose_k_threshold": 0}
 
 
 def rotating_weights(n: int, k: int, min_bytes: float = 256e6) -> list[torch.Tensor]:
@@ -58,6 +64,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=1, help="rows of the input (the decode batch size)")
     parser.add_argument("--max-autotune", action="store_true", help="also time Inductor max-autotune")
+    parser.add_argument("--decompose-k", action="store_true",
+                        help="also time max-autotune with Inductor's split-K (decompose K) choice for every shape")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.rows < 1:
@@ -72,14 +80,20 @@ def main() -> None:
                                                    options={"coordinate_descent_tuning": True}),
         "inductor_reduction": lambda: torch.compile(gemv_as_reduction, dynamic=False),
         "inductor_max_autotune": lambda: torch.compile(F.linear, dynamic=False, mode="max-autotune-no-cudagraphs"),
+        "inductor_decompose_k": lambda: torch.compile(F.linear, dynamic=False, options=DECOMPOSE_K_OPTIONS),
     }
     if args.rows > 1:
         del variants["inductor_reduction"]
     if not args.max_autotune:
         del variants["inductor_max_autotune"]
+    if args.decompose_k and "triton.decompose_k_threshold" not in torch._inductor.config.get_config_copy():
+        raise SystemExit(f"--decompose-k: torch {torch.__version__}'s Inductor has no decompose-K choice")
+    if not args.decompose_k:
+        del variants["inductor_decompose_k"]
     titles = {"cublas": "cuBLAS", "inductor_coordesc": "Inductor mm, coordinate descent",
               "inductor_reduction": "Inductor multiply-sum, default config",
-              "inductor_max_autotune": "Inductor max-autotune"}
+              "inductor_max_autotune": "Inductor max-autotune",
+              "inductor_decompose_k": "Inductor max-autotune with split-K"}
     rows = []
     lines = ["| weight | K x N | MB | floor us | " + " | ".join(f"{titles[v]} us (TB/s)" for v in variants)
              + " | max abs diff against cuBLAS |",
