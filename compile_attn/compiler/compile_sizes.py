@@ -33,6 +33,7 @@ from compile_attn.passes.fuse_linears import LINEAR_TARGETS
 # 1.24 at 2, 1.21 at 8 (the same as coordinate descent tuning's 1.23, without its start-time cost).
 STATIC_PATCHES: dict[str, Any] = {"realize_opcount_threshold": 8}
 
+
 def _concrete(value: Any, symbol: sympy.Symbol, size: int) -> int:
     if isinstance(value, torch.SymInt):
         expr = value.node.expr.subs(symbol, size)

@@ -46,15 +46,14 @@ class ReplayViews:
         self._requests_dirty = self.buffers.max_batch_size
         self._extend_dirty = self.buffers.max_batch_size
 
-    # ------------------------------------------------------------------ token fields
-    def _copy_tokens(self, fb: ForwardBatch, n: int, *requests: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """The token fields, and ``requests`` (pairs of static and live int64 request fields) in the same
-        launch: copies of one dtype go through one ``_foreach_copy_`` (a single kernel on a GPU), since each
-        launch costs the host ~5-10 us on the critical path of a graph step."""
-        b = self.buffers
+    # ------------------------------------------------------------------ int64 fields
+    def _copy_int64_fields(self, fb: ForwardBatch, n: int) -> None:
+        """The ``n`` token fields and the request rows, in one ``_foreach_copy_`` (a single kernel on a GPU: each
+        launch costs the host ~5-10 us on the critical path of a graph step); re-pads stale token entries."""
+        b, bs = self.buffers, fb.batch_size
         torch._foreach_copy_(
-            [b.input_ids[:n], b.positions[:n], b.out_cache_loc[:n], *(dst for dst, _ in requests)],
-            [fb.input_ids, fb.positions, fb.out_cache_loc, *(src for _, src in requests)],
+            [b.input_ids[:n], b.positions[:n], b.out_cache_loc[:n], b.req_pool_indices[:bs]],
+            [fb.input_ids, fb.positions, fb.out_cache_loc, fb.req_pool_indices],
         )
         if self._tokens_dirty > n:
             pad = slice(n, self._tokens_dirty)
@@ -67,7 +66,7 @@ class ReplayViews:
     def decode_view(self, fb: ForwardBatch, bucket: int) -> ForwardBatch:
         """``fb`` (DECODE, ``batch_size <= bucket``) padded with requests up to ``bucket``."""
         b, bs = self.buffers, fb.batch_size
-        self._copy_tokens(fb, bs, (b.req_pool_indices[:bs], fb.req_pool_indices))
+        self._copy_int64_fields(fb, bs)
         torch._foreach_copy_([b.seq_lens[:bs], b.extend_prefix_lens[:bs]], [fb.seq_lens, fb.extend_prefix_lens])
         if self._requests_dirty > bs:
             pad = slice(bs, self._requests_dirty)
@@ -102,7 +101,7 @@ class ReplayViews:
     def extend_view(self, fb: ForwardBatch, bucket: int) -> ForwardBatch:
         """``fb`` (EXTEND/MIXED, ``num_tokens <= bucket``) with trailing padding tokens up to ``bucket``."""
         b, bs = self.buffers, fb.batch_size
-        self._copy_tokens(fb, fb.num_tokens, (b.req_pool_indices[:bs], fb.req_pool_indices))
+        self._copy_int64_fields(fb, fb.num_tokens)
         torch._foreach_copy_(
             [b.seq_lens[:bs], b.extend_prefix_lens[:bs], b.extend_seq_lens[:bs], b.extend_start_loc[:bs]],
             [fb.seq_lens, fb.extend_prefix_lens, fb.extend_seq_lens, fb.extend_start_loc],
