@@ -37,6 +37,11 @@ def export_tree(rev: str, into: Path) -> Path:
     return into
 
 
+def prepend_path(env: dict[str, str], path: Path) -> None:
+    """Put ``path`` first on ``env``'s ``PYTHONPATH``."""
+    env["PYTHONPATH"] = os.pathsep.join([str(path), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+
+
 def package_path(env: dict[str, str], cwd: Path) -> str:
     """Where ``compile_attn`` is imported from under ``env`` (``python -m`` puts the working directory first on
     ``sys.path``, so the processes run in a directory without a compile_attn package)."""
@@ -85,13 +90,15 @@ def main() -> None:
             base = Path(args.base_dir) if args.base_dir else export_tree(args.base, Path(tmp))
             if not (base / "compile_attn" / "__init__.py").is_file():
                 parser.error(f"no compile_attn package under {base}")
-            env_a["PYTHONPATH"] = os.pathsep.join([str(base.resolve()), env_a.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+            prepend_path(env_a, base.resolve())
             names = (f"base {args.base or args.base_dir}", "this checkout")
-        env_b.setdefault("PYTHONPATH", "")
-        env_b["PYTHONPATH"] = os.pathsep.join([str(REPO), env_b["PYTHONPATH"]]).rstrip(os.pathsep)
+        for env in (env_a, env_b) if args.env_b else (env_b,):
+            prepend_path(env, REPO)
         paths = [package_path(env, tmp_path) for env in (env_a, env_b)]
         if not args.env_b and paths[0] == paths[1]:
             raise SystemExit(f"A and B both import compile_attn from {paths[0]}")
+        if args.env_b and paths[0] != paths[1]:
+            raise SystemExit(f"A imports compile_attn from {paths[0]}, B from {paths[1]}: expected this checkout")
         print(f"A = {names[0]} ({paths[0]}); B = {names[1]} ({paths[1]}); "
               f"compile-attn bench {shlex.join(bench_args)}\n")
         print("| process | system | bs | ms / step (graph replay) |\n|---|---|---|---|")
