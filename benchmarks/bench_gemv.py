@@ -14,10 +14,13 @@ cuBLAS for the static shape). ``--decompose-k`` adds max-autotune with Inductor'
 a batched ``mm`` over K chunks, then their sum) offered for every shape (``triton.decompose_k_threshold`` 0; by
 default Inductor offers it only for K >= 32 x max(M, N)). Its split counts are divisors of K up to
 min(K / M, K / N), so at 64 rows only ``down`` (K 8192, 4 splits at most) gets a split-K candidate; q/k/v and o,
-whose 16-24 output tiles leave most of the 132 SMs idle in cuBLAS, get none.
+whose 16-24 output tiles leave most of the 132 SMs idle in cuBLAS, get none. ``--split-k`` times the same
+split by hand for every shape: cuBLAS batched ``mm`` over 2, 4 and 8 K chunks into fp32 (``bmm(out_dtype=)``),
+then their sum in eager torch (best count shown). ``--cublaslt`` times ``F.linear`` with cuBLASLt as torch's
+preferred BLAS library (``TORCH_BLAS_PREFER_CUBLASLT=1``).
 
     python benchmarks/bench_gemv.py --out gemv.json
-    python benchmarks/bench_gemv.py --rows 64 --max-autotune --decompose-k
+    python benchmarks/bench_gemv.py --rows 64 --max-autotune --decompose-k --split-k --cublaslt
 """
 
 from __future__ import annotations
@@ -52,6 +55,29 @@ def gemv_as_reduction(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (x.float().unsqueeze(-2) * w.float()).sum(-1).to(x.dtype)
 
 
+def split_k_linear(splits: int):
+    """``F.linear(x, w)`` as ``splits`` matrix products over K chunks (one cuBLAS batched ``mm``, fp32 out) summed."""
+
+    def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        rows, k = x.shape
+        n = w.shape[0]
+        xs = x.view(rows, splits, k // splits).transpose(0, 1)  # [S, rows, K/S]
+        ws = w.view(n, splits, k // splits).permute(1, 2, 0)  # [S, K/S, N], column-major per chunk
+        return torch.bmm(xs, ws, out_dtype=torch.float32).sum(0).to(x.dtype)
+
+    return linear
+
+
+def cublaslt_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``F.linear`` with cuBLASLt as the preferred BLAS library for the call."""
+    previous = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    try:
+        return F.linear(x, w)
+    finally:
+        torch.backends.cuda.preferred_blas_library(previous)
+
+
 def per_call_us(fn, x: torch.Tensor, weights: list[torch.Tensor]) -> float:
     """Microseconds per call of ``fn(x, w)``, all ``weights`` in turn inside one CUDA graph (no launch gaps,
     no L2 reuse between calls)."""
@@ -66,6 +92,9 @@ def main() -> None:
     parser.add_argument("--max-autotune", action="store_true", help="also time Inductor max-autotune")
     parser.add_argument("--decompose-k", action="store_true",
                         help="also time max-autotune with Inductor's split-K (decompose K) choice for every shape")
+    parser.add_argument("--split-k", action="store_true",
+                        help="also time cuBLAS split-K by hand (batched mm over 2/4/8 K chunks, then their sum)")
+    parser.add_argument("--cublaslt", action="store_true", help="also time F.linear with cuBLASLt preferred")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.rows < 1:
@@ -81,6 +110,8 @@ def main() -> None:
         "inductor_reduction": lambda: torch.compile(gemv_as_reduction, dynamic=False),
         "inductor_max_autotune": lambda: torch.compile(F.linear, dynamic=False, mode="max-autotune-no-cudagraphs"),
         "inductor_decompose_k": lambda: torch.compile(F.linear, dynamic=False, options=DECOMPOSE_K_OPTIONS),
+        "cublaslt": cublaslt_linear,
+        **{f"split_k_{s}": split_k_linear(s) for s in (2, 4, 8)},
     }
     if args.rows > 1:
         del variants["inductor_reduction"]
@@ -90,10 +121,16 @@ def main() -> None:
         raise SystemExit(f"--decompose-k: torch {torch.__version__}'s Inductor has no decompose-K choice")
     if not args.decompose_k:
         del variants["inductor_decompose_k"]
+    if not args.cublaslt:
+        del variants["cublaslt"]
+    if not args.split_k:
+        for s in (2, 4, 8):
+            del variants[f"split_k_{s}"]
     titles = {"cublas": "cuBLAS", "inductor_coordesc": "Inductor mm, coordinate descent",
               "inductor_reduction": "Inductor multiply-sum, default config",
               "inductor_max_autotune": "Inductor max-autotune",
-              "inductor_decompose_k": "Inductor max-autotune with split-K"}
+              "inductor_decompose_k": "Inductor max-autotune with split-K", "cublaslt": "cuBLASLt",
+              **{f"split_k_{s}": f"cuBLAS bmm split-K {s} + sum" for s in (2, 4, 8)}}
     rows = []
     lines = ["| weight | K x N | MB | floor us | " + " | ".join(f"{titles[v]} us (TB/s)" for v in variants)
              + " | max abs diff against cuBLAS |",
@@ -108,7 +145,7 @@ def main() -> None:
         cells, diffs = [], []
         for variant, make in variants.items():
             torch._dynamo.reset()
-            fn = make if variant == "cublas" else make()
+            fn = make() if variant.startswith("inductor") else make
             diff = (fn(x, weights[0]).float() - ref).abs().max().item()
             us = per_call_us(fn, x, weights)
             row[f"{variant}_us"], row[f"{variant}_max_abs_diff"] = us, diff

@@ -5,7 +5,8 @@ reads 64 MB per layer in ~32 us, 2.0 TB/s. Each of its programs handles one (req
 128-byte K and V rows 1 KB apart (the other heads of a token sit between them). This script times two kernels that
 only read and sum the same bytes, no attention math: ``per_head`` (the decode kernel's access pattern) and
 ``per_token`` (a program per (request, split) reading each token's 1 KB row of all heads at once), over a grid of
-tile sizes, warps and split counts, each captured in a CUDA graph (``triton.testing.do_bench`` median). If the
+tile sizes, warps and split counts, each as launches over copies of the KV (> 256 MB in all, at most 64)
+back to back in one CUDA graph (``bench_triton_decode.graph_us``: ``do_bench`` median, per launch). If the
 token-row pattern reads at a clearly higher rate, a decode kernel that handles all KV heads of a request in one
 program is worth writing; if both top out near the same rate, the gap is elsewhere (latency, tail, the merge).
 
@@ -140,15 +141,6 @@ def check() -> None:
     print("ok: per_head and per_token sums match float64")
 
 
-def time_us(launch) -> float:  # noqa: ANN001
-    launch()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        launch()
-    return triton.testing.do_bench(graph.replay, warmup=25, rep=60, return_mode="median") * 1e3
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default="64x512,256x512,16x512,64x4096")
@@ -161,6 +153,8 @@ def main() -> None:
     if args.check:
         check()
         return
+    from bench_triton_decode import graph_us, num_copies  # benchmarks/ is on the path of a script run
+
     grid = {
         "per_head": list(itertools.product((1, 2, 4, 8, 16), (16, 32, 64), (1, 2, 4))),
         "per_token": list(itertools.product((1, 2, 4, 8, 16, 32), (8, 16, 32), (2, 4, 8))),
@@ -171,14 +165,15 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for case, slots in itertools.product(args.cases.split(","), args.slots.split(",")):
         bs, ctx = (int(x) for x in case.split("x"))
-        kv = make_kv(bs, ctx, args.heads, args.head_dim, slots == "shuffled", "cuda")
-        nbytes = 2 * bs * ctx * args.heads * args.head_dim * kv["k"].element_size()
+        nbytes = 2 * bs * ctx * args.heads * args.head_dim * 2  # bf16
+        kvs = [make_kv(bs, ctx, args.heads, args.head_dim, slots == "shuffled", "cuda", seed=i)
+               for i in range(num_copies(nbytes))]
         best = {}
         for pattern, configs in grid.items():
             for splits, block_n, warps in configs:
                 if split_len(ctx, splits, block_n) * (splits - 1) >= ctx:
                     continue  # an empty split: the same as fewer splits
-                us = time_us(read(kv, pattern, splits, block_n, warps)[1])
+                us = graph_us([read(kv, pattern, splits, block_n, warps)[1] for kv in kvs])
                 results.append({"case": case, "slots": slots, "pattern": pattern, "splits": splits,
                                 "block_n": block_n, "warps": warps, "us": us, "tb_s": nbytes / us / 1e6})
                 if pattern not in best or us < best[pattern][0]:

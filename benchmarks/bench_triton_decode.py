@@ -37,6 +37,32 @@ def time_us(fn, graph: bool, rep: int = 200) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median") * 1e3
 
 
+def graph_us(launches: list, rep: int = 100) -> float:
+    """Microseconds per launch: ``launches`` back to back in one CUDA graph, the median of its replays
+    (``do_bench``) over their number. One launch per graph would also time the graph's launch (~4 us on the
+    H100) and the write-back of the dirty lines that ``do_bench``'s L2 flush leaves (up to the L2's 50 MB)."""
+    for launch in launches:
+        launch()  # compile / warm up outside any capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for launch in launches:
+            launch()
+    return triton.testing.do_bench(graph.replay, warmup=25, rep=rep, return_mode="median") * 1e3 / len(launches)
+
+
+def num_copies(nbytes: float, min_total: float = 256e6, cap: int = 64) -> int:
+    """Copies of ``nbytes`` of inputs that one pass over does not fit in L2 (50 MB on the H100), at most ``cap``."""
+    return max(2, min(cap, int(min_total // nbytes) + 1))
+
+
+def copies_of(case: dict, n: int) -> list[dict]:
+    """``case`` and ``n - 1`` copies with their own q, K and V (same slots and lengths): launches over them in turn
+    read from HBM, not from L2."""
+    fresh = ("q", "k_buffer", "v_buffer")
+    return [case] + [{**case, **{k: torch.randn_like(case[k]) for k in fresh}} for _ in range(n - 1)]
+
+
 def make_case(bs, ctx, num_q_heads, num_kv_heads, head_dim, shuffled, gen):
     num_slots = bs * ctx + 1  # slot 0 is scratch
     slots = torch.randperm(num_slots - 1, generator=gen) + 1 if shuffled else torch.arange(1, num_slots)

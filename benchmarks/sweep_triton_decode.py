@@ -2,7 +2,8 @@
 
 For each (batch x context) case (bf16, Hq 32 / Hkv 8 / D 64, page 1, shuffled slots) and each combination of
 programs per SM and minimum split size (how many KV splits stage 1 gets), BLOCK_N, num_warps and num_stages,
-the two-stage kernel is captured in a CUDA graph and timed with ``triton.testing.do_bench`` (median). Prints
+the two-stage kernel is timed per launch over copies of the case's q/K/V (> 256 MB in all) back to back in one
+CUDA graph (``bench_triton_decode.graph_us``: ``triton.testing.do_bench`` median over the launches). Prints
 the best combinations per case, the current default's time, and writes everything as JSON. ``--one-launch``
 times the kernel with the merge fused in (semaphores), as the triton backend runs it.
 
@@ -19,14 +20,16 @@ import math
 
 import torch
 
-from bench_triton_decode import PEAK_TB_S, make_case, time_us
+from bench_triton_decode import PEAK_TB_S, copies_of, graph_us, make_case, num_copies
 from compile_attn.attention.triton_ops import compute_num_kv_splits, decode_attention_fwd
 from compile_attn.attention.triton_ops.decode_attention import decode_semaphores
 from compile_attn.attention.triton_ops import decode_attention as decode_mod
 
 
-def run_case(case, max_kv_splits: int, num_sms: int, programs_per_sm: int, split_size: int, cfg: dict | None,
-             one_launch: bool = False) -> float:
+def run_case(cases: list[dict], max_kv_splits: int, num_sms: int, programs_per_sm: int, split_size: int,
+             cfg: dict | None, one_launch: bool = False) -> float:
+    """Microseconds per decode launch over ``cases`` (copies of one case) with these launch parameters."""
+    case = cases[0]
     q, k_buffer = case["q"], case["k_buffer"]
     bs, num_q_heads, head_dim = q.shape
     out = torch.empty_like(q)
@@ -42,11 +45,12 @@ def run_case(case, max_kv_splits: int, num_sms: int, programs_per_sm: int, split
         splits = compute_num_kv_splits(case["seq_lens"], num_sms, max_kv_splits, split_size=split_size,
                                        num_kv_heads=k_buffer.shape[1])
 
-        def run() -> None:
-            decode_attention_fwd(q, k_buffer, case["v_buffer"], out, case["kv_indptr"], case["kv_indices"], splits,
-                                 max_kv_splits, logits, lse, 1 / math.sqrt(head_dim), semaphores=semaphores)
+        def launch(c: dict):  # noqa: ANN202
+            return lambda: decode_attention_fwd(c["q"], c["k_buffer"], c["v_buffer"], out, c["kv_indptr"],
+                                                c["kv_indices"], splits, max_kv_splits, logits, lse,
+                                                1 / math.sqrt(head_dim), semaphores=semaphores)
 
-        return time_us(run, graph=True, rep=40)
+        return graph_us([launch(c) for c in cases], rep=40)
     finally:
         decode_mod._split_kernel_config, decode_mod.PROGRAMS_PER_SM = default_cfg, default_pps
         decode_mod._launch_meta.cache_clear()
@@ -69,8 +73,8 @@ def main() -> None:
     results = {}
     for name in args.cases.split(","):
         bs, ctx = (int(x) for x in name.split("x"))
-        case = make_case(bs, ctx, 32, 8, 64, True, gen)
         kv_bytes = 2 * bs * ctx * 8 * 64 * 2
+        case = copies_of(make_case(bs, ctx, 32, 8, 64, True, gen), num_copies(kv_bytes))
         default = run_case(case, args.max_kv_splits, num_sms, decode_mod.PROGRAMS_PER_SM,
                            decode_mod.DEFAULT_SPLIT_SIZE, None, args.one_launch)
         rows = []
