@@ -39,8 +39,9 @@ def time_us(fn, graph: bool, rep: int = 200) -> float:
 
 def graph_us(launches: list, rep: int = 100) -> float:
     """Microseconds per launch: ``launches`` back to back in one CUDA graph, the median of its replays
-    (``do_bench``) over their number. One launch per graph would also time the graph's launch (~4 us on the
-    H100) and the write-back of the dirty lines that ``do_bench``'s L2 flush leaves (up to the L2's 50 MB)."""
+    (``do_bench``) over their number. One launch per graph also times the graph's launch and, it seems, the
+    write-back of the dirty lines that ``do_bench``'s L2 flush leaves (H100: 7.1 -> 3.4 us for a 1 MB read,
+    36.7 -> 28.4 us for 67 MB, benchmarks/RESULTS.md)."""
     for launch in launches:
         launch()  # compile / warm up outside any capture
     torch.cuda.synchronize()
