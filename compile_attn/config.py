@@ -85,8 +85,9 @@ class GraphConfig:
     the H100), ``()`` elsewhere. See ``compile_attn.compiler.compile_sizes``.
     static_inductor_config: Inductor config patches for those static compiles only, over ``inductor_config``.
     ``{"triton.enable_pdl": True}`` (programmatic dependent launches, Hopper and newer) made the bs-1 decode graph
-    replay of the Llama-3.2-1B shape 4.5% faster on the H100 and the warm start 2-3 s longer (over every piece it
-    also made the 8 x 1024 prefill ~10% slower): benchmarks/RESULTS.md.
+    replay of the Llama-3.2-1B shape 3-4.5% faster on the H100 and the warm start ~2 s longer on average (over
+    every piece it also made the 8 x 1024 prefill ~10% slower); with ``"compile_threads": 1`` next to it the warm
+    start was +0.5 s and the cold start +3.5 s (two pairs each): benchmarks/RESULTS.md.
     """
 
     mode: GraphMode = GraphMode.FULL_AND_PIECEWISE
