@@ -5,7 +5,7 @@ reads 64 MB per layer in ~32 us, 2.0 TB/s. Each of its programs handles one (req
 128-byte K and V rows 1 KB apart (the other heads of a token sit between them). This script times two kernels that
 only read and sum the same bytes, no attention math: ``per_head`` (the decode kernel's access pattern) and
 ``per_token`` (a program per (request, split) reading each token's 1 KB row of all heads at once), over a grid of
-tile sizes, warps and split counts, each as launches over copies of the KV (> 256 MB in all, at most 64)
+tile sizes, warps and split counts, each as launches over copies of the KV (> 256 MB in all, at most 256)
 back to back in one CUDA graph (``bench_triton_decode.graph_us``: ``do_bench`` median, per launch). If the
 token-row pattern reads at a clearly higher rate, a decode kernel that handles all KV heads of a request in one
 program is worth writing; if both top out near the same rate, the gap is elsewhere (latency, tail, the merge).

@@ -1,10 +1,11 @@
 """Decode attention time of the Triton kernels against torch SDPA (and FlashInfer when installed).
 
 Batch sizes x context lengths over a paged bf16 cache (page size 1, slots shuffled as after a while
-of serving), Hq=32, Hkv=8, D=64 by default. Each kernel is timed as a CUDA-graph replay (how decode
-runs in serving; it hides Python launch cost) and, for Triton, also eagerly. Times are medians of
-triton.testing.do_bench, which clears L2 between runs. Bandwidth counts the K and V bytes each
-kernel must read once. Prints a markdown table and writes JSON to --out.
+of serving), Hq=32, Hkv=8, D=64 by default. Each kernel is timed per launch inside a CUDA graph (how decode
+runs in serving; it hides Python launch cost), over copies of the case's q/K/V so that no launch reads from L2
+what the one before it loaded (``graph_us``), and, for Triton, also eagerly (one Python launch). Times are
+medians of triton.testing.do_bench. Bandwidth counts the K and V bytes each kernel must read once. Prints a
+markdown table and writes JSON to --out.
 
     python benchmarks/bench_triton_decode.py --out decode.json
 """
@@ -52,7 +53,7 @@ def graph_us(launches: list, rep: int = 100) -> float:
     return triton.testing.do_bench(graph.replay, warmup=25, rep=rep, return_mode="median") * 1e3 / len(launches)
 
 
-def num_copies(nbytes: float, min_total: float = 256e6, cap: int = 64) -> int:
+def num_copies(nbytes: float, min_total: float = 256e6, cap: int = 256) -> int:
     """Copies of ``nbytes`` of inputs that one pass over does not fit in L2 (50 MB on the H100), at most ``cap``."""
     return max(2, min(cap, int(min_total // nbytes) + 1))
 
@@ -79,7 +80,9 @@ def make_case(bs, ctx, num_q_heads, num_kv_heads, head_dim, shuffled, gen):
     }
 
 
-def bench_triton(case, max_kv_splits, num_sms, graph=True, rep=200):
+def bench_triton(cases, max_kv_splits, num_sms, graph=True, rep=200):
+    """(us per launch over ``cases``, copies of one case; eagerly: one Python launch on the first, output)."""
+    case = cases[0]
     q, k_buffer = case["q"], case["k_buffer"]
     bs, num_q_heads, head_dim = q.shape
     out = torch.empty_like(q)
@@ -87,51 +90,47 @@ def bench_triton(case, max_kv_splits, num_sms, graph=True, rep=200):
     lse = torch.empty(bs, num_q_heads, max_kv_splits, device="cuda")
     splits = compute_num_kv_splits(case["seq_lens"], num_sms, max_kv_splits, num_kv_heads=k_buffer.shape[1])
 
-    def run():
-        decode_attention_fwd(
-            q,
-            k_buffer,
-            case["v_buffer"],
-            out,
-            case["kv_indptr"],
-            case["kv_indices"],
-            splits,
-            max_kv_splits,
-            logits,
-            lse,
-            1 / math.sqrt(head_dim),
-        )
+    def launch(c):
+        return lambda: decode_attention_fwd(c["q"], c["k_buffer"], c["v_buffer"], out, c["kv_indptr"],
+                                            c["kv_indices"], splits, max_kv_splits, logits, lse,
+                                            1 / math.sqrt(head_dim))
 
-    return time_us(run, graph, rep), out
+    if not graph:
+        return time_us(launch(case), graph=False, rep=rep), out
+    us = graph_us([launch(c) for c in cases], rep=rep)
+    launch(case)()  # the output of the first copy, for the comparisons
+    return us, out
 
 
-def bench_sdpa(case):
-    """SDPA over KV gathered once into contiguous [B, Hkv, ctx, D] (the gather is not timed)."""
-    q = case["q"]
+def bench_sdpa(cases):
+    """SDPA over each copy's KV gathered once into contiguous [B, Hkv, ctx, D] (the gather is not timed)."""
+    q = cases[0]["q"]
     bs, _num_q_heads, head_dim = q.shape
-    ctx = case["kv_indices"].numel() // bs
-    idx = case["kv_indices"].long()
-    k = case["k_buffer"][idx].view(bs, ctx, -1, head_dim).transpose(1, 2)
-    v = case["v_buffer"][idx].view(bs, ctx, -1, head_dim).transpose(1, 2)
-    qs = q[:, :, None, :]
+    ctx = cases[0]["kv_indices"].numel() // bs
+    out = torch.empty_like(q[:, :, None, :])
 
-    out = torch.empty_like(qs)
-
-    def run():
-        out.copy_(torch.nn.functional.scaled_dot_product_attention(qs, k, v, enable_gqa=True))
+    def launch(c):
+        idx = c["kv_indices"].long()
+        k = c["k_buffer"][idx].view(bs, ctx, -1, head_dim).transpose(1, 2)
+        v = c["v_buffer"][idx].view(bs, ctx, -1, head_dim).transpose(1, 2)
+        qs = c["q"][:, :, None, :]
+        return lambda: out.copy_(torch.nn.functional.scaled_dot_product_attention(qs, k, v, enable_gqa=True))
 
     try:
-        us = time_us(run, graph=True)
+        launches = [launch(c) for c in cases]
+        us = graph_us(launches)
+        launches[0]()  # the output of the first copy, for the comparisons
     except RuntimeError as exc:  # e.g. out of memory at the largest shapes
         return None, str(exc).splitlines()[0]
     return us, out[:, :, 0, :]
 
 
-def bench_flashinfer(case):
+def bench_flashinfer(cases):
     try:
         import flashinfer
     except ImportError:
         return None, None
+    case = cases[0]
     q = case["q"]
     bs, num_q_heads, head_dim = q.shape
     num_kv_heads = case["k_buffer"].shape[1]
@@ -148,16 +147,18 @@ def bench_flashinfer(case):
         q_data_type=torch.bfloat16,
         kv_data_type=torch.bfloat16,
     )
-    paged = (case["k_buffer"][:, None], case["v_buffer"][:, None])  # page size 1: [pages, 1, Hkv, D]
     out = torch.empty_like(q)
 
-    def run():
-        wrapper.run(q, paged, out=out)
+    def launch(c):
+        paged = (c["k_buffer"][:, None], c["v_buffer"][:, None])  # page size 1: [pages, 1, Hkv, D]
+        return lambda: wrapper.run(c["q"], paged, out=out)
 
+    launches = [launch(c) for c in cases]
     try:
-        us = time_us(run, graph=True)
+        us = graph_us(launches)
     except Exception:  # noqa: BLE001  (capture unsupported in this version: time it eagerly)
-        us = time_us(run, graph=False)
+        us = time_us(launches[0], graph=False)
+    launches[0]()  # the output of the first copy, for the comparisons
     return us, out
 
 
@@ -169,7 +170,9 @@ def sweep(args, num_sms):
     """Stage-1 tile configs (at the default split heuristic), then the heuristic's programs per SM."""
     gen = torch.Generator().manual_seed(0)
     shapes = [(1, 4096), (16, 4096), (64, 4096), (256, 4096), (64, 512)]
-    cases = {s: make_case(*s, args.num_q_heads, args.num_kv_heads, args.head_dim, True, gen) for s in shapes}
+    kv_bytes = {s: 2 * s[0] * s[1] * args.num_kv_heads * args.head_dim * 2 for s in shapes}
+    cases = {s: copies_of(make_case(*s, args.num_q_heads, args.num_kv_heads, args.head_dim, True, gen),
+                          num_copies(kv_bytes[s])) for s in shapes}
     original_config, original_pps = decode_mod._split_kernel_config, decode_mod.PROGRAMS_PER_SM
 
     def measure(config, pps):
@@ -224,10 +227,9 @@ def main():
     results = []
     for bs in [] if args.sweep_only else args.batch_sizes:
         for ctx in args.contexts:
-            case = make_case(
-                bs, ctx, args.num_q_heads, args.num_kv_heads, args.head_dim, not args.contiguous, gen
-            )
             kv_bytes = 2 * bs * ctx * args.num_kv_heads * args.head_dim * 2
+            case = copies_of(make_case(bs, ctx, args.num_q_heads, args.num_kv_heads, args.head_dim,
+                                       not args.contiguous, gen), num_copies(kv_bytes))
             triton_us, out = bench_triton(case, args.max_kv_splits, num_sms)
             eager_us, _ = bench_triton(case, args.max_kv_splits, num_sms, graph=False)
             sdpa_us, sdpa_out = bench_sdpa(case)
@@ -254,7 +256,7 @@ def main():
     print(
         f"\nDecode, bf16, Hq={args.num_q_heads}, Hkv={args.num_kv_heads}, D={args.head_dim}, page 1, "
         f"{'contiguous' if args.contiguous else 'shuffled'} slots, {torch.cuda.get_device_name()}; "
-        "median us of CUDA-graph replays (triton eager: launched from Python)"
+        "median us per launch inside a CUDA graph (triton eager: one launch from Python)"
     )
     print(
         "| bs | ctx | triton us | triton TB/s | % of 3.0 TB/s | triton eager us | SDPA (gathered KV) us "
