@@ -14,6 +14,7 @@ break) keeps its launch after the first step (``DecodePlan``): while its q/k/v/o
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
@@ -109,6 +110,14 @@ class DecodeIndex:
             num_kv_splits=self.num_kv_splits[:bs],
             kv_start=self.kv_start[:bs] if self.kv_start is not None else None,
         )
+
+
+ONE_LAUNCH_ENV = "COMPILE_ATTN_DECODE_ONE_LAUNCH"
+
+
+def _one_launch_default() -> bool:
+    """One-launch decode unless ``COMPILE_ATTN_DECODE_ONE_LAUNCH`` is 0 (or false, off, no)."""
+    return os.environ.get(ONE_LAUNCH_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 @dataclass
@@ -210,12 +219,15 @@ class TritonBackend(AttentionBackend):
         deterministic: bool = False,
         split_size: int | None = None,
         graph_max_context: int | None = None,
+        one_launch_decode: bool | None = None,
     ) -> None:
         """Options: ``max_kv_splits`` (most KV splits per decode request; default triton_ops.DEFAULT_MAX_KV_SPLITS),
         ``deterministic`` (fixed ``split_size``-token splits, so a request's decode output is bitwise the same
         whatever else is in the batch), ``split_size`` (default triton_ops.DEFAULT_SPLIT_SIZE; the shortest
         split otherwise), ``graph_max_context`` (longest sequence a decode graph serves; default the cache's
-        max_context)."""
+        max_context), ``one_launch_decode`` (the split kernel merges the splits itself, one launch per decode
+        layer; False: a separate merge kernel, two launches; default on unless the environment sets
+        ``COMPILE_ATTN_DECODE_ONE_LAUNCH=0``, for A/B runs)."""
         self._ops = load_triton_ops()
         self._check_device(kv_cache.device)
         super().__init__(kv_cache, layers)
@@ -224,6 +236,7 @@ class TritonBackend(AttentionBackend):
         if self.max_kv_splits <= 0 or self.split_size <= 0:
             raise ValueError(f"max_kv_splits and split_size must be positive, got {max_kv_splits}, {split_size}")
         self.deterministic = deterministic
+        self.one_launch_decode = _one_launch_default() if one_launch_decode is None else bool(one_launch_decode)
         self.graph_max_context = graph_max_context or kv_cache.max_context
         self.num_sms = (
             torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 1
@@ -240,9 +253,10 @@ class TritonBackend(AttentionBackend):
         self._decode_plans: dict[tuple[int, int, bool], DecodePlan] = {}
         self.bound_decode_launches = 0  # decode layers launched through a DecodePlan (tests, debugging)
         logger.info(
-            "triton backend: %d layers, windows %s, max_kv_splits %d, split_size %d%s, %s",
+            "triton backend: %d layers, windows %s, max_kv_splits %d, split_size %d%s%s, %s",
             len(self.layers), ["full" if w is None else w for w in self.windows], self.max_kv_splits,
             self.split_size, ", deterministic" if deterministic else "",
+            "" if self.one_launch_decode else ", two-launch decode (separate merge kernel)",
             "interpreted kernels, so no full decode graphs (graph_support PIECEWISE_ONLY)"
             if self.graph_support is GraphSupport.PIECEWISE_ONLY else f"{self.num_sms} SMs",
         )
@@ -412,7 +426,7 @@ class TritonBackend(AttentionBackend):
             again = self._ops.decode_attention_fwd_and_bind(
                 q, k_buf, v_buf, out, idx.kv_indptr, idx.kv_indices, idx.num_kv_splits, self.max_kv_splits,
                 scratch.attn_logits, scratch.attn_lse, layer.scaling, layer.logit_cap, k_new=k, v_new=v,
-                new_loc=loc, semaphores=scratch.semaphores,
+                new_loc=loc, semaphores=scratch.semaphores if self.one_launch_decode else None,
             )
             if again is not None:
                 self._decode_plans[plan_key] = DecodePlan(inputs, step.indexes, again)
@@ -420,7 +434,7 @@ class TritonBackend(AttentionBackend):
         _run_into(out[:bs] if padded else out, lambda o: self._ops.decode_attention_fwd(
             q, k_buf, v_buf, o, idx.kv_indptr, idx.kv_indices, idx.num_kv_splits, self.max_kv_splits,
             scratch.attn_logits, scratch.attn_lse, layer.scaling, layer.logit_cap, k_new=k, v_new=v, new_loc=loc,
-            semaphores=scratch.semaphores,
+            semaphores=scratch.semaphores if self.one_launch_decode else None,
         ))
         if padded:
             out[bs:].zero_()

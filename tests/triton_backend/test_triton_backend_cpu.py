@@ -68,6 +68,23 @@ def test_matches_float64_reference(case: Case, dtype: torch.dtype) -> None:
         assert result.error < TOL[dtype], f"layer {layer_id}: relative error {result.error:.2e}"
 
 
+@pytest.mark.parametrize("case,dtype", [CASES[1], CASES[3]])
+def test_two_launch_decode_matches_float64_reference(case: Case, dtype: torch.dtype) -> None:
+    # one_launch_decode=False: the splits merge in a second kernel instead of inside the split kernel
+    kwargs = {"split_size": 64, "max_kv_splits": 4, "one_launch_decode": False}
+    for layer_id, result in enumerate(run_case(case, "cpu", dtype, backend_kwargs=kwargs)):
+        assert result.error < TOL[dtype], f"layer {layer_id}: relative error {result.error:.2e}"
+
+
+def test_one_launch_decode_follows_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    kv = Case(*DECODE, group=4, page_size=1).make_kv("cpu", F32)
+    layers = Case(*DECODE, group=4, page_size=1).layers()
+    assert create_backend("triton", kv, layers).one_launch_decode
+    monkeypatch.setenv("COMPILE_ATTN_DECODE_ONE_LAUNCH", "0")
+    assert not create_backend("triton", kv, layers).one_launch_decode
+    assert create_backend("triton", kv, layers, one_launch_decode=True).one_launch_decode
+
+
 @pytest.mark.parametrize("mode_lengths", [PREFIX, MIXED], ids=["prefix", "mixed"])
 def test_padding_tokens_of_a_piecewise_bucket_get_zero_output(mode_lengths: tuple) -> None:
     mode = ForwardMode.MIXED if mode_lengths is MIXED else None
