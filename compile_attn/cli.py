@@ -1,4 +1,5 @@
-"""The ``compile-attn`` command: ``generate`` text with a model, ``info`` about this machine's backends."""
+"""The ``compile-attn`` command: ``generate`` text with a model, ``info`` about this machine's backends, ``bench``
+decode steps and engine starts (``compile_attn.bench``, ``compile_attn.bench_engine``)."""
 
 from __future__ import annotations
 

@@ -36,7 +36,10 @@ def test_layer_constants_are_checked() -> None:
     assert layer.scaling == pytest.approx(0.125) and layer.v_head_dim == 64 and layer.group_size == 4
     with pytest.raises(ValueError, match="sliding_window must be a positive"):
         AttentionLayer(0, 8, 2, 64, sliding_window=0)
-    assert torch.ops.compile_attn.attention is not None
+    # the op is registered with the signature models trace (out is mutated in place, nothing returned)
+    schema = str(torch.ops.compile_attn.attention.default._schema)
+    assert schema.startswith("compile_attn::attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, int layer_id")
+    assert schema.endswith("-> ()")
 
 
 def test_installed_backends_need_their_kernel_package(monkeypatch) -> None:
