@@ -29,5 +29,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu") is not None:  # the marker, not any keyword or id named "gpu"
             item.add_marker(skip_gpu)

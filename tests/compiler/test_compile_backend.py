@@ -86,7 +86,8 @@ def test_dynamic_true_compiles_one_graph_for_all_token_counts():
     compiled = torch.compile(model, backend="compile_attn", dynamic=True, options={"compiler": "eager"})
     with compile_counters.expect(graphs_seen=1, floats_specialized=2, pieces_split=7, split_op_pieces=3):
         for num_tokens in (2, 7, 19):
-            run_step(compiled, SMALL, num_tokens, seed=num_tokens)
+            out = run_step(compiled, SMALL, num_tokens, seed=num_tokens)
+            torch.testing.assert_close(out, run_step(model, SMALL, num_tokens, seed=num_tokens), rtol=1e-6, atol=1e-6)
 
 
 class _Scaled(torch.nn.Module):

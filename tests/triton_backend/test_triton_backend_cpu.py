@@ -154,18 +154,20 @@ def test_in_graph_work_is_static_shaped_and_reuses_the_static_buffers() -> None:
         fb = padded_decode_batch(step, 4)
         q, k, v = (torch.cat([t, t[:1]]) for t in (step.q, step.k, step.v))
         backend.init_forward_metadata_out_graph(fb)
-        out = torch.empty_like(q)
+        outs = [torch.empty_like(q) for _ in layers]
         with _RecordOps() as rec:
             backend.init_forward_metadata_in_graph(fb)
-            for layer in layers:
+            for layer, out in zip(layers, outs):
                 backend.forward(q, k, v, layer, fb, out)
         records.append(rec.ops)
         meta = backend.step_metadata
         pointers.append([t.data_ptr() for idx in meta.indexes.values()
                          for t in (idx.kv_indptr, idx.kv_indices, idx.num_kv_splits, idx.kv_start) if t is not None])
-        expected = reference_attention(q[:3], k[:3], v[:3], *kv.pool.get_kv(1), kv.req_to_token, step.rows,
-                                       step.prefix_lens, step.extend_lens, scaling=layers[1].scaling)
-        assert max_rel_error(out[:3], expected) < TOL[F32]
+        for layer, out in zip(layers, outs):  # the windowed layer and the full one
+            expected = reference_attention(q[:3], k[:3], v[:3], *kv.pool.get_kv(layer.layer_id), kv.req_to_token,
+                                           step.rows, step.prefix_lens, step.extend_lens, scaling=layer.scaling,
+                                           sliding_window=layer.sliding_window)
+            assert max_rel_error(out[:3], expected) < TOL[F32], layer
         for row in step.rows:
             kv.free_request(row)
     assert records[0] == records[1]
