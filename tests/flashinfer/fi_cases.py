@@ -101,6 +101,7 @@ def run_case(case: Case, make_backend: MakeBackend, device: str, dtype: torch.dt
         # the step's K/V reached the pool
         k_pool, v_pool = kv.pool.get_kv(layer.layer_id)
         torch.testing.assert_close(k_pool[fb.out_cache_loc[:n]], k[:n].to(kv.pool.dtype))
+        torch.testing.assert_close(v_pool[fb.out_cache_loc[:n]], v[:n].to(kv.pool.dtype))
     return results
 
 
