@@ -112,19 +112,20 @@ def test_extend_matches_reference(case):
     assert rel_err(out, ref) <= TOLERANCE[case["dtype"]]
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(
     prefix=st.lists(st.integers(0, 80), min_size=1, max_size=3),
     seed=st.integers(0, 2**31 - 1),
     sliding_window=st.sampled_from([-1, 30]),
     explicit_indptr=st.booleans(),
+    density=st.sampled_from([0.1, 0.6, 0.95]),
 )
-def test_extend_custom_mask(prefix, seed, sliding_window, explicit_indptr):
+def test_extend_custom_mask(prefix, seed, sliding_window, explicit_indptr, density):
     """A tree-verification style mask replaces the causal rule (rows may even be fully masked)."""
     gen = torch.Generator().manual_seed(seed)
     extend = [int(torch.randint(1, 20, (), generator=gen)) for _ in prefix]
     cache, q, k, v = make_extend_batch(prefix, extend, 2, 4, 64, 64, 16, torch.float32, gen)
-    masks = [(torch.rand(e, p + e, generator=gen) < 0.6).to(DEVICE) for p, e in zip(prefix, extend)]
+    masks = [(torch.rand(e, p + e, generator=gen) < density).to(DEVICE) for p, e in zip(prefix, extend)]
     flat = torch.cat([m.flatten() for m in masks])
     sizes = torch.tensor([0] + [m.numel() for m in masks]).cumsum(0).to(DEVICE)
     opts = {
