@@ -161,7 +161,10 @@ class LLM:
     # ------------------------------------------------------------------ internals
     @staticmethod
     def _step_input_ids(step: ScheduledStep) -> array.array:
-        """The step's tokens, request after request: one memory copy per request (a prefill has thousands)."""
+        """The step's tokens, request after request: one memory copy per request (a prefill has thousands); a
+        decode step (one token each) reads each request's token at its prefix length in one comprehension."""
+        if step.extend_lens.count(1) == len(step.extend_lens):
+            return array.array("q", [r.token_ids[p] for r, p in zip(step.requests, step.prefix_lens)])
         ids = array.array("q")
         for r, p, n in zip(step.requests, step.prefix_lens, step.extend_lens):
             ids.extend(r.token_ids[p : p + n])
