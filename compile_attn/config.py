@@ -32,6 +32,12 @@ def parse_compile_sizes(text: str) -> tuple[int, ...] | None:
         raise ValueError(f"compile sizes must be 'auto', 'none' or comma-separated token counts, got {text!r}") from None
 
 
+def env_switched_off(name: str) -> bool:
+    """Whether environment variable ``name`` turns a default-on switch off: ``0``, ``false``, ``off`` or ``no``
+    (any case); unset or anything else leaves it on."""
+    return os.environ.get(name, "1").strip().lower() in ("0", "false", "off", "no")
+
+
 def default_cache_dir() -> str:
     """``$COMPILE_ATTN_CACHE_DIR``, else ``$XDG_CACHE_HOME/compile_attn``, else ``~/.cache/compile_attn``."""
     if os.environ.get("COMPILE_ATTN_CACHE_DIR"):

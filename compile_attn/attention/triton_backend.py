@@ -14,7 +14,6 @@ break) keeps its launch after the first step (``DecodePlan``): while its q/k/v/o
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
@@ -25,6 +24,7 @@ import torch
 from compile_attn.attention.base import AttentionBackend, GraphSupport
 from compile_attn.attention.registry import register_backend
 from compile_attn.batch import ForwardBatch
+from compile_attn.config import env_switched_off
 from compile_attn.errors import BackendUnavailableError, UnsupportedConfigError
 from compile_attn.host_tensors import to_device
 from compile_attn.kv_cache import KVCache
@@ -113,11 +113,6 @@ class DecodeIndex:
 
 
 ONE_LAUNCH_ENV = "COMPILE_ATTN_DECODE_ONE_LAUNCH"
-
-
-def _one_launch_default() -> bool:
-    """One-launch decode unless ``COMPILE_ATTN_DECODE_ONE_LAUNCH`` is 0 (or false, off, no)."""
-    return os.environ.get(ONE_LAUNCH_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 @dataclass
@@ -236,7 +231,9 @@ class TritonBackend(AttentionBackend):
         if self.max_kv_splits <= 0 or self.split_size <= 0:
             raise ValueError(f"max_kv_splits and split_size must be positive, got {max_kv_splits}, {split_size}")
         self.deterministic = deterministic
-        self.one_launch_decode = _one_launch_default() if one_launch_decode is None else bool(one_launch_decode)
+        if one_launch_decode is None:
+            one_launch_decode = not env_switched_off(ONE_LAUNCH_ENV)
+        self.one_launch_decode = bool(one_launch_decode)
         self.graph_max_context = graph_max_context or kv_cache.max_context
         self.num_sms = (
             torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 1

@@ -8,11 +8,12 @@ devices only, so callers stay free of host syncs (CUDA-graph capturable).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from compile_attn.config import env_switched_off
 
 LOG2E = 1.4426950408889634
 
@@ -47,7 +48,7 @@ PDL_ENV = "COMPILE_ATTN_PDL"
 
 def pdl_turned_off() -> bool:
     """``COMPILE_ATTN_PDL`` is 0 (or false, off, no)."""
-    return os.environ.get(PDL_ENV, "1").strip().lower() in ("0", "false", "off", "no")
+    return env_switched_off(PDL_ENV)
 
 
 @functools.lru_cache(maxsize=None)
