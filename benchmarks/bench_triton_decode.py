@@ -26,15 +26,10 @@ from compile_attn.attention.triton_ops import decode_attention as decode_mod
 PEAK_TB_S = 3.0  # measured HBM bandwidth of the H100 this was tuned on
 
 
-def time_us(fn, graph: bool, rep: int = 200) -> float:
-    """Median microseconds of fn(), or of the replay of a CUDA graph that captured fn()."""
-    fn()  # compile / warm up outside any capture
+def eager_us(fn, rep: int = 200) -> float:
+    """Median microseconds of fn() launched from Python (``graph_us`` for launches inside a CUDA graph)."""
+    fn()  # compile / warm up
     torch.cuda.synchronize()
-    if graph:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        fn = g.replay
     return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median") * 1e3
 
 
@@ -58,10 +53,11 @@ def num_copies(nbytes: float, min_total: float = 256e6, cap: int = 256) -> int:
     return max(2, min(cap, int(min_total // nbytes) + 1))
 
 
-def copies_of(case: dict, n: int) -> list[dict]:
-    """``case`` and ``n - 1`` copies with their own q, K and V (same slots and lengths): launches over them in turn
-    read from HBM, not from L2."""
+def copies_of(case: dict) -> list[dict]:
+    """``case`` and copies of it with their own q, K and V (same slots and lengths), as many as ``num_copies`` of
+    its K/V bytes: launches over them in turn read from HBM, not from L2."""
     fresh = ("q", "k_buffer", "v_buffer")
+    n = num_copies(case["k_buffer"].nbytes + case["v_buffer"].nbytes)
     return [case] + [{**case, **{k: torch.randn_like(case[k]) for k in fresh}} for _ in range(n - 1)]
 
 
@@ -96,7 +92,7 @@ def bench_triton(cases, max_kv_splits, num_sms, graph=True, rep=200):
                                             1 / math.sqrt(head_dim))
 
     if not graph:
-        return time_us(launch(case), graph=False, rep=rep), out
+        return eager_us(launch(case), rep=rep), out
     us = graph_us([launch(c) for c in cases], rep=rep)
     launch(case)()  # the output of the first copy, for the comparisons
     return us, out
@@ -157,7 +153,7 @@ def bench_flashinfer(cases):
     try:
         us = graph_us(launches)
     except Exception:  # noqa: BLE001  (capture unsupported in this version: time it eagerly)
-        us = time_us(launches[0], graph=False)
+        us = eager_us(launches[0])
     launches[0]()  # the output of the first copy, for the comparisons
     return us, out
 
@@ -170,9 +166,8 @@ def sweep(args, num_sms):
     """Stage-1 tile configs (at the default split heuristic), then the heuristic's programs per SM."""
     gen = torch.Generator().manual_seed(0)
     shapes = [(1, 4096), (16, 4096), (64, 4096), (256, 4096), (64, 512)]
-    kv_bytes = {s: 2 * s[0] * s[1] * args.num_kv_heads * args.head_dim * 2 for s in shapes}
-    cases = {s: copies_of(make_case(*s, args.num_q_heads, args.num_kv_heads, args.head_dim, True, gen),
-                          num_copies(kv_bytes[s])) for s in shapes}
+    cases = {s: copies_of(make_case(*s, args.num_q_heads, args.num_kv_heads, args.head_dim, True, gen))
+             for s in shapes}
     original_config, original_pps = decode_mod._split_kernel_config, decode_mod.PROGRAMS_PER_SM
 
     def measure(config, pps):
@@ -229,7 +224,7 @@ def main():
         for ctx in args.contexts:
             kv_bytes = 2 * bs * ctx * args.num_kv_heads * args.head_dim * 2
             case = copies_of(make_case(bs, ctx, args.num_q_heads, args.num_kv_heads, args.head_dim,
-                                       not args.contiguous, gen), num_copies(kv_bytes))
+                                       not args.contiguous, gen))
             triton_us, out = bench_triton(case, args.max_kv_splits, num_sms)
             eager_us, _ = bench_triton(case, args.max_kv_splits, num_sms, graph=False)
             sdpa_us, sdpa_out = bench_sdpa(case)

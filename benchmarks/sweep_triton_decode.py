@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from bench_triton_decode import PEAK_TB_S, copies_of, graph_us, make_case, num_copies
+from bench_triton_decode import PEAK_TB_S, copies_of, graph_us, make_case
 from compile_attn.attention.triton_ops import compute_num_kv_splits, decode_attention_fwd
 from compile_attn.attention.triton_ops.decode_attention import decode_semaphores
 from compile_attn.attention.triton_ops import decode_attention as decode_mod
@@ -74,7 +74,7 @@ def main() -> None:
     for name in args.cases.split(","):
         bs, ctx = (int(x) for x in name.split("x"))
         kv_bytes = 2 * bs * ctx * 8 * 64 * 2
-        case = copies_of(make_case(bs, ctx, 32, 8, 64, True, gen), num_copies(kv_bytes))
+        case = copies_of(make_case(bs, ctx, 32, 8, 64, True, gen))
         default = run_case(case, args.max_kv_splits, num_sms, decode_mod.PROGRAMS_PER_SM,
                            decode_mod.DEFAULT_SPLIT_SIZE, None, args.one_launch)
         rows = []
