@@ -102,35 +102,26 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_gemv.py needs a CUDA GPU")
 
-    torch.manual_seed(0)
-    variants = {
-        "cublas": F.linear,
-        "inductor_coordesc": lambda: torch.compile(F.linear, dynamic=False,
-                                                   options={"coordinate_descent_tuning": True}),
-        "inductor_reduction": lambda: torch.compile(gemv_as_reduction, dynamic=False),
-        "inductor_max_autotune": lambda: torch.compile(F.linear, dynamic=False, mode="max-autotune-no-cudagraphs"),
-        "inductor_decompose_k": lambda: torch.compile(F.linear, dynamic=False, options=DECOMPOSE_K_OPTIONS),
-        "cublaslt": cublaslt_linear,
-        **{f"split_k_{s}": split_k_linear(s) for s in (2, 4, 8)},
-    }
-    if args.rows > 1:
-        del variants["inductor_reduction"]
-    if not args.max_autotune:
-        del variants["inductor_max_autotune"]
     if args.decompose_k and "triton.decompose_k_threshold" not in torch._inductor.config.get_config_copy():
         raise SystemExit(f"--decompose-k: torch {torch.__version__}'s Inductor has no decompose-K choice")
-    if not args.decompose_k:
-        del variants["inductor_decompose_k"]
-    if not args.cublaslt:
-        del variants["cublaslt"]
-    if not args.split_k:
-        for s in (2, 4, 8):
-            del variants[f"split_k_{s}"]
-    titles = {"cublas": "cuBLAS", "inductor_coordesc": "Inductor mm, coordinate descent",
-              "inductor_reduction": "Inductor multiply-sum, default config",
-              "inductor_max_autotune": "Inductor max-autotune",
-              "inductor_decompose_k": "Inductor max-autotune with split-K", "cublaslt": "cuBLASLt",
-              **{f"split_k_{s}": f"cuBLAS bmm split-K {s} + sum" for s in (2, 4, 8)}}
+    torch.manual_seed(0)
+    # (key, column title, a factory of the linear it times (called per shape: a fresh compile each), timed in this run)
+    table = [
+        ("cublas", "cuBLAS", lambda: F.linear, True),
+        ("inductor_coordesc", "Inductor mm, coordinate descent",
+         lambda: torch.compile(F.linear, dynamic=False, options={"coordinate_descent_tuning": True}), True),
+        ("inductor_reduction", "Inductor multiply-sum, default config",
+         lambda: torch.compile(gemv_as_reduction, dynamic=False), args.rows == 1),
+        ("inductor_max_autotune", "Inductor max-autotune",
+         lambda: torch.compile(F.linear, dynamic=False, mode="max-autotune-no-cudagraphs"), args.max_autotune),
+        ("inductor_decompose_k", "Inductor max-autotune with split-K",
+         lambda: torch.compile(F.linear, dynamic=False, options=DECOMPOSE_K_OPTIONS), args.decompose_k),
+        ("cublaslt", "cuBLASLt", lambda: cublaslt_linear, args.cublaslt),
+        *((f"split_k_{s}", f"cuBLAS bmm split-K {s} + sum", lambda s=s: split_k_linear(s), args.split_k)
+          for s in (2, 4, 8)),
+    ]
+    variants = {key: make for key, _, make, on in table if on}
+    titles = {key: title for key, title, _, _ in table}
     rows = []
     lines = ["| weight | K x N | MB | floor us | " + " | ".join(f"{titles[v]} us (TB/s)" for v in variants)
              + " | max abs diff against cuBLAS |",
@@ -145,7 +136,7 @@ def main() -> None:
         cells, diffs = [], []
         for variant, make in variants.items():
             torch._dynamo.reset()
-            fn = make() if variant.startswith("inductor") else make
+            fn = make()
             diff = (fn(x, weights[0]).float() - ref).abs().max().item()
             us = per_call_us(fn, x, weights)
             row[f"{variant}_us"], row[f"{variant}_max_abs_diff"] = us, diff
