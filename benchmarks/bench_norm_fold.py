@@ -11,7 +11,8 @@ the ~65 us of a layer on the H100 (benchmarks/RESULTS.md, twelfth session).
 
 This times both forms of "o projection -> add + RMSNorm -> gate/up projection" at one token, each compiled by
 Inductor with static shapes and the static compiles' patches (``compile_sizes.STATIC_PATCHES``), every call
-reading another copy of the weights inside one CUDA graph (as ``bench_gemv.py``), and checks both against float64.
+reading another copy of the weights inside one CUDA graph (``bench_triton_decode.graph_us``), and checks both
+against float64.
 If the folded form is not clearly faster (Inductor may not put the two sums in one kernel), the pass is not worth
 writing.
 
@@ -81,13 +82,6 @@ def check(device: str, hidden: int = 64, inter2: int = 96) -> dict[str, float]:
     return errors
 
 
-def per_call_us(fn, inputs_per_call: list[tuple]) -> float:  # noqa: ANN001
-    """Microseconds per call, each call on its own weights, all inside one CUDA graph."""
-    from triton.testing import do_bench_cudagraph
-
-    return do_bench_cudagraph(lambda: [fn(*inputs) for inputs in inputs_per_call], rep=200) * 1e3 / len(inputs_per_call)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=2048)
@@ -102,6 +96,9 @@ def main() -> None:
         return
     if not torch.cuda.is_available():
         raise SystemExit("timing needs a CUDA GPU (use --check on the CPU)")
+    from bench_triton_decode import graph_us  # benchmarks/ is on the path of a script run
+    from torch._inductor.utils import run_and_get_code
+
     gen = torch.Generator().manual_seed(0)
     hidden, inter2 = args.hidden, 2 * args.intermediate
     weight_bytes = (hidden * hidden + inter2 * hidden) * 2
@@ -114,12 +111,11 @@ def main() -> None:
     for name, fn in (("unfolded (o, add + RMSNorm, gate/up)", unfolded), ("folded", folded)):
         torch._dynamo.reset()
         compiled = torch.compile(fn, dynamic=False, options=dict(STATIC_PATCHES))
-        from torch._inductor.utils import run_and_get_code
-
         (out, _), code = run_and_get_code(compiled, *calls[0])
         kernels = sum(src.count("@triton.jit") for src in code)
         err = ((out.double() - ref_out).abs().max() / ref_out.abs().max()).item()
-        print(f"| {name} | {per_call_us(compiled, calls):.1f} | {kernels} | {err:.1e} |", flush=True)
+        us = graph_us([lambda inputs=inputs: compiled(*inputs) for inputs in calls])  # each call on its own weights
+        print(f"| {name} | {us:.1f} | {kernels} | {err:.1e} |", flush=True)
 
 
 if __name__ == "__main__":
