@@ -96,14 +96,14 @@ def main() -> None:
         return
     if not torch.cuda.is_available():
         raise SystemExit("timing needs a CUDA GPU (use --check on the CPU)")
-    from bench_triton_decode import graph_us  # benchmarks/ is on the path of a script run
+    from bench_triton_decode import graph_us, num_copies  # benchmarks/ is on the path of a script run
     from torch._inductor.utils import run_and_get_code
 
     gen = torch.Generator().manual_seed(0)
     hidden, inter2 = args.hidden, 2 * args.intermediate
     weight_bytes = (hidden * hidden + inter2 * hidden) * 2
-    copies = max(2, int(256e6 // weight_bytes) + 1)  # > 256 MB of weights in all: no L2 reuse between calls
-    calls = [make_inputs(hidden, inter2, "cuda", torch.bfloat16, gen) for _ in range(copies)]
+    # > 256 MB of weights in all: no L2 reuse between calls
+    calls = [make_inputs(hidden, inter2, "cuda", torch.bfloat16, gen) for _ in range(num_copies(weight_bytes))]
     ref_out, _ = reference(*calls[0])
     print(f"one token, hidden {hidden}, gate/up {inter2} x {hidden}; weights {weight_bytes / 1e6:.1f} MB, "
           f"floor {weight_bytes / 3.0e12 * 1e6:.1f} us at 3.0 TB/s")
