@@ -37,6 +37,6 @@ def family_models(request: pytest.FixtureRequest):  # noqa: ANN201
 def test_greedy_equals_hf_generate_in_every_graph_mode(family_models, graph_mode: str, compile: bool) -> None:  # noqa: ANN001
     family, model, refs = family_models
     llm = LLM(model, graph_mode=graph_mode, compile=compile, compile_options={"compiler": "eager"},
-              max_batch_size=4, max_num_tokens=32, max_context=64, page_size=4)
+              max_batch_size=4, max_num_tokens=32, max_context=64, page_size=4, device="cpu")
     outs = llm.generate(PROMPTS, SamplingParams(max_new_tokens=N_NEW, ignore_eos=True))
     assert [o.token_ids for o in outs] == refs, f"{family} in {graph_mode}"

@@ -44,7 +44,7 @@ PROMPTS = [[(7 * i + j) % CFG.vocab_size for j in range(n)] for i, n in enumerat
 
 def make_llm(model: ToyDecoder, **kw) -> LLM:
     args = dict(max_batch_size=4, max_num_tokens=24, kv_cache_tokens=256, max_context=64, page_size=4,
-                graph_mode="none", compile=False)
+                graph_mode="none", compile=False, device="cpu")  # the CPU test, also where CUDA is present
     args.update(kw)
     return LLM(model, **args)
 
