@@ -9,6 +9,7 @@ times the kernel with the merge fused in (semaphores), as the triton backend run
 
     python benchmarks/sweep_triton_decode.py --out sweep.json
     python benchmarks/sweep_triton_decode.py --one-launch --quick --cases 1x512,64x512
+    python benchmarks/sweep_triton_decode.py --tiles-only --cases 1x512,4x512,16x512   # tiles per batch size
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ def main() -> None:
     parser.add_argument("--one-launch", action="store_true",
                         help="merge the splits inside the split kernel (semaphores), as the triton backend does")
     parser.add_argument("--quick", action="store_true", help="a smaller grid (96 combinations per case)")
+    parser.add_argument("--tiles-only", action="store_true",
+                        help="the default split policy; only BLOCK_N 32/64, 2/4 warps, 2/3 stages (8 per case)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -70,6 +73,9 @@ def main() -> None:
     grid = list(itertools.product((2, 4, 8, 16), (32, 64, 128), (16, 32, 64), (2, 4), (2, 3, 4)))
     if args.quick:
         grid = list(itertools.product((2, 4, 8, 16), (32, 64, 128), (32, 64), (2, 4), (2, 3)))
+    if args.tiles_only:
+        grid = list(itertools.product((decode_mod.PROGRAMS_PER_SM,), (decode_mod.DEFAULT_SPLIT_SIZE,), (32, 64), (2, 4),
+                                      (2, 3)))
     results = {}
     for name in args.cases.split(","):
         bs, ctx = (int(x) for x in name.split("x"))
@@ -90,7 +96,7 @@ def main() -> None:
         results[name] = dict(default_us=default, kv_bytes=kv_bytes, rows=rows)
         print(f"\n## {name}: default {default:.1f} us ({kv_bytes / default / 1e6 / PEAK_TB_S:.0%} of {PEAK_TB_S} TB/s)")
         print("| programs/SM | min split | BLOCK_N | warps | stages | us | % BW |\n|---|---|---|---|---|---|---|")
-        for r in ok[:6]:
+        for r in ok[:8 if args.tiles_only else 6]:
             print(f"| {r['programs_per_sm']} | {r['split_size']} | {r['BLOCK_N']} | {r['num_warps']} | "
                   f"{r['num_stages']} | {r['us']:.1f} | {kv_bytes / r['us'] / 1e6 / PEAK_TB_S:.0%} |", flush=True)
     if args.out:

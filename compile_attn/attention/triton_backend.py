@@ -217,8 +217,8 @@ class TritonBackend(AttentionBackend):
         one_launch_decode: bool | None = None,
     ) -> None:
         """Options: ``max_kv_splits`` (most KV splits per decode request; default triton_ops.DEFAULT_MAX_KV_SPLITS),
-        ``deterministic`` (fixed ``split_size``-token splits, so a request's decode output is bitwise the same
-        whatever else is in the batch), ``split_size`` (default triton_ops.DEFAULT_SPLIT_SIZE; the shortest
+        ``deterministic`` (fixed ``split_size``-token splits and one KV tile size for every batch size, so a
+        request's decode output is bitwise the same whatever else is in the batch), ``split_size`` (default triton_ops.DEFAULT_SPLIT_SIZE; the shortest
         split otherwise), ``graph_max_context`` (longest sequence a decode graph serves; default the cache's
         max_context), ``one_launch_decode`` (the split kernel merges the splits itself, one launch per decode
         layer; False: a separate merge kernel, two launches; default on unless the environment sets
@@ -424,6 +424,7 @@ class TritonBackend(AttentionBackend):
                 q, k_buf, v_buf, out, idx.kv_indptr, idx.kv_indices, idx.num_kv_splits, self.max_kv_splits,
                 scratch.attn_logits, scratch.attn_lse, layer.scaling, layer.logit_cap, k_new=k, v_new=v,
                 new_loc=loc, semaphores=scratch.semaphores if self.one_launch_decode else None,
+                batch_invariant=self.deterministic,
             )
             if again is not None:
                 self._decode_plans[plan_key] = DecodePlan(inputs, step.indexes, again)
@@ -431,7 +432,7 @@ class TritonBackend(AttentionBackend):
         _run_into(out[:bs] if padded else out, lambda o: self._ops.decode_attention_fwd(
             q, k_buf, v_buf, o, idx.kv_indptr, idx.kv_indices, idx.num_kv_splits, self.max_kv_splits,
             scratch.attn_logits, scratch.attn_lse, layer.scaling, layer.logit_cap, k_new=k, v_new=v, new_loc=loc,
-            semaphores=scratch.semaphores if self.one_launch_decode else None,
+            semaphores=scratch.semaphores if self.one_launch_decode else None, batch_invariant=self.deterministic,
         ))
         if padded:
             out[bs:].zero_()

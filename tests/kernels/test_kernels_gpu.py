@@ -17,6 +17,7 @@ from compile_attn.attention.triton_ops import (
     decode_semaphores,
     extend_attention_fwd,
 )
+from compile_attn.attention.triton_ops import decode_attention as decode_module
 
 pytestmark = [
     pytest.mark.gpu,
@@ -79,6 +80,7 @@ def decode(cache, q, seq_lens, deterministic=False, logit_cap=0.0, new_tokens=No
         logit_cap,
         **({} if new_tokens is None else dict(zip(("k_new", "v_new", "new_loc"), new_tokens))),
         semaphores=semaphores,
+        batch_invariant=deterministic,
     )
     if one_launch:
         assert not semaphores.any()
@@ -118,6 +120,24 @@ def test_decode_long_context_bf16(head_dim, v_head_dim, page_size, logit_cap, on
     ref = reference_decode(cache, q, 1 / math.sqrt(head_dim), logit_cap)
     assert not out.isnan().any()
     assert rel_err(out, ref) <= TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("one_launch", [False, True])
+def test_decode_small_batch_tiles_and_large_batch_tiles(one_launch):
+    """Head dim 64 decodes with larger KV tiles at up to SMALL_BATCH requests than above it: the same requests
+    alone and inside a batch of SMALL_BATCH + 8 both match the float64 reference."""
+    gen = torch.Generator().manual_seed(5)
+    bs = decode_module.SMALL_BATCH + 8
+    lengths = [1, 63, 64, 65, 700, *torch.randint(1, 3000, (bs - 5,), generator=gen).tolist()]
+    cache = make_paged_cache(lengths, 8, 64, 64, 16, torch.bfloat16, gen, device="cuda")
+    q = torch.randn(bs, 32, 64, generator=gen).to(torch.bfloat16).cuda()
+    ref = reference_decode(cache, q, 1 / 8)
+    whole = decode(cache, q, torch.tensor(lengths, dtype=torch.int32, device="cuda"), one_launch=one_launch)
+    assert rel_err(whole, ref) <= TOLERANCE[torch.bfloat16]
+    members = [0, 1, 2, 3, 4]
+    part = decode(make_sub_batch(cache, members), q[members],
+                  torch.tensor(lengths[:5], dtype=torch.int32, device="cuda"), one_launch=one_launch)
+    assert rel_err(part, ref[members]) <= TOLERANCE[torch.bfloat16]
 
 
 def test_decode_one_launch_merge_has_no_race():

@@ -53,6 +53,9 @@ DEFAULT_SPLIT_SIZE = 64  # swept with benchmarks/sweep_triton_decode.py (128: 15
 DEFAULT_MAX_KV_SPLITS = 16
 # compute_num_kv_splits aims for about this many stage-1 programs per SM.
 PROGRAMS_PER_SM = 4
+# Batches of at most this many requests take stage-1 tiles of their own (``_split_kernel_config``) unless the
+# caller asks for batch-invariant tiles.
+SMALL_BATCH = 32
 
 
 @triton.jit
@@ -326,16 +329,19 @@ def _decode_merge_kernel(
 _LAUNCH_MERGE = CachedLaunch(_decode_merge_kernel)
 
 
-def _split_kernel_config(block_d: int, block_dv: int, use_dot: bool) -> dict:
-    """Tile sizes for stage 1. Depends only on head dims and grouping, never on the batch, so a
-    request's result does not change with batch composition (deterministic mode relies on this).
+def _split_kernel_config(block_d: int, block_dv: int, use_dot: bool, small_batch: bool = False) -> dict:
+    """Tile sizes for stage 1, from the head dims and grouping and, unless the caller asks for batch-invariant
+    tiles (deterministic mode: a request's result must not change with batch composition), whether the batch
+    has at most ``SMALL_BATCH`` requests.
 
     Swept on an H100 (bf16, Hq=32, Hkv=8, shuffled page-1 slots, 64 x 4096 tokens), three pipeline
     stages throughout: D=64 BLOCK_N=32 213 us (BLOCK_N=64: 234), D=128 BLOCK_N=64 384 us
     (BLOCK_N=32: 394), D=256 BLOCK_N=32 740 us (BLOCK_N=64: 776). D=64 swept again over warps and
     stages at 1/16/64/256 x 512 and 64 x 4096 (``benchmarks/sweep_triton_decode.py``): 2 warps,
     2 stages is within 0-8% of the best at every shape, 4 warps / 3 stages up to 24% slower
-    (64 x 512: 43.2 vs 53.1 us; 256 x 512: 135 vs 167 us).
+    (64 x 512: 43.2 vs 53.1 us; 256 x 512: 135 vs 167 us). Per launch (``--tiles-only``, thirteenth session),
+    D=64 with BLOCK_N=64 at 1/2/4/8/16/32 x 512 and 1/4 x 2048: 6.1/6.8/7.8/9.8/12.3/18.7/10.6/14.9 us against
+    BLOCK_N=32's 7.0/7.5/8.5/10.3/13.7/19.9/12.2/16.3 (one launch); at 64 x 512 BLOCK_N=32 wins (32.6 vs 39.5).
     """
     if is_interpreted(_decode_split_kernel):
         return {"BLOCK_N": 32}  # the interpreter's per-op cost favours few, large tiles
@@ -343,14 +349,14 @@ def _split_kernel_config(block_d: int, block_dv: int, use_dot: bool) -> dict:
     if not use_dot:
         return {"BLOCK_N": 32 if widest <= 128 else 16, "num_warps": 4, "num_stages": 3}
     if widest <= 64:
-        return {"BLOCK_N": 32, "num_warps": 2, "num_stages": 2}
+        return {"BLOCK_N": 64 if small_batch else 32, "num_warps": 2, "num_stages": 2}
     return {"BLOCK_N": 64 if widest == 128 else 32, "num_warps": 4, "num_stages": 3}
 
 
 @functools.lru_cache(maxsize=256)
 def _launch_meta(
     num_q_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: int, dtype: torch.dtype, max_kv_splits: int,
-    has_cap: bool, pdl: bool,
+    has_cap: bool, pdl: bool, small_batch: bool = False,
 ) -> tuple[int, dict, dict]:
     """(head blocks per KV head, stage-1 constexprs and options, stage-2 ones): a function of the shapes only,
     computed once per shape (decode runs once per layer per step)."""
@@ -362,7 +368,8 @@ def _launch_meta(
     split = dict(
         GROUP=group, BLOCK_H=block_h, H_BLOCKS=h_blocks, BLOCK_D=block_d, BLOCK_DV=block_dv, HEAD_DIM=head_dim,
         V_HEAD_DIM=v_head_dim, SPLIT_ALIGN=SPLIT_ALIGN, USE_DOT=use_dot, HAS_CAP=has_cap,
-        DOT_PRECISION=dot_precision(_decode_split_kernel, dtype), **_split_kernel_config(block_d, block_dv, use_dot),
+        DOT_PRECISION=dot_precision(_decode_split_kernel, dtype),
+        **_split_kernel_config(block_d, block_dv, use_dot, small_batch),
     )
     if pdl:
         split["launch_pdl"] = True
@@ -473,6 +480,7 @@ def decode_attention_fwd(
     v_new: torch.Tensor | None = None,
     new_loc: torch.Tensor | None = None,
     semaphores: torch.Tensor | None = None,
+    batch_invariant: bool = False,
 ) -> None:
     """Decode attention of ``q[B, Hq, D]`` over the cache into ``out[B, Hq, Dv]``.
 
@@ -490,10 +498,15 @@ def decode_attention_fwd(
     With ``semaphores`` (int32 ``[>= B, >= Hq]``, zero-filled, e.g. from :func:`decode_semaphores`) the merge of
     the splits runs inside the split kernel: one launch instead of two. The kernel leaves them zero again;
     two launches must not share one buffer at the same time (one per stream, as the scratch).
+
+    Batches of up to ``SMALL_BATCH`` requests run with larger KV tiles than bigger ones (faster there), so a
+    request's output bits can change with the batch size; ``batch_invariant=True`` keeps one tile size for every
+    batch (with ``compute_num_kv_splits(deterministic=True)``: bitwise the same output in any batch).
     """
     for launch, grid, args, kwargs in _decode_launches(
         q, k_buffer, v_buffer, out, kv_indptr, kv_indices, num_kv_splits, max_kv_splits, attn_logits, attn_lse,
         sm_scale, logit_cap, k_new=k_new, v_new=v_new, new_loc=new_loc, semaphores=semaphores,
+        batch_invariant=batch_invariant,
     ):
         launch(grid, *args, **kwargs)
 
@@ -542,6 +555,7 @@ def _decode_launches(
     v_new: torch.Tensor | None = None,
     new_loc: torch.Tensor | None = None,
     semaphores: torch.Tensor | None = None,
+    batch_invariant: bool = False,
 ) -> list[tuple[CachedLaunch, tuple, tuple, dict]]:
     """The checked launches (launcher, grid, positional and keyword arguments) of one decode_attention_fwd."""
     check_device(_decode_split_kernel, q, k_buffer, v_buffer, out, kv_indptr, kv_indices)
@@ -588,7 +602,8 @@ def _decode_launches(
     # PDL for the one-launch form only: the two-launch form's merge kernel would wait on the split kernel anyway
     pdl = fuse_merge and _use_pdl(q)
     h_blocks, split_meta, merge_meta = _launch_meta(num_q_heads, num_kv_heads, head_dim, v_head_dim, q.dtype,
-                                                    max_kv_splits, logit_cap > 0, pdl)
+                                                    max_kv_splits, logit_cap > 0, pdl,
+                                                    not batch_invariant and bs <= SMALL_BATCH)
     split_args = (
         q,
         k_buffer,
