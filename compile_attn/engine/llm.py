@@ -174,15 +174,17 @@ class LLM:
         ends = list(accumulate(fb.extend_seq_lens_cpu))
         keep = [ends[i] - 1 for i in sampled]
         reqs = [step.requests[i] for i in sampled]
+        every_row = len(keep) == fb.num_tokens  # the LM head runs on every row (a decode step): no index tensor
+        if all(r.params.temperature <= 0 for r in reqs):  # all greedy: skip the softmax / sort / noise kernels
+            # and their inputs (a greedy decode step uploads nothing here)
+            keep_t = None if every_row else to_device([keep], torch.int64, self.device)[0]
+            logits = self.step_runner.run(fb, keep_t)
+            return logits.argmax(dim=-1).tolist() if sampled else []
         # Two host-to-device copies for the step (one per dtype), not one per field.
         keep_t, top_k, seeds, positions = to_device(
             [keep, [r.params.top_k for r in reqs], [r.seed for r in reqs], [len(r.token_ids) for r in reqs]],
             torch.int64, self.device)
-        logits = self.step_runner.run(fb, None if len(keep) == fb.num_tokens else keep_t)  # None: every row
-        if not sampled:  # every request in the step is mid-way through a chunked prefill
-            return []
-        if all(r.params.temperature <= 0 for r in reqs):  # all greedy: skip the softmax / sort / noise kernels
-            return logits.argmax(dim=-1).tolist()
+        logits = self.step_runner.run(fb, None if every_row else keep_t)
         temperature, top_p = upload(torch.tensor(
             [[r.params.temperature for r in reqs], [r.params.top_p for r in reqs]], dtype=torch.float32
         ), self.device).unbind(0)
