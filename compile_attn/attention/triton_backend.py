@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -218,11 +219,11 @@ class TritonBackend(AttentionBackend):
     ) -> None:
         """Options: ``max_kv_splits`` (most KV splits per decode request; default triton_ops.DEFAULT_MAX_KV_SPLITS),
         ``deterministic`` (fixed ``split_size``-token splits and one KV tile size for every batch size, so a
-        request's decode output is bitwise the same whatever else is in the batch), ``split_size`` (default triton_ops.DEFAULT_SPLIT_SIZE; the shortest
-        split otherwise), ``graph_max_context`` (longest sequence a decode graph serves; default the cache's
-        max_context), ``one_launch_decode`` (the split kernel merges the splits itself, one launch per decode
-        layer; False: a separate merge kernel, two launches; default on unless the environment sets
-        ``COMPILE_ATTN_DECODE_ONE_LAUNCH=0``, for A/B runs)."""
+        request's decode output is bitwise the same whatever else is in the batch), ``split_size`` (default
+        triton_ops.DEFAULT_SPLIT_SIZE; the shortest split otherwise), ``graph_max_context`` (longest sequence a
+        decode graph serves; default the cache's max_context), ``one_launch_decode`` (the split kernel merges the
+        splits itself, one launch per decode layer; False: a separate merge kernel, two launches; default on
+        unless the environment sets ``COMPILE_ATTN_DECODE_ONE_LAUNCH=0``, for A/B runs)."""
         self._ops = load_triton_ops()
         self._check_device(kv_cache.device)
         super().__init__(kv_cache, layers)
@@ -417,23 +418,21 @@ class TritonBackend(AttentionBackend):
             q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
             bind = False
         padded = out.shape[0] > bs
+
+        def decode(launch: Callable[..., Any], o: torch.Tensor) -> Any:  # both launch forms take these arguments
+            return launch(q, k_buf, v_buf, o, idx.kv_indptr, idx.kv_indices, idx.num_kv_splits, self.max_kv_splits,
+                          scratch.attn_logits, scratch.attn_lse, layer.scaling, layer.logit_cap, k_new=k, v_new=v,
+                          new_loc=loc, semaphores=scratch.semaphores if self.one_launch_decode else None,
+                          batch_invariant=self.deterministic)
+
         if bind and not padded and out.stride(-1) == 1 and not (
             self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         ):
-            again = self._ops.decode_attention_fwd_and_bind(
-                q, k_buf, v_buf, out, idx.kv_indptr, idx.kv_indices, idx.num_kv_splits, self.max_kv_splits,
-                scratch.attn_logits, scratch.attn_lse, layer.scaling, layer.logit_cap, k_new=k, v_new=v,
-                new_loc=loc, semaphores=scratch.semaphores if self.one_launch_decode else None,
-                batch_invariant=self.deterministic,
-            )
+            again = decode(self._ops.decode_attention_fwd_and_bind, out)
             if again is not None:
                 self._decode_plans[plan_key] = DecodePlan(inputs, step.indexes, again)
             return
-        _run_into(out[:bs] if padded else out, lambda o: self._ops.decode_attention_fwd(
-            q, k_buf, v_buf, o, idx.kv_indptr, idx.kv_indices, idx.num_kv_splits, self.max_kv_splits,
-            scratch.attn_logits, scratch.attn_lse, layer.scaling, layer.logit_cap, k_new=k, v_new=v, new_loc=loc,
-            semaphores=scratch.semaphores if self.one_launch_decode else None, batch_invariant=self.deterministic,
-        ))
+        _run_into(out[:bs] if padded else out, lambda o: decode(self._ops.decode_attention_fwd, o))
         if padded:
             out[bs:].zero_()
 
