@@ -9,6 +9,10 @@ Triton kernel wrappers it launches (each issued 2000 times with one sync at the 
 the host cost).
 
     python benchmarks/profile_piecewise_host.py --backend triton --batch-size 1
+    python benchmarks/profile_piecewise_host.py --backend triton --batch-size 1 --mode full
+
+With ``--mode full`` the step is one graph replay; the timeline then shows the host path before it (decode view,
+out-of-graph metadata) and the replay call itself, and the graph's replay is also timed alone.
 """
 
 from __future__ import annotations
@@ -55,11 +59,14 @@ def issue_us(fn: Callable[[], object], calls: int = 200) -> tuple[float, float]:
 
 def step_timeline(step: Callable[[], object], backend: object, steps: int = 50) -> str:
     """Where the host's time to issue one step goes, from timestamps (``perf_counter_ns``, ~0.1 us each) taken at
-    the entry and exit of ``GraphRunner.run``, the compiled model's ``forward``, every piece wrapper and the
-    backend's ``forward_decode``: the median per step of each kind of interval, summed over the step."""
+    the entry and exit of ``GraphRunner.run``, the compiled model's ``forward``, every piece wrapper, the
+    backend's ``forward_decode`` and ``init_forward_metadata_out_graph``, the runner's decode view and (full
+    mode) the graph's replay: the median per step of each kind of interval, summed over the step."""
     from compile_attn.compiler.compiled_model import CompiledModel
     from compile_attn.graph_runner.piecewise import PiecewiseGraphWrapper
+    from compile_attn.graph_runner.replay_view import ReplayViews
     from compile_attn.graph_runner.runner import GraphRunner
+    from compile_attn.graph_runner.segments import CudaSegment
 
     stamps: list[tuple[str, int]] = []
     clock = time.perf_counter_ns
@@ -78,7 +85,10 @@ def step_timeline(step: Callable[[], object], backend: object, steps: int = 50) 
         return lambda: setattr(cls, method, original)
 
     undo = [traced(GraphRunner, "run", "run"), traced(CompiledModel, "forward", "model"),
-            traced(PiecewiseGraphWrapper, "__call__", "piece"), traced(type(backend), "forward_decode", "attn")]
+            traced(PiecewiseGraphWrapper, "__call__", "piece"), traced(type(backend), "forward_decode", "attn"),
+            traced(ReplayViews, "decode_view", "view"),
+            traced(type(backend), "init_forward_metadata_out_graph", "meta"),
+            traced(CudaSegment, "replay", "graph")]
     per_step: list[dict[str, float]] = []
     try:
         for _ in range(steps):
@@ -142,6 +152,11 @@ def main() -> None:
         issue, wall = issue_us(step)
         lines.append(f"step: issue {issue:.0f} us on the host, {wall:.0f} us with a sync after it, "
                      f"{per_call_us(step, 200):.0f} us back to back")
+        graph = runner._graphs.get(runner.route(fb))
+        if args.mode == "full" and graph is not None:  # the replay alone: its host cost and its wall with a sync
+            issue, wall = issue_us(graph.replay)
+            lines.append(f"graph replay alone: issue {issue:.0f} us on the host, {wall:.0f} us with a sync after it, "
+                         f"{per_call_us(graph.replay, 200):.0f} us back to back")
         backend.init_forward_metadata(fb)
         with forward_context(fb, backend, graph_mode="none"):
             parts: dict[str, Callable[[], object]] = {

@@ -38,6 +38,7 @@ class ReplayViews:
         self.buffers = buffers
         self.seq_len_fill = seq_len_fill
         self.pad_prefix = max(seq_len_fill - 1, 0)
+        self._copy_targets: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self.mark_all_dirty()
 
     def mark_all_dirty(self) -> None:
@@ -47,27 +48,37 @@ class ReplayViews:
         self._extend_dirty = self.buffers.max_batch_size
 
     # ------------------------------------------------------------------ int64 fields
-    def _copy_int64_fields(self, fb: ForwardBatch, n: int) -> None:
+    def _targets(self, bs: int, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The copies' destinations for ``bs`` requests and ``n`` tokens: (the int64 fields, the int32 request
+        fields), views made once per shape (the H100 machine's host took ~10 us per step to slice them anew)."""
+        targets = self._copy_targets.get((bs, n))
+        if targets is None:
+            sliced = self.buffers.sliced(bs, n)
+            targets = self._copy_targets[(bs, n)] = (list(sliced[:4]), list(sliced[4:]))
+        return targets
+
+    def _copy_int64_fields(self, fb: ForwardBatch, n: int) -> list[torch.Tensor]:
         """The ``n`` token fields and the request rows, in one ``_foreach_copy_`` (a single kernel on a GPU: each
-        launch costs the host ~5-10 us on the critical path of a graph step); re-pads stale token entries."""
-        b, bs = self.buffers, fb.batch_size
-        torch._foreach_copy_(
-            [b.input_ids[:n], b.positions[:n], b.out_cache_loc[:n], b.req_pool_indices[:bs]],
-            [fb.input_ids, fb.positions, fb.out_cache_loc, fb.req_pool_indices],
-        )
+        launch costs the host ~5-10 us on the critical path of a graph step); re-pads stale token entries.
+        Returns the int32 request fields' destinations (seq_lens, extend_prefix_lens, extend_seq_lens,
+        extend_start_loc) for the caller's second copy."""
+        b = self.buffers
+        int64_targets, int32_targets = self._targets(fb.batch_size, n)
+        torch._foreach_copy_(int64_targets, [fb.input_ids, fb.positions, fb.out_cache_loc, fb.req_pool_indices])
         if self._tokens_dirty > n:
             pad = slice(n, self._tokens_dirty)
             b.input_ids[pad].zero_()
             b.positions[pad].zero_()
             b.out_cache_loc[pad].fill_(PAD_SLOT)
         self._tokens_dirty = n
+        return int32_targets
 
     # ------------------------------------------------------------------ views
     def decode_view(self, fb: ForwardBatch, bucket: int) -> ForwardBatch:
         """``fb`` (DECODE, ``batch_size <= bucket``) padded with requests up to ``bucket``."""
         b, bs = self.buffers, fb.batch_size
-        self._copy_int64_fields(fb, bs)
-        torch._foreach_copy_([b.seq_lens[:bs], b.extend_prefix_lens[:bs]], [fb.seq_lens, fb.extend_prefix_lens])
+        int32_targets = self._copy_int64_fields(fb, bs)
+        torch._foreach_copy_(int32_targets[:2], [fb.seq_lens, fb.extend_prefix_lens])
         if self._requests_dirty > bs:
             pad = slice(bs, self._requests_dirty)
             b.req_pool_indices[pad].fill_(PAD_REQUEST)
@@ -101,11 +112,8 @@ class ReplayViews:
     def extend_view(self, fb: ForwardBatch, bucket: int) -> ForwardBatch:
         """``fb`` (EXTEND/MIXED, ``num_tokens <= bucket``) with trailing padding tokens up to ``bucket``."""
         b, bs = self.buffers, fb.batch_size
-        self._copy_int64_fields(fb, fb.num_tokens)
-        torch._foreach_copy_(
-            [b.seq_lens[:bs], b.extend_prefix_lens[:bs], b.extend_seq_lens[:bs], b.extend_start_loc[:bs]],
-            [fb.seq_lens, fb.extend_prefix_lens, fb.extend_seq_lens, fb.extend_start_loc],
-        )
+        int32_targets = self._copy_int64_fields(fb, fb.num_tokens)
+        torch._foreach_copy_(int32_targets, [fb.seq_lens, fb.extend_prefix_lens, fb.extend_seq_lens, fb.extend_start_loc])
         self._requests_dirty = max(self._requests_dirty, bs)
         self._extend_dirty = max(self._extend_dirty, bs)
         return b.view(
