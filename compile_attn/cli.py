@@ -14,6 +14,7 @@ import time
 import torch
 
 from compile_attn.config import parse_compile_sizes
+from compile_attn.errors import CompileAttnError
 
 TINY_MODEL = "tiny"
 
@@ -120,36 +121,55 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+HF_BASELINES = ("eager", "static_compiled")
+
+
+class _ShowDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Help that ends with the option's default, except for flags and options without one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="compile-attn", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level (and show tracebacks)")
     sub = parser.add_subparsers(dest="command", required=True)
+    defaults = _ShowDefaults
     sub.add_parser("info", help="backends, GPU and versions on this machine").set_defaults(func=cmd_info)
-    gen = sub.add_parser("generate", help="generate text")
+    gen = sub.add_parser("generate", help="generate text", formatter_class=defaults,
+                         description="Generate text with compile_attn.LLM (a tiny built-in model by default).")
     gen.add_argument("--model", default=TINY_MODEL, help=f"local HF model directory, or '{TINY_MODEL}' (built-in)")
-    gen.add_argument("--prompt", action="append", default=None, help="a prompt (repeat for several)")
-    gen.add_argument("--max-new-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--backend", default="auto")
-    gen.add_argument("--graph-mode", default="full_and_piecewise")
+    gen.add_argument("--prompt", action="append", default=None,
+                     help="a prompt (repeat for several; without it: one built-in prompt)")
+    gen.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate per prompt (>= 1)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    gen.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1] (1: off)")
+    gen.add_argument("--seed", type=int, default=None, help="makes sampled outputs reproducible")
+    gen.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's EOS token")
+    gen.add_argument("--backend", default="auto",
+                     help="attention backend: auto, " + ", ".join(_backend_names()) + ", or '<prefill>+<decode>'")
+    gen.add_argument("--graph-mode", default="full_and_piecewise",
+                     help="CUDA graphs: " + ", ".join(m.value for m in _graph_modes()))
     gen.add_argument("--no-compile", action="store_true", help="do not torch.compile the model")
-    gen.add_argument("--max-batch-size", type=int, default=8)
-    gen.add_argument("--max-context", type=int, default=512)
-    gen.add_argument("--page-size", type=int, default=1)
-    gen.add_argument("--device", default=None)
-    gen.set_defaults(func=cmd_generate)
-    bench = sub.add_parser("bench", help="decode step time: compile_attn modes/backends vs HF, and the bandwidth floor")
+    gen.add_argument("--max-batch-size", type=int, default=8, help="requests per step at most")
+    gen.add_argument("--max-context", type=int, default=512, help="tokens per request at most (prompt + output)")
+    gen.add_argument("--page-size", type=int, default=1, help="KV cache page size in tokens")
+    gen.add_argument("--device", default=None, help="cuda or cpu (without it: cuda if there is one)")
+    gen.set_defaults(func=cmd_generate, check=_check_generate, subparser=gen)
+    bench = sub.add_parser("bench", help="decode step time: compile_attn modes/backends vs HF, and the bandwidth floor",
+                           formatter_class=defaults)
     bench.add_argument("--tiny", action="store_true", help="a tiny model instead of the Llama-3.2-1B shape")
-    bench.add_argument("--batch-sizes", default="1,16,64,256")
-    bench.add_argument("--context", type=int, default=512)
+    bench.add_argument("--batch-sizes", default="1,16,64,256", help="comma-separated decode batch sizes")
+    bench.add_argument("--context", type=int, default=512, help="cached tokens per request")
     bench.add_argument("--backend", default="auto", help="comma-separated backends")
     bench.add_argument("--modes", default="none,piecewise,full", help="comma-separated graph modes")
-    bench.add_argument("--hf", default="eager,static_compiled", help="HF baselines: eager, static_compiled")
-    bench.add_argument("--iters", type=int, default=20)
+    bench.add_argument("--hf", default="eager,static_compiled",
+                       help="comma-separated HF baselines (eager, static_compiled); '' for none")
+    bench.add_argument("--iters", type=int, default=20, help="timed steps per measurement")
     bench.add_argument("--no-profile", action="store_true",
                        help="skip the per-step kernel-time profile (cleanest timings: a profiler session slows "
                             "later graph replays of the same process)")
@@ -160,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
                             '\'{"triton.enable_pdl": true}\' (GraphConfig.static_inductor_config)')
     bench.add_argument("--compile-sizes", default="auto",
                        help="token counts compiled again with static shapes (GraphConfig.compile_sizes): 'auto' "
-                            "(default: 1 on a GPU), 'none', or comma-separated counts, e.g. 1,2")
+                            "(1 on a GPU), 'none', or comma-separated counts, e.g. 1,2")
     bench.add_argument("--no-fuse-linears", action="store_true",
                        help="keep q/k/v and gate/up as separate GEMMs (GraphConfig.fuse_linears=False)")
     bench.add_argument("--engine", action="store_true",
@@ -170,16 +190,96 @@ def build_parser() -> argparse.ArgumentParser:
                        help="engine starts: keep this environment's bytecode settings (by default the start "
                             "processes share a .pyc cache, as a pip install has; see compile_attn.bench_engine)")
     bench.add_argument("--out", default=None, help="write JSON here")
-    bench.set_defaults(func=cmd_bench)
+    bench.set_defaults(func=cmd_bench, check=_check_bench, subparser=bench)
     return parser
 
 
+def _backend_names() -> list[str]:
+    from compile_attn.attention import available_backends
+
+    return available_backends()
+
+
+def _graph_modes() -> list:
+    from compile_attn.graph_runner.mode import GraphMode
+
+    return list(GraphMode)
+
+
+def _check_generate(args: argparse.Namespace) -> None:
+    """Refuse bad options before a model loads and compiles (minutes on a GPU): ValueError naming the value."""
+    from compile_attn.attention.registry import check_backend_name
+    from compile_attn.engine import SamplingParams
+    from compile_attn.graph_runner.mode import GraphMode
+
+    check_backend_name(args.backend)
+    GraphMode.parse(args.graph_mode)
+    SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                   top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
+    for name in ("max_batch_size", "max_context", "page_size"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+
+
+def _positive_ints(option: str, text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{option} takes comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{option} values must be >= 1, got {text!r}")
+    return values
+
+
+def _json_object(option: str, text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{option} must be a JSON object, e.g. '{{\"combo_kernels\": true}}': {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{option} must be a JSON object, got {text!r}")
+    return value
+
+
+def _check_bench(args: argparse.Namespace) -> None:
+    """Refuse bad options before the benchmark builds its model (ValueError naming the value)."""
+    from compile_attn.attention.registry import check_backend_name
+    from compile_attn.graph_runner.mode import GraphMode
+
+    _positive_ints("--batch-sizes", args.batch_sizes)
+    if args.context < 1 or args.iters < 1:
+        raise ValueError(f"--context and --iters must be >= 1, got {args.context} and {args.iters}")
+    for name in args.backend.split(","):
+        check_backend_name(name)
+    for mode in args.modes.split(","):
+        GraphMode.parse(mode)
+    unknown = [b for b in args.hf.split(",") if b and b not in HF_BASELINES]
+    if unknown:
+        raise ValueError(f"unknown HF baseline(s) {unknown}; choose among {', '.join(HF_BASELINES)} ('' for none)")
+    _json_object("--inductor-config", args.inductor_config)
+    _json_object("--static-inductor-config", args.static_inductor_config)
+    parse_compile_sizes(args.compile_sizes)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if getattr(args, "prompt", "") is None:
         args.prompt = ["Hello, compile_attn!"]
-    return args.func(args)
+    check = getattr(args, "check", None)
+    if check is not None:
+        try:
+            check(args)
+        except ValueError as exc:  # the options' own errors: a usage message, exit status 2
+            args.subparser.error(str(exc))
+    try:
+        return args.func(args)
+    except (CompileAttnError, FileNotFoundError) as exc:  # the message names the way out: no traceback unless -v
+        if args.verbose:
+            raise
+        print(f"compile-attn {args.command}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -1,12 +1,15 @@
-"""Backend registry: names, 'auto' on CPU, unknown names, layer/pool mismatch."""
+"""Backend registry: names, 'auto' on CPU, unknown names (also checked before anything is built), layer/pool
+mismatch."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
 
 from compile_attn import AttentionLayer, KVCache, UnknownBackendError, UnsupportedConfigError, create_backend
-from compile_attn.attention import available_backends
+from compile_attn.attention import available_backends, check_backend_name
 from compile_attn.attention.torch_native import TorchNativeBackend
 
 
@@ -59,3 +62,32 @@ def test_installed_backends_need_their_kernel_package(monkeypatch) -> None:
     monkeypatch.setattr(registry, "module_available",
                         lambda module: module not in ("sgl_kernel", "flashinfer", "triton") and real(module))
     assert installed_backends() == ["torch_native"]
+
+
+@pytest.mark.parametrize("name", ["auto", "torch_native", "triton", "hybrid", "fa3+flashinfer", "auto+torch_native"])
+def test_check_backend_name_accepts_what_create_backend_knows(name: str) -> None:
+    check_backend_name(name)  # no exception: known names, whether or not their kernel package is installed
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("nope", "unknown attention backend 'nope'; known backends: "),
+        ("triton+nope", "unknown attention backend 'nope' in 'triton+nope'"),
+        ("hybrid+triton", "unknown attention backend 'hybrid' in 'hybrid+triton'"),
+        ("triton+", "hybrid backend name 'triton+' must be '<prefill>+<decode>'"),
+        ("a+b+c", "hybrid backend name 'a+b+c' must be '<prefill>+<decode>'"),
+    ],
+)
+def test_check_backend_name_refuses_unknown_names(name: str, message: str) -> None:
+    with pytest.raises(UnknownBackendError, match=re.escape(message)):
+        check_backend_name(name)
+
+
+def test_llm_checks_the_backend_name_and_graph_mode_before_loading_the_model() -> None:
+    from compile_attn.engine import LLM
+
+    with pytest.raises(UnknownBackendError, match="unknown attention backend 'nope'"):
+        LLM("/no/such/model", attn_backend="nope")  # not FileNotFoundError: the name is checked first
+    with pytest.raises(ValueError, match="unknown graph mode 'fast'"):
+        LLM("/no/such/model", graph_mode="fast")

@@ -6,6 +6,7 @@ Backends with optional dependencies (triton, flashinfer, fa3) are imported only 
 from compile_attn.attention.base import AttentionBackend, GraphSupport
 from compile_attn.attention.registry import (
     available_backends,
+    check_backend_name,
     create_backend,
     get_backend_class,
     installed_backends,
@@ -18,6 +19,7 @@ __all__ = [
     "AttentionBackend",
     "GraphSupport",
     "available_backends",
+    "check_backend_name",
     "create_backend",
     "get_backend_class",
     "installed_backends",

@@ -107,6 +107,30 @@ def resolve_auto_backend(device: torch.device) -> str:
     return auto_backend_candidates(device)[0]
 
 
+def check_backend_name(name: str) -> None:
+    """Raise UnknownBackendError unless ``create_backend`` knows ``name``: "auto", a backend name, or
+    "<prefill>+<decode>" with two of those. Builds and imports nothing (an early check before a model loads);
+    whether the backend runs here is for ``create_backend`` to find out."""
+    known = available_backends()
+    if "+" in name:
+        prefill, _, decode = name.partition("+")
+        parts = {"auto", *known} - {"hybrid"}
+        if not prefill or not decode or "+" in decode:
+            raise UnknownBackendError(
+                f"hybrid backend name {name!r} must be '<prefill>+<decode>' with two backend names, "
+                f"e.g. 'fa3+flashinfer'; known backends: {', '.join(known)}"
+            )
+        for part in (prefill, decode):
+            if part not in parts:
+                raise UnknownBackendError(
+                    f"unknown attention backend {part!r} in {name!r}; known backends: {', '.join(sorted(parts))}"
+                )
+    elif name != "auto" and name not in known:
+        raise UnknownBackendError(
+            f"unknown attention backend {name!r}; known backends: {', '.join(known)} (or 'auto' to pick by device)"
+        )
+
+
 def create_backend(
     name: str,
     kv_cache: KVCache,
@@ -117,12 +141,8 @@ def create_backend(
     ``"<prefill>+<decode>"`` (e.g. ``"fa3+flashinfer"``) builds a HybridBackend of the two; ``kwargs`` go to
     the backend's constructor (for a hybrid: ``prefill_options`` / ``decode_options``)."""
     if "+" in name:
-        prefill, sep, decode = name.partition("+")
-        if not prefill or not decode or "+" in decode:
-            raise UnknownBackendError(
-                f"hybrid backend name {name!r} must be '<prefill>+<decode>' with two backend names, "
-                f"e.g. 'fa3+flashinfer'; known backends: {', '.join(available_backends())}"
-            )
+        check_backend_name(name)
+        prefill, _, decode = name.partition("+")
         return get_backend_class("hybrid")(kv_cache, layers, prefill=prefill, decode=decode, **kwargs)
     if name != "auto":
         return get_backend_class(name)(kv_cache, layers, **kwargs)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from compile_attn.attention import create_backend
+from compile_attn.attention import check_backend_name, create_backend
 from compile_attn.batch import ForwardBatch, ForwardMode
 from compile_attn.engine.model_loading import LoadedModel, load_for_engine
 from compile_attn.engine.request import Request, RequestOutput
@@ -23,6 +23,7 @@ from compile_attn.engine.sampler import sample
 from compile_attn.engine.sampling_params import SamplingParams
 from compile_attn.engine.scheduler import ScheduledStep, Scheduler
 from compile_attn.engine.step_runner import StepRunner
+from compile_attn.graph_runner.mode import GraphMode
 from compile_attn.host_tensors import to_device, upload
 from compile_attn.kv_cache import KVCache
 
@@ -57,6 +58,8 @@ class LLM:
         compile_options: dict | None = None,
         capture: bool = True,
     ) -> None:
+        check_backend_name(attn_backend)  # a misspelt name or mode fails here, not after the model has loaded
+        GraphMode.parse(graph_mode)
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         loaded: LoadedModel = load_for_engine(model, tokenizer=tokenizer, dtype=dtype, device=device)

@@ -8,10 +8,11 @@ import re
 import pytest
 import torch
 
-from compile_attn import ForwardBatch, ForwardMode, KVCache, create_backend, forward_context
+from compile_attn import ForwardMode
 from compile_attn.compiler import compile_counters
 from compile_attn.engine import LLM, RequestTooLargeError, SamplingParams
 from compile_attn.models import ToyDecoder, ToyDecoderConfig
+from greedy_reference import greedy_by_recompute
 
 CFG = ToyDecoderConfig(vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
                        intermediate_size=64, sliding_window=11)
@@ -21,22 +22,6 @@ CFG = ToyDecoderConfig(vocab_size=97, hidden_size=32, num_layers=2, num_heads=4,
 def model() -> ToyDecoder:
     torch.manual_seed(0)
     return ToyDecoder(CFG).eval()
-
-
-def greedy_by_recompute(model: ToyDecoder, prompt: list[int], n: int) -> list[int]:
-    """Each token from a fresh full-sequence prefill (new cache every time): no reuse, no batching."""
-    tokens, cfg = list(prompt), model.cfg
-    for _ in range(n):
-        kv = KVCache(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                     max_requests=1, max_context=len(tokens), num_tokens=len(tokens), dtype=torch.float32)
-        backend = create_backend("torch_native", kv, model.attention_layers())
-        row = kv.alloc_request()
-        fb = ForwardBatch.build(req_pool_indices=[row], prefix_lens=[0], extend_lens=[len(tokens)],
-                                out_cache_loc=kv.alloc_extend([row], [len(tokens)]), input_ids=tokens)
-        backend.init_forward_metadata(fb)
-        with forward_context(fb, backend), torch.no_grad():
-            tokens.append(int(model(fb.input_ids, fb.positions)[-1].argmax()))
-    return tokens[len(prompt):]
 
 
 PROMPTS = [[(7 * i + j) % CFG.vocab_size for j in range(n)] for i, n in enumerate([3, 17, 9, 30, 1])]

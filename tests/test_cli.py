@@ -1,0 +1,99 @@
+"""The ``compile-attn`` command: ``info``, ``generate`` against an independent greedy recompute, and bad options
+refused with a usage error before any model is built."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from compile_attn import cli
+from greedy_reference import greedy_by_recompute
+
+FAST = ["--no-compile", "--graph-mode", "none", "--device", "cpu"]
+
+
+def test_info_lists_versions_and_backends(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    rows = dict(re.split(r"\s{2,}", line.strip(), maxsplit=1) for line in out.splitlines())
+    assert rows["torch"].startswith("2.")
+    assert "torch_native" in rows["backends"]
+    assert rows["auto backend"] in rows["backends"]
+
+
+def generated(out: str) -> list[tuple[str, int, str, bytes]]:
+    """(prompt, token count, finish reason, text bytes) per prompt from ``generate``'s output."""
+    found = re.findall(r"--- '(.*?)' -> \((\d+) tokens, (\w+)\)\n(.*?)\n(?=--- )", out, flags=re.S)
+    return [(p, int(n), reason, text.encode("latin-1")) for p, n, reason, text in found]
+
+
+def test_generate_matches_greedy_recompute_for_every_prompt(capsys: pytest.CaptureFixture[str]) -> None:
+    prompts = ["ab", "compile_attn"]
+    argv = ["generate", *FAST, "--max-new-tokens", "5", "--ignore-eos"]
+    for p in prompts:
+        argv += ["--prompt", p]
+    assert cli.main(argv) == 0
+    rows = generated(capsys.readouterr().out)
+    assert [r[0] for r in rows] == prompts
+    model = cli._tiny_model().eval()
+    for prompt, count, reason, text in rows:
+        assert (count, reason) == (5, "length")
+        expected = greedy_by_recompute(model, list(prompt.encode()), 5)
+        assert list(text) == [t % 256 for t in expected]
+
+
+def test_generate_with_a_seed_samples_the_same_tokens_twice(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["generate", *FAST, "--max-new-tokens", "6", "--ignore-eos", "--temperature", "1.5", "--seed", "3"]
+    outs = []
+    for _ in range(2):
+        assert cli.main(argv) == 0
+        outs.append(generated(capsys.readouterr().out))
+    assert outs[0] == outs[1] and outs[0][0][1] == 6
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["generate", "--backend", "nope"], "unknown attention backend 'nope'"),
+        (["generate", "--backend", "triton+nope"], "unknown attention backend 'nope' in 'triton+nope'"),
+        (["generate", "--graph-mode", "fast"], "unknown graph mode 'fast'"),
+        (["generate", "--temperature", "-1"], "temperature must be >= 0"),
+        (["generate", "--top-p", "0"], "top_p must be in (0, 1]"),
+        (["generate", "--max-new-tokens", "0"], "max_new_tokens must be >= 1"),
+        (["generate", "--page-size", "0"], "--page-size must be >= 1"),
+        (["bench", "--batch-sizes", "1,x"], "--batch-sizes takes comma-separated integers, got '1,x'"),
+        (["bench", "--batch-sizes", "0"], "--batch-sizes values must be >= 1"),
+        (["bench", "--modes", "full,fast"], "unknown graph mode 'fast'"),
+        (["bench", "--hf", "eager,vllm"], "unknown HF baseline(s) ['vllm']"),
+        (["bench", "--inductor-config", "{bad"], "--inductor-config must be a JSON object"),
+        (["bench", "--static-inductor-config", "[1]"], "--static-inductor-config must be a JSON object"),
+        (["bench", "--compile-sizes", "one"], "compile sizes must be 'auto', 'none'"),
+    ],
+)
+def test_bad_options_are_a_usage_error_before_anything_is_built(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def must_not_run(args: object) -> int:
+        raise AssertionError("the command ran despite a bad option")
+
+    monkeypatch.setattr(cli, "cmd_generate", must_not_run)
+    monkeypatch.setattr(cli, "cmd_bench", must_not_run)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"compile-attn {argv[0]}: error:" in err and message in err
+
+
+def test_a_missing_model_directory_is_one_line_and_exit_status_1(tmp_path: Path) -> None:
+    missing = str(tmp_path / "no-model")
+    run = subprocess.run([sys.executable, "-m", "compile_attn.cli", "generate", "--model", missing, *FAST],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1
+    lines = run.stderr.strip().splitlines()  # no traceback: one line naming the path and what a model dir holds
+    assert len(lines) == 1 and lines[0].startswith("compile-attn generate: error: FileNotFoundError:")
+    assert missing in lines[0] and "config.json" in lines[0]
