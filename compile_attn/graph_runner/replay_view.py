@@ -50,11 +50,18 @@ class ReplayViews:
     # ------------------------------------------------------------------ int64 fields
     def _targets(self, bs: int, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The copies' destinations for ``bs`` requests and ``n`` tokens: (the int64 fields, the int32 request
-        fields), views made once per shape (the H100 machine's host took ~10 us per step to slice them anew)."""
+        fields). Decode shapes (``n == bs``, at most ``max_batch_size`` of them) keep theirs: the H100 machine's
+        host took ~10 us per step to slice them anew. Extend shapes (any token count) are sliced per step, not
+        kept, so a long-running server's mix of prompt lengths does not grow a cache."""
         targets = self._copy_targets.get((bs, n))
         if targets is None:
-            sliced = self.buffers.sliced(bs, n)
-            targets = self._copy_targets[(bs, n)] = (list(sliced[:4]), list(sliced[4:]))
+            b = self.buffers
+            targets = (
+                [b.input_ids[:n], b.positions[:n], b.out_cache_loc[:n], b.req_pool_indices[:bs]],
+                [b.seq_lens[:bs], b.extend_prefix_lens[:bs], b.extend_seq_lens[:bs], b.extend_start_loc[:bs]],
+            )
+            if n == bs:
+                self._copy_targets[(bs, n)] = targets
         return targets
 
     def _copy_int64_fields(self, fb: ForwardBatch, n: int) -> list[torch.Tensor]:

@@ -58,18 +58,6 @@ class StaticBuffers:
             )
         )
 
-    def sliced(self, batch_size: int, num_tokens: int) -> tuple[torch.Tensor, ...]:
-        """The buffers' first ``num_tokens`` / ``batch_size`` entries, in ``__init__``'s order (token fields, then
-        request fields). Slicing eight tensors costs ~15 us of host time: it happens once per shape, not per step."""
-        sliced = self._slices.get((batch_size, num_tokens))
-        if sliced is None:
-            sliced = self._slices[(batch_size, num_tokens)] = (
-                self.input_ids[:num_tokens], self.positions[:num_tokens], self.out_cache_loc[:num_tokens],
-                self.req_pool_indices[:batch_size], self.seq_lens[:batch_size], self.extend_prefix_lens[:batch_size],
-                self.extend_seq_lens[:batch_size], self.extend_start_loc[:batch_size],
-            )
-        return sliced
-
     def view(
         self,
         *,
@@ -87,8 +75,14 @@ class StaticBuffers:
 
         ``seq_lens_sum`` defaults to ``seq_lens_cpu.sum()``; callers that know it pass it.
         """
-        input_ids, positions, out_cache_loc, req_pool_indices, seq_lens, prefix_lens, ext_lens, start_loc = (
-            self.sliced(batch_size, num_tokens))
+        sliced = self._slices.get((batch_size, num_tokens))
+        if sliced is None:  # slicing eight tensors costs ~15 us of host time: once per shape, not per step
+            sliced = self._slices[(batch_size, num_tokens)] = (
+                self.input_ids[:num_tokens], self.positions[:num_tokens], self.out_cache_loc[:num_tokens],
+                self.req_pool_indices[:batch_size], self.seq_lens[:batch_size], self.extend_prefix_lens[:batch_size],
+                self.extend_seq_lens[:batch_size], self.extend_start_loc[:batch_size],
+            )
+        input_ids, positions, out_cache_loc, req_pool_indices, seq_lens, prefix_lens, ext_lens, start_loc = sliced
         if seq_lens_sum is None:
             seq_lens_sum = int(seq_lens_cpu.sum()) if batch_size else 0
         return ForwardBatch(

@@ -68,6 +68,27 @@ def test_extend_view_pads_tokens_that_belong_to_no_request() -> None:
     assert back.out_cache_loc[2:].tolist() == [PAD_SLOT] * 2
 
 
+def test_copy_destinations_are_kept_for_decode_shapes_only() -> None:
+    """Decode steps reuse their bucket's copy destinations and still see each step's live values; extend steps of
+    any token count keep nothing (a server's mix of prompt lengths must not grow a cache)."""
+    twin = Twin()
+    twin.step(twin.new_requests(3), [5, 6, 7])
+    views = ReplayViews(StaticBuffers(8, 64, "cpu"), seq_len_fill=1)
+    for bs in (3, 2, 3, 2):
+        fb = twin.decode_step(bs).runner_batch
+        view = views.decode_view(fb, 4)
+        assert view.input_ids[:bs].tolist() == fb.input_ids.tolist()
+        assert view.out_cache_loc[:bs].tolist() == fb.out_cache_loc.tolist()
+        assert view.seq_lens[:bs].tolist() == fb.seq_lens.tolist()
+        assert view.req_pool_indices[bs:].tolist() == [PAD_REQUEST] * (4 - bs)
+    for tokens in (5, 9, 14, 20):
+        fb = twin.extend_step(tokens, 2).runner_batch
+        view = views.extend_view(fb, 32)
+        assert view.positions[:tokens].tolist() == fb.positions.tolist()
+        assert view.extend_seq_lens[: fb.batch_size].tolist() == fb.extend_seq_lens.tolist()
+    assert sorted(views._copy_targets) == [(2, 2), (3, 3)]
+
+
 def _pool_snapshot(kv) -> list[torch.Tensor]:
     return [b.clone() for b in (*kv.pool.k_buffers, *kv.pool.v_buffers)]
 
