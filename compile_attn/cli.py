@@ -137,9 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="compile-attn", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level (and show tracebacks)")
     sub = parser.add_subparsers(dest="command", required=True)
-    defaults = _ShowDefaults
     sub.add_parser("info", help="backends, GPU and versions on this machine").set_defaults(func=cmd_info)
-    gen = sub.add_parser("generate", help="generate text", formatter_class=defaults,
+    gen = sub.add_parser("generate", help="generate text", formatter_class=_ShowDefaults,
                          description="Generate text with compile_attn.LLM (a tiny built-in model by default).")
     gen.add_argument("--model", default=TINY_MODEL, help=f"local HF model directory, or '{TINY_MODEL}' (built-in)")
     gen.add_argument("--prompt", action="append", default=None,
@@ -161,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default=None, help="cuda or cpu (without it: cuda if there is one)")
     gen.set_defaults(func=cmd_generate, check=_check_generate, subparser=gen)
     bench = sub.add_parser("bench", help="decode step time: compile_attn modes/backends vs HF, and the bandwidth floor",
-                           formatter_class=defaults)
+                           formatter_class=_ShowDefaults)
     bench.add_argument("--tiny", action="store_true", help="a tiny model instead of the Llama-3.2-1B shape")
     bench.add_argument("--batch-sizes", default="1,16,64,256", help="comma-separated decode batch sizes")
     bench.add_argument("--context", type=int, default=512, help="cached tokens per request")

@@ -97,3 +97,20 @@ def test_a_missing_model_directory_is_one_line_and_exit_status_1(tmp_path: Path)
     lines = run.stderr.strip().splitlines()  # no traceback: one line naming the path and what a model dir holds
     assert len(lines) == 1 and lines[0].startswith("compile-attn generate: error: FileNotFoundError:")
     assert missing in lines[0] and "config.json" in lines[0]
+
+
+def test_a_request_too_large_for_the_cache_is_one_line_and_exit_status_1(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["generate", *FAST, "--max-context", "8", "--prompt", "longer than eight bytes"]
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("compile-attn generate: error: RequestTooLargeError: request 0 needs")
+    assert "raise kv_cache_tokens / max_context" in err[0]
+
+
+def test_errors_raised_on_purpose_share_the_base_class_the_cli_catches() -> None:
+    from compile_attn.engine import RequestTooLargeError
+    from compile_attn.errors import CompileAttnError
+    from compile_attn.graph_runner.segments import GraphCaptureError
+
+    assert issubclass(RequestTooLargeError, CompileAttnError) and issubclass(RequestTooLargeError, ValueError)
+    assert issubclass(GraphCaptureError, CompileAttnError) and issubclass(GraphCaptureError, RuntimeError)

@@ -17,12 +17,13 @@ from dataclasses import dataclass
 import torch
 
 from compile_attn.engine.request import Request, RequestStatus
+from compile_attn.errors import CompileAttnError
 from compile_attn.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
 
 
-class RequestTooLargeError(ValueError):
+class RequestTooLargeError(CompileAttnError, ValueError):
     """A request whose prompt plus max_new_tokens can never fit the KV cache or its max_context."""
 
 

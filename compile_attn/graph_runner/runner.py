@@ -189,7 +189,7 @@ class GraphRunner:
             torch.cuda.empty_cache()
         free_before = torch.cuda.mem_get_info(self.device)[0] if cuda else 0
         with torch.inference_mode(), capture_session(self.device):
-            for i, (mode, bucket) in enumerate(tqdm(keys, desc="capturing graphs", unit="graph", leave=False)):
+            for i, (mode, bucket) in enumerate(tqdm(keys, desc="capturing graphs", unit="graph", leave=False, disable=not keys)):
                 begin = time.perf_counter()
                 self._capture_one(mode, bucket, pool, stream)
                 seconds = time.perf_counter() - begin

@@ -22,6 +22,8 @@ from typing import Any, Protocol
 import torch
 from torch.utils import _pytree as pytree
 
+from compile_attn.errors import CompileAttnError
+
 logger = logging.getLogger(__name__)
 
 aten = torch.ops.aten
@@ -37,7 +39,7 @@ _UNINITIALIZED_FACTORIES = frozenset(
 )
 
 
-class GraphCaptureError(RuntimeError):
+class GraphCaptureError(CompileAttnError, RuntimeError):
     """Work inside a captured region that a graph cannot replay (host sync, dynamic output shape)."""
 
 
