@@ -4,7 +4,6 @@ decode steps and engine starts (``compile_attn.bench``, ``compile_attn.bench_eng
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import logging
 import platform
@@ -15,15 +14,9 @@ import torch
 
 from compile_attn.config import parse_compile_sizes
 from compile_attn.errors import CompileAttnError
+from compile_attn.run_info import package_version, run_info
 
 TINY_MODEL = "tiny"
-
-
-def _version(pkg: str) -> str:
-    try:
-        return importlib.metadata.version(pkg)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -31,13 +24,13 @@ def cmd_info(args: argparse.Namespace) -> int:
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows = [
-        ("compile_attn", _version("compile-attn")),
+        ("compile_attn", package_version("compile-attn")),
         ("python", platform.python_version()),
         ("torch", torch.__version__),
-        ("triton", _version("triton")),
-        ("transformers", _version("transformers")),
-        ("flashinfer", _version("flashinfer-python")),
-        ("sgl-kernel", _version("sgl-kernel")),
+        ("triton", package_version("triton")),
+        ("transformers", package_version("transformers")),
+        ("flashinfer", package_version("flashinfer-python")),
+        ("sgl-kernel", package_version("sgl-kernel")),
         ("device", torch.cuda.get_device_name() if device.type == "cuda" else "cpu (no CUDA GPU)"),
         ("backends", ", ".join(installed_backends())),
         ("not installed", ", ".join(sorted(set(available_backends()) - set(installed_backends()))) or "-"),
@@ -117,7 +110,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(bench_engine.to_markdown(engine, ecfg), flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            f.write(json.dumps({"decode": json.loads(bench.to_json(rows, cfg)), "engine": engine}, indent=1))
+            f.write(json.dumps({"run": run_info(args.argv), "decode": json.loads(bench.to_json(rows, cfg)),
+                                "engine": engine}, indent=1))
     return 0
 
 
@@ -188,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-bytecode-cache", action="store_true",
                        help="engine starts: keep this environment's bytecode settings (by default the start "
                             "processes share a .pyc cache, as a pip install has; see compile_attn.bench_engine)")
-    bench.add_argument("--out", default=None, help="write JSON here")
+    bench.add_argument("--out", default=None, help="write JSON here (results, with the command, versions and commit)")
     bench.set_defaults(func=cmd_bench, check=_check_bench, subparser=bench)
     return parser
 
@@ -263,6 +257,7 @@ def _check_bench(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # for the results' record (run_info)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if getattr(args, "prompt", "") is None:
         args.prompt = ["Hello, compile_attn!"]

@@ -37,3 +37,26 @@ def test_busy_time_counts_overlapping_kernels_once() -> None:
         assert bench.busy_us(intervals) == float(len(covered))
 
     matches_a_grid_of_unit_cells()
+
+
+def test_bench_json_records_the_command_versions_and_commit(tmp_path) -> None:  # noqa: ANN001
+    import re
+
+    import torch
+
+    from compile_attn import cli
+    from compile_attn.run_info import git_commit
+
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--tiny", "--backend", "torch_native", "--batch-sizes", "1", "--modes", "none", "--hf", "",
+            "--iters", "2", "--no-profile", "--out", str(out)]
+    assert cli.main(argv) == 0
+    result = json.loads(out.read_text())
+    run = result["run"]
+    assert run["command"] == ("compile-attn bench --tiny --backend torch_native --batch-sizes 1 --modes none --hf '' "
+                              f"--iters 2 --no-profile --out {out}")
+    assert run["versions"]["torch"] == torch.__version__
+    assert run["device"] == (torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+    assert run["git_commit"] is None or re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", run["git_commit"])
+    assert [r["system"] for r in result["decode"]["rows"]] == ["compile_attn torch_native none (eager)"]
+    assert git_commit(str(tmp_path)) is None  # not a checkout
