@@ -252,6 +252,10 @@ def _check_bench(args: argparse.Namespace) -> None:
     _json_object("--inductor-config", args.inductor_config)
     _json_object("--static-inductor-config", args.static_inductor_config)
     parse_compile_sizes(args.compile_sizes)
+    if not args.tiny and not torch.cuda.is_available():
+        logging.getLogger(__name__).warning(
+            "bench: no CUDA GPU, so the Llama-3.2-1B shape (1.2 B parameters, float32) runs on the CPU: minutes per "
+            "configuration and ~10 GB of memory; --tiny runs a small model instead")
 
 
 def main(argv: list[str] | None = None) -> int:

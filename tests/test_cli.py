@@ -114,3 +114,15 @@ def test_errors_raised_on_purpose_share_the_base_class_the_cli_catches() -> None
 
     assert issubclass(RequestTooLargeError, CompileAttnError) and issubclass(RequestTooLargeError, ValueError)
     assert issubclass(GraphCaptureError, CompileAttnError) and issubclass(GraphCaptureError, RuntimeError)
+
+
+def test_bench_of_the_full_size_model_without_a_gpu_warns_and_names_tiny(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(cli.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(cli, "cmd_bench", lambda args: 0)
+    with caplog.at_level("WARNING", logger="compile_attn.cli"):
+        assert cli.main(["bench", "--hf", ""]) == 0
+        assert cli.main(["bench", "--tiny", "--hf", ""]) == 0
+    warnings = [r.getMessage() for r in caplog.records if r.name == "compile_attn.cli"]
+    assert len(warnings) == 1 and "no CUDA GPU" in warnings[0] and "--tiny" in warnings[0]
