@@ -63,7 +63,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if llm.tokenizer is None:  # the tiny model has no tokenizer: bytes are its tokens
         prompts = [list(p.encode()) for p in prompts]
     start = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    outs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)  # a bar of finished requests
     elapsed = time.perf_counter() - start
     for prompt, out in zip(args.prompt, outs):
         text = out.text if out.text is not None else bytes(t % 256 for t in out.token_ids).decode("latin-1")
