@@ -32,6 +32,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("flashinfer", package_version("flashinfer-python")),
         ("sgl-kernel", package_version("sgl-kernel")),
         ("device", torch.cuda.get_device_name() if device.type == "cuda" else "cpu (no CUDA GPU)"),
+        ("capability", "sm_%d%d" % torch.cuda.get_device_capability() if device.type == "cuda" else "-"),
         ("backends", ", ".join(installed_backends())),
         ("not installed", ", ".join(sorted(set(available_backends()) - set(installed_backends()))) or "-"),
         ("auto backend", resolve_auto_backend(device)),
