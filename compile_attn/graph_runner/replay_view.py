@@ -64,27 +64,25 @@ class ReplayViews:
                 self._copy_targets[(bs, n)] = targets
         return targets
 
-    def _copy_int64_fields(self, fb: ForwardBatch, n: int) -> list[torch.Tensor]:
-        """The ``n`` token fields and the request rows, in one ``_foreach_copy_`` (a single kernel on a GPU: each
-        launch costs the host ~5-10 us on the critical path of a graph step); re-pads stale token entries.
-        Returns the int32 request fields' destinations (seq_lens, extend_prefix_lens, extend_seq_lens,
-        extend_start_loc) for the caller's second copy."""
+    def _copy_int64_fields(self, fb: ForwardBatch, n: int, targets: list[torch.Tensor]) -> None:
+        """The ``n`` token fields and the request rows into ``targets``, in one ``_foreach_copy_`` (a single kernel
+        on a GPU: each launch costs the host ~5-10 us on the critical path of a graph step); re-pads stale token
+        entries."""
         b = self.buffers
-        int64_targets, int32_targets = self._targets(fb.batch_size, n)
-        torch._foreach_copy_(int64_targets, [fb.input_ids, fb.positions, fb.out_cache_loc, fb.req_pool_indices])
+        torch._foreach_copy_(targets, [fb.input_ids, fb.positions, fb.out_cache_loc, fb.req_pool_indices])
         if self._tokens_dirty > n:
             pad = slice(n, self._tokens_dirty)
             b.input_ids[pad].zero_()
             b.positions[pad].zero_()
             b.out_cache_loc[pad].fill_(PAD_SLOT)
         self._tokens_dirty = n
-        return int32_targets
 
     # ------------------------------------------------------------------ views
     def decode_view(self, fb: ForwardBatch, bucket: int) -> ForwardBatch:
         """``fb`` (DECODE, ``batch_size <= bucket``) padded with requests up to ``bucket``."""
         b, bs = self.buffers, fb.batch_size
-        int32_targets = self._copy_int64_fields(fb, bs)
+        int64_targets, int32_targets = self._targets(bs, bs)
+        self._copy_int64_fields(fb, bs, int64_targets)
         torch._foreach_copy_(int32_targets[:2], [fb.seq_lens, fb.extend_prefix_lens])
         if self._requests_dirty > bs:
             pad = slice(bs, self._requests_dirty)
@@ -118,8 +116,9 @@ class ReplayViews:
 
     def extend_view(self, fb: ForwardBatch, bucket: int) -> ForwardBatch:
         """``fb`` (EXTEND/MIXED, ``num_tokens <= bucket``) with trailing padding tokens up to ``bucket``."""
-        b, bs = self.buffers, fb.batch_size
-        int32_targets = self._copy_int64_fields(fb, fb.num_tokens)
+        b, bs, n = self.buffers, fb.batch_size, fb.num_tokens
+        int64_targets, int32_targets = self._targets(bs, n)
+        self._copy_int64_fields(fb, n, int64_targets)
         torch._foreach_copy_(int32_targets, [fb.seq_lens, fb.extend_prefix_lens, fb.extend_seq_lens, fb.extend_start_loc])
         self._requests_dirty = max(self._requests_dirty, bs)
         self._extend_dirty = max(self._extend_dirty, bs)
