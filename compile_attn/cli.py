@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import platform
 import sys
 import time
 
@@ -14,7 +13,7 @@ import torch
 
 from compile_attn.config import parse_compile_sizes
 from compile_attn.errors import CompileAttnError
-from compile_attn.run_info import package_version, run_info
+from compile_attn.run_info import package_versions, run_info
 
 TINY_MODEL = "tiny"
 
@@ -24,13 +23,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows = [
-        ("compile_attn", package_version("compile-attn")),
-        ("python", platform.python_version()),
-        ("torch", torch.__version__),
-        ("triton", package_version("triton")),
-        ("transformers", package_version("transformers")),
-        ("flashinfer", package_version("flashinfer-python")),
-        ("sgl-kernel", package_version("sgl-kernel")),
+        *((name, version or "-") for name, version in package_versions().items()),
         ("device", torch.cuda.get_device_name() if device.type == "cuda" else "cpu (no CUDA GPU)"),
         ("capability", "sm_%d%d" % torch.cuda.get_device_capability() if device.type == "cuda" else "-"),
         ("backends", ", ".join(installed_backends())),
@@ -52,14 +45,14 @@ def _tiny_model() -> torch.nn.Module:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from compile_attn.engine import LLM, SamplingParams
+    """Generate with ``args.params`` (the SamplingParams that ``_prepare_generate`` built from the options)."""
+    from compile_attn.engine import LLM
 
     model = _tiny_model() if args.model == TINY_MODEL else args.model
     llm = LLM(model, attn_backend=args.backend, graph_mode=args.graph_mode, compile=not args.no_compile,
               max_batch_size=args.max_batch_size, page_size=args.page_size, max_context=args.max_context,
               device=args.device)
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
+    params = args.params
     prompts: list = args.prompt
     if llm.tokenizer is None:  # the tiny model has no tokenizer: bytes are its tokens
         prompts = [list(p.encode()) for p in prompts]
@@ -75,22 +68,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    """Run the benchmark of ``args.cfg`` (the BenchConfig that ``_prepare_bench`` built from the options)."""
     from compile_attn import bench
 
-    cfg = bench.BenchConfig(
-        shape=dict(bench.TINY if args.tiny else bench.LLAMA_1B),
-        batch_sizes=[int(x) for x in args.batch_sizes.split(",")],
-        context=args.context,
-        backends=args.backend.split(","),
-        modes=args.modes.split(","),
-        hf_baselines=[b for b in args.hf.split(",") if b],
-        iters=args.iters,
-        profile=not args.no_profile,
-        fuse_linears=not args.no_fuse_linears,
-        inductor_config=json.loads(args.inductor_config),
-        compile_sizes=parse_compile_sizes(args.compile_sizes),
-        static_inductor_config=json.loads(args.static_inductor_config),
-    )
+    cfg = args.cfg
     if args.engine_only:
         rows = []
     else:
@@ -153,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-context", type=int, default=512, help="tokens per request at most (prompt + output)")
     gen.add_argument("--page-size", type=int, default=1, help="KV cache page size in tokens")
     gen.add_argument("--device", default=None, help="cuda or cpu (without it: cuda if there is one)")
-    gen.set_defaults(func=cmd_generate, check=_check_generate, subparser=gen)
+    gen.set_defaults(func=cmd_generate, prepare=_prepare_generate, subparser=gen)
     bench = sub.add_parser("bench", help="decode step time: compile_attn modes/backends vs HF, and the bandwidth floor",
                            formatter_class=_ShowDefaults)
     bench.add_argument("--tiny", action="store_true", help="a tiny model instead of the Llama-3.2-1B shape")
@@ -184,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="engine starts: keep this environment's bytecode settings (by default the start "
                             "processes share a .pyc cache, as a pip install has; see compile_attn.bench_engine)")
     bench.add_argument("--out", default=None, help="write JSON here (results, with the command, versions and commit)")
-    bench.set_defaults(func=cmd_bench, check=_check_bench, subparser=bench)
+    bench.set_defaults(func=cmd_bench, prepare=_prepare_bench, subparser=bench)
     return parser
 
 
@@ -200,16 +181,17 @@ def _graph_modes() -> list:
     return list(GraphMode)
 
 
-def _check_generate(args: argparse.Namespace) -> None:
-    """Refuse bad options before a model loads and compiles (minutes on a GPU): ValueError naming the value."""
+def _prepare_generate(args: argparse.Namespace) -> None:
+    """Refuse bad options before a model loads and compiles (minutes on a GPU): ValueError naming the value.
+    Sets ``args.params``, the SamplingParams for ``cmd_generate``."""
     from compile_attn.attention.registry import check_backend_name
     from compile_attn.engine import SamplingParams
     from compile_attn.graph_runner.mode import GraphMode
 
     check_backend_name(args.backend)
     GraphMode.parse(args.graph_mode)
-    SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                   top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
+    args.params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                                 top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
     for name in ("max_batch_size", "max_context", "page_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -235,24 +217,38 @@ def _json_object(option: str, text: str) -> dict:
     return value
 
 
-def _check_bench(args: argparse.Namespace) -> None:
-    """Refuse bad options before the benchmark builds its model (ValueError naming the value)."""
+def _prepare_bench(args: argparse.Namespace) -> None:
+    """Refuse bad options before the benchmark builds its model (ValueError naming the value). Sets ``args.cfg``,
+    the BenchConfig for ``cmd_bench``."""
+    from compile_attn import bench
     from compile_attn.attention.registry import check_backend_name
     from compile_attn.graph_runner.mode import GraphMode
 
-    _positive_ints("--batch-sizes", args.batch_sizes)
     if args.context < 1 or args.iters < 1:
         raise ValueError(f"--context and --iters must be >= 1, got {args.context} and {args.iters}")
-    for name in args.backend.split(","):
+    backends, modes = args.backend.split(","), args.modes.split(",")
+    for name in backends:
         check_backend_name(name)
-    for mode in args.modes.split(","):
+    for mode in modes:
         GraphMode.parse(mode)
-    unknown = [b for b in args.hf.split(",") if b and b not in HF_BASELINES]
+    hf = [b for b in args.hf.split(",") if b]
+    unknown = [b for b in hf if b not in HF_BASELINES]
     if unknown:
         raise ValueError(f"unknown HF baseline(s) {unknown}; choose among {', '.join(HF_BASELINES)} ('' for none)")
-    _json_object("--inductor-config", args.inductor_config)
-    _json_object("--static-inductor-config", args.static_inductor_config)
-    parse_compile_sizes(args.compile_sizes)
+    args.cfg = bench.BenchConfig(
+        shape=dict(bench.TINY if args.tiny else bench.LLAMA_1B),
+        batch_sizes=_positive_ints("--batch-sizes", args.batch_sizes),
+        context=args.context,
+        backends=backends,
+        modes=modes,
+        hf_baselines=hf,
+        iters=args.iters,
+        profile=not args.no_profile,
+        fuse_linears=not args.no_fuse_linears,
+        inductor_config=_json_object("--inductor-config", args.inductor_config),
+        compile_sizes=parse_compile_sizes(args.compile_sizes),
+        static_inductor_config=_json_object("--static-inductor-config", args.static_inductor_config),
+    )
     if not args.tiny and not torch.cuda.is_available():
         logging.getLogger(__name__).warning(
             "bench: no CUDA GPU, so the Llama-3.2-1B shape (1.2 B parameters, float32) runs on the CPU: minutes per "
@@ -266,10 +262,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if getattr(args, "prompt", "") is None:
         args.prompt = ["Hello, compile_attn!"]
-    check = getattr(args, "check", None)
-    if check is not None:
+    prepare = getattr(args, "prepare", None)
+    if prepare is not None:
         try:
-            check(args)
+            prepare(args)
         except ValueError as exc:  # the options' own errors: a usage message, exit status 2
             args.subparser.error(str(exc))
     try:

@@ -21,6 +21,20 @@ def package_version(pkg: str) -> str:
         return "not installed"
 
 
+def package_versions() -> dict[str, str | None]:
+    """compile_attn, Python, torch (and its CUDA) and the kernel libraries compile_attn can use, by name."""
+    return {
+        "compile_attn": package_version("compile-attn"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": package_version("triton"),
+        "transformers": package_version("transformers"),
+        "flashinfer": package_version("flashinfer-python"),
+        "sgl-kernel": package_version("sgl-kernel"),
+    }
+
+
 def git_commit(path: str | None = None) -> str | None:
     """HEAD of the git checkout holding ``path`` (default: this package), "+dirty" when tracked files changed;
     None outside a checkout (a pip install, or a tree copied without ``.git``)."""
@@ -44,14 +58,5 @@ def run_info(argv: list[str]) -> dict[str, object]:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "git_commit": git_commit(),
         "device": torch.cuda.get_device_name() if cuda else "cpu",
-        "versions": {
-            "compile_attn": package_version("compile-attn"),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "cuda": torch.version.cuda,
-            "triton": package_version("triton"),
-            "transformers": package_version("transformers"),
-            "flashinfer": package_version("flashinfer-python"),
-            "sgl-kernel": package_version("sgl-kernel"),
-        },
+        "versions": package_versions(),
     }
