@@ -105,7 +105,7 @@ def bench_decode() -> list[dict]:
 
 def bench_plan_breakdown(batches: tuple[int, ...] = (1, 64, 256), ctx: int = 4096) -> list[dict]:
     """Host time (median us, synchronized) of the pieces of a graph-bucket re-plan."""
-    from compile_attn.attention.flashinfer.paged_indices import build_paged_kv
+    from compile_attn.attention.flashinfer.paged_indices import PagedKV, page_csr
     from compile_attn.attention.flashinfer.wrappers import plan_decode
 
     layer = AttentionLayer(0, HQ, HKV, D)
@@ -120,13 +120,14 @@ def bench_plan_breakdown(batches: tuple[int, ...] = (1, 64, 256), ctx: int = 409
         fb.graph_bucket = bs
         backend.init_forward_metadata_out_graph(fb, in_capture=True)
         wrapper = graph.wrappers(bs)[0]
-        paged = build_paged_kv(kv.req_to_token, fb.req_pool_indices, fb.seq_lens_cpu, 1,
-                               indptr_out=graph.indptr, indices_out=graph.indices)
+        csr = page_csr(fb.seq_lens_cpu, 1)
+        paged = PagedKV(indptr_cpu=csr.indptr, indices=graph.indices[: csr.total_pages],
+                        last_page_len_cpu=csr.last_page_len, lens_cpu=csr.lens)
         us = {}
         us["empty (sync only)"] = _median_host_seconds(lambda: None, 50)
-        us["build_paged_kv into static buffers"] = _median_host_seconds(
-            lambda: build_paged_kv(kv.req_to_token, fb.req_pool_indices, fb.seq_lens_cpu, 1,
-                                   indptr_out=graph.indptr, indices_out=graph.indices), 50)
+        us["page_csr (host CSR)"] = _median_host_seconds(lambda: page_csr(fb.seq_lens_cpu, 1), 50)
+        us["page-id gather (in the graph when captured)"] = _median_host_seconds(
+            lambda: graph.gather(kv.req_to_token, fb.req_pool_indices), 50)
         us["flashinfer plan"] = _median_host_seconds(
             lambda: plan_decode(fi, wrapper, group, paged, 1, backend.dtypes), 50)
         us["flashinfer fast_decode_plan"] = _median_host_seconds(

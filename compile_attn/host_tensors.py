@@ -61,6 +61,15 @@ def upload(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     return t.to(device)
 
 
+def upload_into(dst: torch.Tensor, t: torch.Tensor) -> None:
+    """Copy the host tensor ``t`` into ``dst`` (e.g. a static buffer), on a GPU as one host-to-device copy through
+    pinned memory that the host does not wait for (see ``upload``)."""
+    if dst.is_cuda:
+        dst.copy_(t.pin_memory(), non_blocking=True)
+    else:
+        dst.copy_(t)
+
+
 def to_device(
     parts: list[torch.Tensor | np.ndarray | array.array | Sequence[int]], dtype: torch.dtype, device: torch.device
 ) -> list[torch.Tensor]:

@@ -1,7 +1,8 @@
 """flashinfer: attention through FlashInfer's plan/run wrappers; decode can be captured as a full CUDA graph.
 
 ``init_forward_metadata_out_graph`` builds the page CSR and calls ``plan()`` once per plan group
-(layers sharing heads, window, softcap, scale) — host work, never inside a graph or compiled code.
+(layers sharing heads, window, softcap, scale) — host work, never inside a graph or compiled code; for a
+graph bucket the page ids are gathered by ``init_forward_metadata_in_graph`` (one launch, in the graph).
 Decode runs the batch-decode wrappers (per bucket with ``use_cuda_graph=True`` over static buffers when
 the batch is a graph runner's view). Extend/mixed batches run ragged attention over the new K/V when
 no request has a cached prefix, otherwise paged attention over the pool, or (``extend_prefix_path=
@@ -32,6 +33,7 @@ from compile_attn.attention.flashinfer.wrappers import (
     run_into,
 )
 from compile_attn.attention.registry import register_backend
+from compile_attn.attention.triton_backend import load_triton_ops
 from compile_attn.batch import ForwardBatch
 from compile_attn.errors import UnsupportedConfigError
 from compile_attn.kv_cache import KVCache
@@ -54,6 +56,8 @@ class _StepPlan:
     num_tokens: int  # tokens that belong to a request (padding tokens come after them)
     decode: list[Any] | None = None  # per group: the planned decode wrapper
     extend_paths: list[str] | None = None  # per group: "ragged", "paged" or "cascade"
+    graph_bound: bool = False  # a graph bucket's decode: the page ids are gathered by in_graph
+    filled: bool = True  # False until in_graph has gathered a graph-bound step's page ids
 
 
 @register_backend("flashinfer")
@@ -81,6 +85,7 @@ class FlashInferBackend(AttentionBackend):
         ``graph_max_context`` (longest sequence a decode graph serves; default the cache's max_context),
         ``fast_decode_plan`` (re-plan graph buckets with flashinfer's fast_decode_plan)."""
         self._fi = load_flashinfer()
+        load_triton_ops()  # the page-id gather is a Triton kernel: fail here, with the install command
         super().__init__(kv_cache, layers)
         if extend_prefix_path not in _EXTEND_PREFIX_PATHS:
             raise ValueError(f"extend_prefix_path must be one of {_EXTEND_PREFIX_PATHS}, got {extend_prefix_path!r}")
@@ -155,15 +160,25 @@ class FlashInferBackend(AttentionBackend):
         else:
             self._step = self._plan_extend(fb)
 
+    def init_forward_metadata_in_graph(self, fb: ForwardBatch) -> None:
+        """Gather a graph bucket's page ids from ``req_to_token``: one launch, static shapes, no host sync."""
+        step = self._step
+        if step is None or not step.graph_bound:
+            return  # eager decode and extend steps are complete after out_graph
+        assert self._graph is not None
+        self._graph.gather(self.kv_cache.req_to_token, fb.req_pool_indices)
+        step.filled = True
+
     def _plan_decode(self, fb: ForwardBatch) -> _StepPlan:
         if fb.graph_bucket is not None and self._graph is not None:
             self.check_graph_view(fb, self._graph.max_bs, self._graph.max_context)
-            wrappers = self._graph.plan(self.kv_cache.req_to_token, fb.req_pool_indices, fb.seq_lens_cpu, self.dtypes)
-        else:
-            kv = build_paged_kv(self.kv_cache.req_to_token, fb.req_pool_indices, fb.seq_lens_cpu, self.page_size)
-            wrappers = self._eager.decode
-            for group, wrapper in zip(self.groups, wrappers):
-                plan_decode(self._fi, wrapper, group, kv, self.page_size, self.dtypes)
+            wrappers = self._graph.plan(fb.req_pool_indices, fb.seq_lens_cpu, self.dtypes)
+            return _StepPlan(is_decode=True, batch_size=fb.batch_size, num_tokens=fb.batch_size, decode=wrappers,
+                             graph_bound=True, filled=False)
+        kv = build_paged_kv(self.kv_cache.req_to_token, fb.req_pool_indices, fb.seq_lens_cpu, self.page_size)
+        wrappers = self._eager.decode
+        for group, wrapper in zip(self.groups, wrappers):
+            plan_decode(self._fi, wrapper, group, kv, self.page_size, self.dtypes)
         return _StepPlan(is_decode=True, batch_size=fb.batch_size, num_tokens=fb.batch_size, decode=wrappers)
 
     def _plan_extend(self, fb: ForwardBatch) -> _StepPlan:
@@ -225,6 +240,12 @@ class FlashInferBackend(AttentionBackend):
         """Decode attention of the planned step over the pool (the new K/V must already be stored)."""
         step = self._require_step(decode=True)
         assert step.decode is not None
+        if not step.filled:
+            raise RuntimeError(
+                "flashinfer: this graph bucket's page ids were not gathered: call "
+                "backend.init_forward_metadata_in_graph(batch) after init_forward_metadata_out_graph (or "
+                "backend.init_forward_metadata(batch), which calls both)"
+            )
         bs = step.batch_size
         wrapper = step.decode[self.layer_group[layer.layer_id]]
         qd = self._check_q(q[:bs])

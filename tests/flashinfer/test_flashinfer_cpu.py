@@ -12,7 +12,7 @@ import torch
 
 from compile_attn import AttentionLayer, BackendUnavailableError, KVCache, create_backend
 from compile_attn.attention.flashinfer.library import flashinfer_installed
-from compile_attn.attention.flashinfer.paged_indices import build_paged_kv
+from compile_attn.attention.flashinfer.paged_indices import build_paged_kv, page_csr
 
 
 def _small_kv(**kw) -> KVCache:  # noqa: ANN003
@@ -42,6 +42,22 @@ def test_broken_flashinfer_import_is_a_clear_error(monkeypatch: pytest.MonkeyPat
 
 # ------------------------------------------------------------------ configuration errors
 # ------------------------------------------------------------------ page CSR
+def test_page_csr_packs_indptr_and_last_page_lengths_for_one_upload() -> None:
+    csr = page_csr([5, 0, 16, 1], 4)
+    assert csr.indptr.tolist() == [0, 2, 2, 6, 7]  # pages per request: 2, 0, 4, 1
+    assert csr.last_page_len.tolist() == [1, 0, 4, 1]
+    assert csr.packed.tolist() == csr.indptr.tolist() + csr.last_page_len.tolist()
+    assert csr.total_pages == 7 and csr.lens.tolist() == [5, 0, 16, 1]
+    with pytest.raises(ValueError, match=r"\[3, -1\]"):
+        page_csr([3, -1], 4)
+
+
+def test_page_csr_rows_and_lengths_must_agree() -> None:
+    kv = _small_kv()
+    with pytest.raises(ValueError, match="2 request rows but 3 lengths"):
+        build_paged_kv(kv.req_to_token, torch.tensor([0, 1]), [1, 2, 3], 1)
+
+
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_page_csr_lists_each_requests_pages_in_order(page_size: int) -> None:
     kv = _small_kv(page_size=page_size, num_tokens=512)

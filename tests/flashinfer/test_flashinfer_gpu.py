@@ -106,6 +106,43 @@ def test_decode_cuda_graphs_replay_new_batches_per_bucket(fast_plan: bool, page_
     assert max(errors) < 1e-2, errors
 
 
+def test_graph_bucket_replan_never_waits_and_needs_the_in_graph_gather() -> None:
+    """A graph bucket's out_graph (host CSR, one upload, fast re-plan) runs under sync-debug "error" (no
+    blocking copy, no read-back); its page ids come from in_graph, and attention without it is refused."""
+    from compile_attn import AttentionLayer, KVCache, ForwardBatch
+
+    layer = AttentionLayer(0, 8, 2, 64)
+    kv = KVCache(num_layers=1, num_kv_heads=2, head_dim=64, max_requests=4, max_context=64, num_tokens=512,
+                 page_size=16, dtype=BF16, device="cuda")
+    backend = make_backend(kv, [layer])
+    backend.init_cuda_graph_state(max_bs=4, max_num_tokens=4)
+    rows = [kv.alloc_request() for _ in range(4)]
+    kv.alloc_extend(rows, [40, 3, 17, 16])
+    loc = kv.alloc_extend(rows, [1] * 4)
+    fb = ForwardBatch.build(req_pool_indices=rows, prefix_lens=[40, 3, 17, 16], extend_lens=[1] * 4,
+                            out_cache_loc=loc, device="cuda")
+    fb.graph_bucket = 4
+    backend.init_forward_metadata_out_graph(fb, in_capture=True)  # the bucket's first, full plan
+    q = torch.randn(4, 8, 64, dtype=BF16, device="cuda")
+    out = torch.empty_like(q)
+    with pytest.raises(RuntimeError, match="init_forward_metadata_in_graph"):
+        backend.decode_attention(q, layer, out)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        backend.init_forward_metadata_out_graph(fb)  # fast re-plan
+        backend.init_forward_metadata_in_graph(fb)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = backend._graph
+    indptr = graph.indptr(4).tolist()
+    assert indptr == [0, 3, 4, 6, 8]  # 41, 4, 18 and 17 tokens in pages of 16
+    pages = graph.indices[: indptr[-1]].tolist()
+    for b, row in enumerate(rows):
+        n = int(fb.seq_lens_cpu[b])
+        assert pages[indptr[b] : indptr[b + 1]] == [int(kv.req_to_token[row, j]) // 16 for j in range(0, n, 16)]
+
+
 def test_warmup_loads_built_kernels_with_a_log_line_each(caplog: pytest.LogCaptureFixture) -> None:
     from compile_attn import AttentionLayer, KVCache
 

@@ -1,4 +1,4 @@
-"""build_kv_indptr / build_kv_indices / store_kv against plain indexing of req_to_token."""
+"""build_kv_indptr / build_kv_indices / build_page_indices / store_kv against plain indexing of req_to_token."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_reference import DEVICE, make_paged_cache
 
-from compile_attn.attention.triton_ops import build_kv_indices, build_kv_indptr, store_kv
+from compile_attn.attention.triton_ops import build_kv_indices, build_kv_indptr, build_page_indices, store_kv
 
 
 @settings(max_examples=15, deadline=None)
@@ -50,6 +50,29 @@ def test_build_kv_indices_never_writes_past_its_range():
     assert torch.equal(indices[:10].long().cpu(), cache.slots(0, 0, 10).cpu())
     assert torch.equal(indices[10:20].long().cpu(), cache.slots(1, 0, 10).cpu())
     assert indices[20].item() == -1
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 700), min_size=1, max_size=5),
+    page_size=st.sampled_from([1, 4, 16]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_build_page_indices_matches_table(lengths, page_size, seed):
+    gen = torch.Generator().manual_seed(seed)
+    cache = make_paged_cache(lengths, 1, 4, 4, page_size, torch.float32, gen)
+    num_pages = [-(-n // page_size) for n in lengths]
+    indptr = torch.tensor([0, *torch.tensor(num_pages).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    total = sum(num_pages)
+    indices = torch.full((total + 1,), -1, dtype=torch.int32, device=DEVICE)  # one sentinel past the end
+    build_page_indices(cache.req_to_token, cache.rows, indptr, indices, page_size)
+    got = indices.long().cpu()
+    for b, n in enumerate(lengths):
+        pages = got[indptr[b] : indptr[b + 1]]
+        slots = cache.slots(b).long().cpu()
+        assert torch.equal(pages, slots[::page_size] // page_size)  # page j starts at position j * page_size
+        assert torch.equal(slots // page_size, pages.repeat_interleave(page_size)[:n])  # every token on its page
+    assert got[total].item() == -1
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,6 @@
 """Triton attention kernels over a token-level paged KV cache: pure functions of torch tensors.
 
-``kv_index`` builds the token CSR from ``req_to_token`` and stores new K/V, ``decode_attention``
+``kv_index`` builds the token CSR (and a page CSR's ids) from ``req_to_token`` and stores new K/V, ``decode_attention``
 runs split-K paged decode (CUDA-graph capturable), ``decode_metadata`` builds a decode step's CSR and
 split counts in one launch, ``extend_attention`` runs prefill/extend over a cached prefix. Nothing here
 depends on the rest of compile_attn; the triton backend wraps these.
@@ -18,7 +18,7 @@ from compile_attn.attention.triton_ops.decode_attention import (
 )
 from compile_attn.attention.triton_ops.decode_metadata import build_decode_metadata
 from compile_attn.attention.triton_ops.extend_attention import build_mask_indptr, extend_attention_fwd
-from compile_attn.attention.triton_ops.kv_index import build_kv_indices, build_kv_indptr, store_kv
+from compile_attn.attention.triton_ops.kv_index import build_kv_indices, build_kv_indptr, build_page_indices, store_kv
 
 __all__ = [
     "DEFAULT_MAX_KV_SPLITS",
@@ -29,6 +29,7 @@ __all__ = [
     "build_kv_indices",
     "build_kv_indptr",
     "build_mask_indptr",
+    "build_page_indices",
     "check_supported",
     "compute_num_kv_splits",
     "decode_attention_fwd",

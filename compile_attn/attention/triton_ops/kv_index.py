@@ -1,7 +1,7 @@
-"""KV-cache index kernels: build the token CSR (``kv_indptr``/``kv_indices``) from ``req_to_token``
-on the device, and write new K/V into the cache at their slots.
+"""KV-cache index kernels: build the token CSR (``kv_indptr``/``kv_indices``) and the page ids of a
+page-level CSR from ``req_to_token`` on the device, and write new K/V into the cache at their slots.
 
-Both only read device tensors and write into caller-owned buffers: no host sync, no allocation, so
+Each only reads device tensors and writes into caller-owned buffers: no host sync, no allocation, so
 they can be recorded in a CUDA graph when the buffers are static.
 """
 
@@ -102,6 +102,63 @@ def build_kv_indices(
         BLOCK=512,
     )
     return kv_indices_out
+
+
+@triton.jit
+def _build_page_indices_kernel(
+    Req_To_Token,
+    Req_Pool_Indices,
+    Page_Indptr,
+    Page_Indices,
+    stride_req,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    b = tl.program_id(0)
+    row = tl.load(Req_Pool_Indices + b).to(tl.int64)
+    out_lo = tl.load(Page_Indptr + b).to(tl.int64)
+    n = tl.load(Page_Indptr + b + 1).to(tl.int64) - out_lo
+    src = Req_To_Token + row * stride_req
+    if PAGE_SIZE == 1:
+        copy_slots(src, Page_Indices + out_lo, n, BLOCK)
+    else:  # page j begins at position j * PAGE_SIZE; its id is that slot // PAGE_SIZE
+        for i in range(0, n, BLOCK):
+            offs = i + tl.arange(0, BLOCK)
+            mask = offs < n
+            slot = tl.load(src + offs * PAGE_SIZE, mask=mask)
+            tl.store(Page_Indices + out_lo + offs, slot // PAGE_SIZE, mask=mask)
+
+
+_LAUNCH_BUILD_PAGE_INDICES = CachedLaunch(_build_page_indices_kernel)
+
+
+def build_page_indices(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    page_indptr: torch.Tensor,
+    page_indices_out: torch.Tensor,
+    page_size: int,
+) -> torch.Tensor:
+    """The page-level CSR's ids (FlashInfer layout) in one launch: for every request ``b`` and page
+    ``j < page_indptr[b+1] - page_indptr[b]``, ``page_indices_out[page_indptr[b] + j] =
+    req_to_token[req_pool_indices[b], j * page_size] // page_size``.
+
+    ``page_indptr`` (on the device) already holds the pages per request, so the kernel reads nothing it
+    does not write; no host sync and no allocation, so it can be recorded in a CUDA graph whose buffers
+    are static. Returns ``page_indices_out``.
+    """
+    check_device(_build_page_indices_kernel, req_to_token, page_indices_out)
+    check_req_to_token(req_to_token)
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    bs = req_pool_indices.shape[0]
+    if bs == 0:
+        return page_indices_out
+    _LAUNCH_BUILD_PAGE_INDICES(
+        (bs,), req_to_token, req_pool_indices, page_indptr, page_indices_out, req_to_token.stride(0),
+        PAGE_SIZE=page_size, BLOCK=512,
+    )
+    return page_indices_out
 
 
 @triton.jit
