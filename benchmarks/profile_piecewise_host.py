@@ -179,7 +179,7 @@ def main() -> None:
             parts["torch add_ (one aten launch, reference)"] = lambda: out.add_(1.0)
             for name, fn in parts.items():
                 lines.append(f"{name}: {per_call_us(fn):.1f} us per call")
-            if backend.graph_buffers is not None and hasattr(backend, "bound_decode_launches"):
+            if getattr(backend, "graph_buffers", None) is not None and hasattr(backend, "bound_decode_launches"):
                 # the same batch as a graph-bucket view: metadata in the static buffers, the same q/k/v/out
                 # every call, so after the first call the layer relaunches through its DecodePlan
                 bound_fb = setup.batch(bs)
