@@ -60,11 +60,12 @@ def test_page_csr_rows_and_lengths_must_agree() -> None:
 
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_page_csr_lists_each_requests_pages_in_order(page_size: int) -> None:
-    kv = _small_kv(page_size=page_size, num_tokens=512)
+    # the gather is a Triton kernel: interpreted on the CPU without CUDA, compiled on a GPU machine
+    kv = _small_kv(page_size=page_size, num_tokens=512, device="cuda" if torch.cuda.is_available() else "cpu")
     rows = [kv.alloc_request() for _ in range(3)]
     lens = [9, 0, 5]
     kv.alloc_extend(rows, lens)
-    csr = build_paged_kv(kv.req_to_token, torch.tensor(rows), lens, page_size)
+    csr = build_paged_kv(kv.req_to_token, torch.tensor(rows, device=kv.device), lens, page_size)
     for b, (row, n) in enumerate(zip(rows, lens)):
         pages = csr.indices[csr.indptr_cpu[b] : csr.indptr_cpu[b + 1]].tolist()
         num_pages = -(-n // page_size)

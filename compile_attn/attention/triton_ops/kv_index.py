@@ -147,7 +147,7 @@ def build_page_indices(
     does not write; no host sync and no allocation, so it can be recorded in a CUDA graph whose buffers
     are static. Returns ``page_indices_out``.
     """
-    check_device(_build_page_indices_kernel, req_to_token, page_indices_out)
+    check_device(_build_page_indices_kernel, req_to_token, req_pool_indices, page_indptr, page_indices_out)
     check_req_to_token(req_to_token)
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
