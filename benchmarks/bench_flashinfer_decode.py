@@ -122,7 +122,7 @@ def bench_plan_breakdown(batches: tuple[int, ...] = (1, 64, 256), ctx: int = 409
         wrapper = graph.wrappers(bs)[0]
         csr = page_csr(fb.seq_lens_cpu, 1)
         paged = PagedKV(indptr_cpu=csr.indptr, indices=graph.indices[: csr.total_pages],
-                        last_page_len_cpu=csr.last_page_len, lens_cpu=csr.lens)
+                        last_page_len_cpu=csr.last_page_len)
         us = {}
         us["empty (sync only)"] = _median_host_seconds(lambda: None, 50)
         us["page_csr (host CSR)"] = _median_host_seconds(lambda: page_csr(fb.seq_lens_cpu, 1), 50)

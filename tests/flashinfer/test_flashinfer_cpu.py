@@ -47,9 +47,11 @@ def test_page_csr_packs_indptr_and_last_page_lengths_for_one_upload() -> None:
     assert csr.indptr.tolist() == [0, 2, 2, 6, 7]  # pages per request: 2, 0, 4, 1
     assert csr.last_page_len.tolist() == [1, 0, 4, 1]
     assert csr.packed.tolist() == csr.indptr.tolist() + csr.last_page_len.tolist()
-    assert csr.total_pages == 7 and csr.lens.tolist() == [5, 0, 16, 1]
+    assert csr.total_pages == 7 and csr.batch_size == 4
     with pytest.raises(ValueError, match=r"\[3, -1\]"):
         page_csr([3, -1], 4)
+    with pytest.raises(OverflowError):
+        page_csr([2**30, 2**30], 1)
 
 
 def test_page_csr_rows_and_lengths_must_agree() -> None:

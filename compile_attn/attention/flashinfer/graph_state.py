@@ -97,8 +97,7 @@ class DecodeGraphState:
         if total > self.indices.numel():
             raise ValueError(f"{total} pages do not fit the {self.indices.numel()}-entry page-index buffer")
         upload_into(self.meta[: 2 * bs + 1], csr.packed)
-        kv = PagedKV(indptr_cpu=csr.indptr, indices=self.indices[:total], last_page_len_cpu=csr.last_page_len,
-                     lens_cpu=csr.lens)
+        kv = PagedKV(indptr_cpu=csr.indptr, indices=self.indices[:total], last_page_len_cpu=csr.last_page_len)
         # fast_decode_plan reads the buffers as they are; a wrapper's first plan must be the full one
         fast = self.fast_plan and bs in self._planned
         for group, wrapper in zip(self.groups, wrappers):
