@@ -172,7 +172,7 @@ class FlashInferBackend(AttentionBackend):
     def _plan_decode(self, fb: ForwardBatch) -> _StepPlan:
         if fb.graph_bucket is not None and self._graph is not None:
             self.check_graph_view(fb, self._graph.max_bs, self._graph.max_context)
-            wrappers = self._graph.plan(fb.req_pool_indices, fb.seq_lens_cpu, self.dtypes)
+            wrappers = self._graph.plan(fb.seq_lens_cpu, self.dtypes)
             return _StepPlan(is_decode=True, batch_size=fb.batch_size, num_tokens=fb.batch_size, decode=wrappers,
                              graph_bound=True, filled=False)
         kv = build_paged_kv(self.kv_cache.req_to_token, fb.req_pool_indices, fb.seq_lens_cpu, self.page_size)

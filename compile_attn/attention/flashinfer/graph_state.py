@@ -85,9 +85,7 @@ class DecodeGraphState:
         """The device page ``indptr`` of bucket ``bs`` (filled by ``plan``)."""
         return self.meta[: bs + 1]
 
-    def plan(
-        self, req_pool_indices: torch.Tensor, seq_lens_cpu: torch.Tensor, dtypes: PlanDTypes,
-    ) -> list[Any]:
+    def plan(self, seq_lens_cpu: torch.Tensor, dtypes: PlanDTypes) -> list[Any]:
         """Upload the batch's host CSR into the bucket's part of ``meta`` and plan every group's wrapper of the
         bucket. The page ids are not written here: ``gather`` does that, inside the graph."""
         bs = int(seq_lens_cpu.shape[0])  # the caller checked it fits (AttentionBackend.check_graph_view)
