@@ -10,6 +10,7 @@ import torch
 
 from compile_attn import AttentionLayer, KVCache, UnknownBackendError, UnsupportedConfigError, create_backend
 from compile_attn.attention import available_backends, check_backend_name
+from compile_attn.attention.registry import auto_backend_candidates
 from compile_attn.attention.torch_native import TorchNativeBackend
 
 
@@ -91,3 +92,23 @@ def test_llm_checks_the_backend_name_and_graph_mode_before_loading_the_model() -
         LLM("/no/such/model", attn_backend="nope")  # not FileNotFoundError: the name is checked first
     with pytest.raises(ValueError, match="unknown graph mode 'fast'"):
         LLM("/no/such/model", graph_mode="fast")
+
+
+@pytest.mark.parametrize("capability,expected", [
+    ((9, 0), ["triton", "fa3", "flashinfer", "torch_native"]),
+    ((8, 0), ["triton", "flashinfer", "torch_native"]),
+    ((7, 5), ["triton", "torch_native"]),
+])
+def test_auto_on_a_gpu_tries_triton_first(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int],
+                                          expected: list[str]) -> None:
+    """The measured-fastest backend first, the vendor kernels for models it refuses (every kernel package
+    installed here by pretence; which GPU is the only input)."""
+    from compile_attn.attention import registry
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(registry, "installed_backends", lambda: ["fa3", "flashinfer", "hybrid", "torch_native",
+                                                                 "triton"])
+    assert auto_backend_candidates(torch.device("cuda")) == expected
+    monkeypatch.setattr(registry, "installed_backends", lambda: ["flashinfer", "torch_native"])  # no triton
+    assert auto_backend_candidates(torch.device("cuda"))[0] == ("flashinfer" if capability >= (8, 0) else
+                                                                "torch_native")

@@ -37,6 +37,7 @@ def test_greedy_matches_hf_up_to_the_first_near_tie(graph_mode: str, backend: st
                                                              reason="needs sgl_kernel and flashinfer")),
     pytest.param("fa3+triton", marks=pytest.mark.skipif(not _have("sgl_kernel"), reason="needs sgl_kernel")),
     pytest.param("flashinfer+triton", marks=pytest.mark.skipif(not _have("flashinfer"), reason="needs flashinfer")),
+    pytest.param("flashinfer", marks=pytest.mark.skipif(not _have("flashinfer"), reason="needs flashinfer")),
     pytest.param("fa3", marks=pytest.mark.skipif(not _have("sgl_kernel"), reason="needs sgl_kernel")),
 ])
 @pytest.mark.parametrize("graph_mode", ["full_and_piecewise", "none"])

@@ -100,11 +100,14 @@ def test_unsupported_head_dim_and_dtype_are_refused() -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0),
-                    reason="auto prefers fa3 on Hopper only")
-def test_auto_picks_fa3_on_hopper() -> None:
+                    reason="auto tries fa3 on Hopper only")
+def test_auto_tries_fa3_right_after_triton_on_hopper() -> None:
+    from compile_attn.attention.registry import auto_backend_candidates
+
     kv = KVCache(num_layers=1, num_kv_heads=2, head_dim=64, max_requests=2, max_context=32, num_tokens=64,
                  dtype=BF16, device="cuda")
-    assert create_backend("auto", kv, [AttentionLayer(0, 8, 2, 64)]).name == "fa3"
+    assert auto_backend_candidates(kv.device)[:2] == ["triton", "fa3"]
+    assert create_backend("auto", kv, [AttentionLayer(0, 8, 2, 64)]).name == "triton"
 
 
 def test_toy_decoder_through_graph_runner_matches_eager_torch_native() -> None:
