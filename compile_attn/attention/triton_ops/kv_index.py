@@ -143,9 +143,9 @@ def build_page_indices(
     ``j < page_indptr[b+1] - page_indptr[b]``, ``page_indices_out[page_indptr[b] + j] =
     req_to_token[req_pool_indices[b], j * page_size] // page_size``.
 
-    ``page_indptr`` (on the device) already holds the pages per request, so the kernel reads nothing it
-    does not write; no host sync and no allocation, so it can be recorded in a CUDA graph whose buffers
-    are static. Returns ``page_indices_out``.
+    ``page_indptr`` (on the device) already holds the pages per request, so each request reads only the
+    ``req_to_token`` entries of its own pages and writes only its own range; no host sync and no
+    allocation, so it can be recorded in a CUDA graph whose buffers are static. Returns ``page_indices_out``.
     """
     check_device(_build_page_indices_kernel, req_to_token, req_pool_indices, page_indptr, page_indices_out)
     check_req_to_token(req_to_token)
