@@ -1,5 +1,6 @@
 """The ``compile-attn`` command: ``generate`` text with a model, ``info`` about this machine's backends, ``bench``
-decode steps and engine starts (``compile_attn.bench``, ``compile_attn.bench_engine``)."""
+decode steps and engine starts (``compile_attn.bench``, ``compile_attn.bench_engine``), ``throughput`` on a serving
+workload (``compile_attn.bench_throughput``)."""
 
 from __future__ import annotations
 
@@ -166,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "processes share a .pyc cache, as a pip install has; see compile_attn.bench_engine)")
     bench.add_argument("--out", default=None, help="write JSON here (results, with the command, versions and commit)")
     bench.set_defaults(func=cmd_bench, prepare=_prepare_bench, subparser=bench)
+    from compile_attn.bench_throughput_cli import add_parser as add_throughput_parser
+
+    add_throughput_parser(sub, _ShowDefaults)
     return parser
 
 

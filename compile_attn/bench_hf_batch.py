@@ -1,0 +1,79 @@
+"""HF transformers' continuous batching on a throughput workload: the baseline next to the engine's rounds.
+
+One manager (``model.continuous_batching_context_manager``, the machinery under ``generate_batch``) runs the
+workload ``rounds`` times, each request with its own ``max_new_tokens`` and EOS disabled, so it generates exactly
+the workload's output tokens. Its KV cache takes ``max_memory_percent`` of the memory left free; an
+out-of-memory is reported as a skipped baseline, not an error.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from compile_attn.bench_workloads import Workload
+
+logger = logging.getLogger(__name__)
+
+CPU_PAGE_SIZE = 16
+
+
+def run(model: torch.nn.Module, workload: Workload, *, rounds: int = 2, max_memory_percent: float | None = 0.8,
+        timeout_s: float = 600.0) -> dict:
+    """Start-up (the manager's warm-up) and, per round, wall time, generated tokens and tok/s."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    sampled = workload.temperature > 0
+    gen = GenerationConfig(do_sample=sampled, temperature=workload.temperature if sampled else None,
+                           max_new_tokens=max(workload.output_lens), eos_token_id=-1)  # no top-k / top-p filter
+    cuda = model.device.type == "cuda"
+    # on a GPU the cache takes its share of free memory; on the CPU just what the workload needs (HF would size it
+    # from the machine's RAM)
+    pages = None if cuda else sum(-(-(len(p) + n) // CPU_PAGE_SIZE) for p, n in zip(workload.prompts,
+                                                                                      workload.output_lens))
+    cb = ContinuousBatchingConfig(max_memory_percent=max_memory_percent, page_size=CPU_PAGE_SIZE if pages else 256,
+                                  num_blocks=pages)
+    hints = WorkloadHints(max_prompt_length=max(map(len, workload.prompts)),
+                          max_generated_length=max(workload.output_lens), num_requests=workload.num_seqs)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    result: dict = dict(system="HF generate_batch", max_memory_percent=max_memory_percent, rounds=[])
+    start = time.perf_counter()
+    try:
+        with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb,
+                                                       workload_hints=hints, warmup=True, block=True,
+                                                       timeout=timeout_s) as manager:
+            result["startup_s"] = time.perf_counter() - start
+            result["attn_implementation"] = model.config._attn_implementation
+            for _ in range(rounds):
+                result["rounds"].append(_round(manager, workload, sync, timeout_s))
+    except torch.OutOfMemoryError as exc:
+        logger.warning("HF generate_batch ran out of memory; its row is skipped: %s", exc)
+        result["skipped"] = f"out of memory: {str(exc).splitlines()[0]}"
+    return result
+
+
+def _round(manager, workload: Workload, sync, timeout_s: float) -> dict:
+    sync()
+    start = time.perf_counter()
+    ids = [manager.add_request(p, max_new_tokens=o, eos_token_id=-1)
+           for p, o in zip(workload.prompts, workload.output_lens)]
+    done: dict = {}
+    while len(done) < len(ids):
+        out = manager.get_result(timeout=1)
+        if out is not None and out.is_finished():
+            done[out.request_id] = out
+        elif out is None and not manager.is_running():
+            raise RuntimeError(f"HF's generation thread stopped with {len(ids) - len(done)} requests unfinished")
+        if time.perf_counter() - start > timeout_s:
+            raise RuntimeError(f"HF generate_batch did not finish within {timeout_s:.0f} s")
+    sync()
+    wall = time.perf_counter() - start
+    errors = [o.error for o in done.values() if o.error is not None]
+    if errors:
+        raise RuntimeError(f"HF generate_batch failed {len(errors)} requests, e.g.: {errors[0]}")
+    generated = sum(len(done[i].generated_tokens) for i in ids)
+    return dict(wall_s=wall, output_tokens=generated, output_tok_s=generated / wall,
+                total_tok_s=(workload.prompt_tokens + generated) / wall)

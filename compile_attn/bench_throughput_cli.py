@@ -1,0 +1,100 @@
+"""The ``compile-attn throughput WORKLOAD`` subcommand: its options, their checks (before any model is built) and
+the command that runs ``compile_attn.bench_throughput`` and writes its table and JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+
+import torch
+
+from compile_attn.bench_workloads import WORKLOADS
+
+
+def add_parser(sub: argparse._SubParsersAction, formatter_class: type[argparse.HelpFormatter]) -> None:
+    p = sub.add_parser("throughput", formatter_class=formatter_class,
+                       help="serving throughput on a seeded workload: first and later rounds, and HF generate_batch",
+                       description="Run a seeded workload through compile_attn.LLM twice (right after start-up, then "
+                                   "again) and through HF transformers' generate_batch: tok/s, steps and time per "
+                                   "step kind, GPU busy fraction, start-up time.")
+    p.add_argument("workload", choices=WORKLOADS,
+                   help="nanovllm: nano-vllm's bench (256 prompts of 100-1024 random ids, 100-1024 new tokens, "
+                        "temperature 0.6); fixed: N x (P prompt + O new), greedy")
+    p.add_argument("--num-seqs", type=int, default=None, help="requests (default: nanovllm 256, fixed 256)")
+    p.add_argument("--prompt-len", "--max-input", dest="prompt_len", type=int, default=None,
+                   help="prompt tokens; nanovllm: the longest prompt (default: nanovllm 1024, fixed 256)")
+    p.add_argument("--output-len", "--max-output", dest="output_len", type=int, default=None,
+                   help="new tokens; nanovllm: the longest output (default: nanovllm 1024, fixed 128)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="override the workload's temperature (0: greedy)")
+    model = p.add_mutually_exclusive_group()
+    model.add_argument("--model", default=None, help="a local HF model directory (default: random weights of the "
+                                                     "Llama-3.2-1B shape)")
+    model.add_argument("--tiny", action="store_true", help="a small model with random weights, on the CPU")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if there is one; cpu with --tiny)")
+    p.add_argument("--backend", default="auto", help="attention backend (see `compile-attn info`)")
+    p.add_argument("--graph-mode", default="full_and_piecewise", help="CUDA graphs (see GraphMode)")
+    p.add_argument("--no-compile", action="store_true", help="do not torch.compile the model")
+    p.add_argument("--max-batch-size", type=int, default=256, help="requests per step at most")
+    p.add_argument("--max-num-tokens", type=int, default=8192, help="tokens per step at most")
+    p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV cache capacity (default: the engine's)")
+    p.add_argument("--page-size", type=int, default=1, help="KV cache page size in tokens")
+    p.add_argument("--max-context", type=int, default=None,
+                   help="tokens per request at most (default: the workload's longest request)")
+    p.add_argument("--rounds", type=int, default=2, help="times the workload runs on the same LLM (>= 1)")
+    p.add_argument("--profile-steps", type=int, default=32,
+                   help="steps per GPU-busy window (CUDA; 0: no profile round)")
+    p.add_argument("--no-hf", action="store_true", help="skip HF transformers' generate_batch")
+    p.add_argument("--hf-max-memory-percent", type=float, default=0.8,
+                   help="fraction of free memory HF's KV cache may take (its ContinuousBatchingConfig)")
+    p.add_argument("--out", default=None, help="write JSON here (results, with the command, versions and commit)")
+    p.set_defaults(func=cmd_throughput, prepare=prepare, subparser=p)
+
+
+def prepare(args: argparse.Namespace) -> None:
+    """Refuse bad options (ValueError naming the value) and set ``args.cfg``, the ThroughputConfig."""
+    from compile_attn import bench
+    from compile_attn.attention.registry import check_backend_name
+    from compile_attn.bench_throughput import ThroughputConfig
+    from compile_attn.graph_runner.mode import GraphMode
+
+    check_backend_name(args.backend)
+    GraphMode.parse(args.graph_mode)
+    for name in ("num_seqs", "prompt_len", "output_len", "max_batch_size", "max_num_tokens", "kv_cache_tokens",
+                 "page_size", "max_context", "rounds"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.profile_steps < 0:
+        raise ValueError(f"--profile-steps must be >= 0 (0: no profile), got {args.profile_steps}")
+    if args.temperature is not None and args.temperature < 0:
+        raise ValueError(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
+    if not 0 < args.hf_max_memory_percent <= 1:
+        raise ValueError(f"--hf-max-memory-percent must be in (0, 1], got {args.hf_max_memory_percent}")
+    device = args.device or ("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"--device must be cuda or cpu, got {device!r}")
+    args.cfg = ThroughputConfig(
+        workload=args.workload, num_seqs=args.num_seqs, prompt_len=args.prompt_len, output_len=args.output_len,
+        temperature=args.temperature, model=args.model, shape=dict(bench.TINY if args.tiny else bench.LLAMA_1B),
+        device=device, backend=args.backend, graph_mode=args.graph_mode, compile=not args.no_compile,
+        max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens, kv_cache_tokens=args.kv_cache_tokens,
+        page_size=args.page_size, max_context=args.max_context, rounds=args.rounds, profile_steps=args.profile_steps,
+        hf=not args.no_hf, hf_max_memory_percent=args.hf_max_memory_percent,
+    )
+    if device == "cpu" and not args.tiny and args.model is None:
+        logging.getLogger(__name__).warning(
+            "throughput: the Llama-3.2-1B shape on the CPU takes hours and ~10 GB of memory; --tiny runs a small model")
+
+
+def cmd_throughput(args: argparse.Namespace) -> int:
+    from compile_attn import bench_throughput
+    from compile_attn.run_info import run_info
+
+    result = bench_throughput.run(args.cfg)
+    print(bench_throughput.to_markdown(result), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(json.dumps({"run": run_info(args.argv), **result}, indent=1, default=str))
+    return 0

@@ -1,0 +1,96 @@
+"""Named, seeded serving workloads for the throughput benchmark: prompts as token ids, an output length per
+request, one temperature, EOS ignored so every request generates exactly its output length.
+
+``nanovllm`` draws what nano-vllm's ``bench.py`` draws, in the same order, from Python's ``random`` seeded with 0;
+``fixed`` is N prompts of P random ids and O new tokens each, greedy.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from compile_attn.errors import CompileAttnError
+
+WORKLOADS = ("nanovllm", "fixed")
+
+
+class WorkloadError(CompileAttnError, ValueError):
+    """A workload name or size that cannot be built."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    """``prompts[i]`` (token ids) generates ``output_lens[i]`` tokens at ``temperature`` (0: greedy)."""
+
+    name: str
+    prompts: list[list[int]]
+    output_lens: list[int]
+    temperature: float
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(map(len, self.prompts))
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+    @property
+    def longest(self) -> int:
+        """Tokens the longest request holds at its end (prompt + output)."""
+        return max(len(p) + o for p, o in zip(self.prompts, self.output_lens))
+
+    def summary(self) -> dict:
+        return dict(name=self.name, num_seqs=self.num_seqs, prompt_tokens=self.prompt_tokens,
+                    output_tokens=self.output_tokens, temperature=self.temperature, ignore_eos=True,
+                    longest=self.longest)
+
+
+def nanovllm(num_seqs: int = 256, max_input: int = 1024, max_output: int = 1024, vocab_size: int = 10001,
+             seed: int = 0) -> Workload:
+    """nano-vllm's benchmark: ``num_seqs`` prompts of ``randint(100, max_input)`` ids drawn by ``randint(0, 10000)``,
+    then ``num_seqs`` output lengths ``randint(100, max_output)``; temperature 0.6. A maximum below 100 (a scaled-down
+    run) draws from half of it up to it instead. Ids are taken modulo ``vocab_size`` (no change for
+    vocabularies above 10,000)."""
+    if min(num_seqs, max_input, max_output, vocab_size) < 1:
+        raise WorkloadError(f"nanovllm needs num_seqs, max_input, max_output and vocab_size >= 1, got "
+                            f"{num_seqs}, {max_input}, {max_output}, {vocab_size}")
+    rng = random.Random(seed)
+    prompts = [[rng.randint(0, 10000) % vocab_size for _ in range(rng.randint(_low(max_input), max_input))]
+               for _ in range(num_seqs)]
+    output_lens = [rng.randint(_low(max_output), max_output) for _ in range(num_seqs)]
+    return Workload("nanovllm", prompts, output_lens, temperature=0.6)
+
+
+def _low(high: int) -> int:
+    return 100 if high >= 100 else max(1, high // 2)
+
+
+def fixed(num_seqs: int = 256, prompt_len: int = 256, output_len: int = 128, vocab_size: int = 10001,
+          seed: int = 0) -> Workload:
+    """``num_seqs`` x (``prompt_len`` random ids + ``output_len`` new tokens), greedy."""
+    if min(num_seqs, prompt_len, output_len, vocab_size) < 1:
+        raise WorkloadError(f"fixed needs num_seqs, prompt_len, output_len and vocab_size >= 1, got "
+                            f"{num_seqs}, {prompt_len}, {output_len}, {vocab_size}")
+    rng = random.Random(seed)
+    high = min(10000, vocab_size - 1)
+    prompts = [[rng.randint(0, high) for _ in range(prompt_len)] for _ in range(num_seqs)]
+    return Workload("fixed", prompts, [output_len] * num_seqs, temperature=0.0)
+
+
+def build(name: str, vocab_size: int, *, num_seqs: int | None = None, prompt_len: int | None = None,
+          output_len: int | None = None) -> Workload:
+    """Workload ``name`` with its defaults, or the given sizes (nanovllm: the maximum prompt and output lengths)."""
+    sizes = {k: v for k, v in dict(num_seqs=num_seqs, prompt_len=prompt_len, output_len=output_len).items()
+             if v is not None}
+    if name == "nanovllm":
+        renamed = {"prompt_len": "max_input", "output_len": "max_output"}
+        return nanovllm(vocab_size=vocab_size, **{renamed.get(k, k): v for k, v in sizes.items()})
+    if name == "fixed":
+        return fixed(vocab_size=vocab_size, **sizes)
+    raise WorkloadError(f"unknown workload {name!r}; choose among {', '.join(WORKLOADS)}")
