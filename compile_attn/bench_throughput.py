@@ -45,6 +45,7 @@ class ThroughputConfig:
     rounds: int = 2
     profile_steps: int = 32  # steps per profiled window (CUDA only); 0: no profile
     hf: bool = True
+    hf_rounds: int | None = None  # None: ``rounds``
     hf_max_memory_percent: float | None = 0.8
 
 
@@ -54,9 +55,12 @@ def run(cfg: ThroughputConfig) -> dict:
     workload = make_workload(cfg)
     result: dict = dict(config=asdict(cfg), workload=workload.summary(), dtype=str(dtype).removeprefix("torch."),
                         random_weights=cfg.model is None)
-    start = time.perf_counter()
-    model = cfg.model if cfg.model is not None else _random_model(cfg, dtype)
-    result["model_build_s"] = time.perf_counter() - start
+    model, result["model_build_s"] = cfg.model, None  # a directory loads inside LLM(...), in its start-up
+    if cfg.model is None:
+        start = time.perf_counter()
+        model = _random_model(cfg, dtype)
+        _sync(cfg.device)
+        result["model_build_s"] = time.perf_counter() - start
     engine, busy = _run_engine(model, workload, cfg, dtype)
     result["engine"] = engine | {"gpu_busy": busy}
     model = None  # the engine's adapter changed the model's attention: HF gets a fresh one
@@ -64,9 +68,12 @@ def run(cfg: ThroughputConfig) -> dict:
     if cfg.hf:
         from compile_attn import bench_hf_batch
 
+        # what the engine left behind on the device (HF's KV cache takes its share of what is free)
+        leftover = torch.cuda.memory_allocated() / 2**20 if cfg.device == "cuda" else None
         hf_model = _random_model(cfg, dtype) if cfg.model is None else _hf_from_dir(cfg, dtype)
-        result["hf"] = bench_hf_batch.run(hf_model, workload, rounds=cfg.rounds,
-                                          max_memory_percent=cfg.hf_max_memory_percent)
+        result["hf"] = bench_hf_batch.run(hf_model, workload, rounds=cfg.hf_rounds or cfg.rounds,
+                                          max_memory_percent=cfg.hf_max_memory_percent) | {
+            "allocated_mib_at_start": leftover}
         hf_model = None  # noqa: F841
         _release(cfg.device)
     return result
@@ -197,8 +204,8 @@ def _sync(device: str) -> None:
 
 
 def _release(device: str) -> None:
+    torch._dynamo.reset()  # compiled code holds the model and its graphs
     gc.collect()
-    torch._dynamo.reset()
     if device == "cuda":
         torch.cuda.empty_cache()
 
@@ -231,10 +238,13 @@ def to_markdown(result: dict) -> str:
         for i, r in enumerate(hf["rounds"]):
             lines.append(f"| HF generate_batch ({hf['attn_implementation']}) | {_round_name(i)} | {r['wall_s']:.2f} | "
                          f"{r['output_tok_s']:,.0f} | {r['total_tok_s']:,.0f} | - | - | - | - | - |")
-    starts = [f"model build {result['model_build_s']:.1f} s (not in the engine's start-up)",
-              f"LLM(...) {engine['startup_s']:.1f} s"]
+    starts = [f"LLM(...) {engine['startup_s']:.1f} s"]
+    if result["model_build_s"] is not None:
+        starts.insert(0, f"random model built on {cfg['device']} in {result['model_build_s']:.1f} s (before LLM(...))")
     if hf is not None and "startup_s" in hf:
         starts.append(f"HF continuous-batching manager {hf['startup_s']:.1f} s")
+    if hf is not None and hf.get("allocated_mib_at_start"):
+        starts.append(f"{hf['allocated_mib_at_start']:.0f} MiB of the engine still allocated when HF started")
     lines += ["", "start-up: " + "; ".join(starts)]
     if engine["gpu_busy"]:
         windows = [f"steps {b['first_step']}-{b['first_step'] + b['steps'] - 1} "

@@ -46,6 +46,7 @@ def add_parser(sub: argparse._SubParsersAction, formatter_class: type[argparse.H
     p.add_argument("--profile-steps", type=int, default=32,
                    help="steps per GPU-busy window (CUDA; 0: no profile round)")
     p.add_argument("--no-hf", action="store_true", help="skip HF transformers' generate_batch")
+    p.add_argument("--hf-rounds", type=int, default=None, help="HF's rounds (default: --rounds)")
     p.add_argument("--hf-max-memory-percent", type=float, default=0.8,
                    help="fraction of free memory HF's KV cache may take (its ContinuousBatchingConfig)")
     p.add_argument("--out", default=None, help="write JSON here (results, with the command, versions and commit)")
@@ -62,7 +63,7 @@ def prepare(args: argparse.Namespace) -> None:
     check_backend_name(args.backend)
     GraphMode.parse(args.graph_mode)
     for name in ("num_seqs", "prompt_len", "output_len", "max_batch_size", "max_num_tokens", "kv_cache_tokens",
-                 "page_size", "max_context", "rounds"):
+                 "page_size", "max_context", "rounds", "hf_rounds"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -81,7 +82,7 @@ def prepare(args: argparse.Namespace) -> None:
         device=device, backend=args.backend, graph_mode=args.graph_mode, compile=not args.no_compile,
         max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens, kv_cache_tokens=args.kv_cache_tokens,
         page_size=args.page_size, max_context=args.max_context, rounds=args.rounds, profile_steps=args.profile_steps,
-        hf=not args.no_hf, hf_max_memory_percent=args.hf_max_memory_percent,
+        hf=not args.no_hf, hf_rounds=args.hf_rounds, hf_max_memory_percent=args.hf_max_memory_percent,
     )
     if device == "cpu" and not args.tiny and args.model is None:
         logging.getLogger(__name__).warning(
