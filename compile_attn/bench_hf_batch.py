@@ -2,8 +2,8 @@
 
 One manager (``model.continuous_batching_context_manager``, the machinery under ``generate_batch``) runs the
 workload ``rounds`` times, each request with its own ``max_new_tokens`` and EOS disabled, so it generates exactly
-the workload's output tokens. Its KV cache takes ``max_memory_percent`` of the memory left free; an
-out-of-memory is reported as a skipped baseline, not an error.
+the workload's output tokens. Its KV cache takes ``max_memory_percent`` of the memory left free; an out-of-memory
+(or any other failure) is reported as a skipped baseline with its reason, not raised.
 """
 
 from __future__ import annotations
@@ -52,6 +52,9 @@ def run(model: torch.nn.Module, workload: Workload, *, rounds: int = 2, max_memo
     except torch.OutOfMemoryError as exc:
         logger.warning("HF generate_batch ran out of memory; its row is skipped: %s", exc)
         result["skipped"] = f"out of memory: {str(exc).splitlines()[0]}"
+    except Exception as exc:  # the baseline failing must not lose the engine's results, measured before it
+        logger.exception("HF generate_batch failed; its row is skipped")
+        result["skipped"] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     return result
 
 

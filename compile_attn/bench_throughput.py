@@ -99,13 +99,18 @@ def _run_engine(model: object, workload: Workload, cfg: ThroughputConfig, dtype:
     engine = dict(system=f"compile_attn {llm.backend.name} {llm.step_runner.graph_mode.value}",
                   backend=llm.backend.name, graph_mode=llm.step_runner.graph_mode.value,
                   startup_s=time.perf_counter() - start,
-                  kv_cache_tokens=llm.kv_cache.allocator.num_pages * llm.kv_cache.page_size, kv_mib=llm.kv_cache.pool.bytes / 2**20, rounds=[])
+                  kv_cache_tokens=llm.kv_cache.allocator.num_pages * llm.kv_cache.page_size,
+                  kv_mib=llm.kv_cache.pool.bytes / 2**20, rounds=[])
     for _ in range(cfg.rounds):
         engine["rounds"].append(engine_round(llm, workload))
         logger.info("round %d: %s", len(engine["rounds"]), engine["rounds"][-1])
-    busy = []
+    busy: list | dict = []
     if cfg.device == "cuda" and cfg.profile_steps > 0:
-        busy = gpu_busy(llm, workload, cfg.profile_steps, engine["rounds"][-1]["steps"])
+        try:
+            busy = gpu_busy(llm, workload, cfg.profile_steps, engine["rounds"][-1]["steps"])
+        except Exception as exc:  # keep the timed rounds
+            logger.exception("the GPU-busy profile failed")
+            busy = {"failed": f"{type(exc).__name__}: {exc}"}
     return engine, busy
 
 
@@ -246,7 +251,9 @@ def to_markdown(result: dict) -> str:
     if hf is not None and hf.get("allocated_mib_at_start"):
         starts.append(f"{hf['allocated_mib_at_start']:.0f} MiB of the engine still allocated when HF started")
     lines += ["", "start-up: " + "; ".join(starts)]
-    if engine["gpu_busy"]:
+    if isinstance(engine["gpu_busy"], dict):
+        lines.append(f"GPU busy: the profile failed ({engine['gpu_busy']['failed']})")
+    elif engine["gpu_busy"]:
         windows = [f"steps {b['first_step']}-{b['first_step'] + b['steps'] - 1} "
                    f"({', '.join(f'{n} {k}' for k, n in sorted(b['steps_by_kind'].items()))}): "
                    f"{100 * b['busy_fraction']:.0f}%" for b in engine["gpu_busy"]]
