@@ -9,6 +9,7 @@ installed; without it they load to the CPU and move).
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import logging
 import os
@@ -67,9 +68,12 @@ def load_model(
     device = torch.device(device)
     if isinstance(path_or_config, PretrainedConfig):
         check_supported(path_or_config)
+        # A copy: the model keeps its config, and another model built from the caller's object (e.g. with
+        # attn_implementation="eager") would otherwise switch this one's attention too.
+        config = copy.deepcopy(path_or_config)
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(
-                path_or_config, attn_implementation=ATTN_IMPLEMENTATION, dtype=dtype or torch.float32
+                config, attn_implementation=ATTN_IMPLEMENTATION, dtype=dtype or torch.float32
             )
         return HFModelAdapter(model.eval())
 
