@@ -9,7 +9,6 @@ max_context`` capped by a share of the host's available memory. A cache that can
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -17,8 +16,6 @@ import torch
 
 from compile_attn.errors import InvalidConfigError, KVCacheTooSmallError
 from compile_attn.layer import AttentionLayer
-
-logger = logging.getLogger(__name__)
 
 GiB = 2**30
 # Reserved for CUDA graphs on top of one more copy of the profile's peak activations (the shared graph pool
