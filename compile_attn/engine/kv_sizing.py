@@ -54,7 +54,7 @@ class KVSizing:
     def describe(self) -> str:
         head = (
             f"KV cache: {self.num_tokens:,} tokens ({self.kv_bytes / GiB:.2f} GiB, {self.bytes_per_token:,} B per "
-            f"token), {self.max_context_requests:.1f} requests of max_context {self.max_context:,} fit"
+            f"token), {self.max_context_requests:,.1f} requests of max_context {self.max_context:,} fit"
             + (" (max_batch_size of them: the most the engine can use)" if self.capped_by_requests else "")
         )
         if self.on_host:

@@ -3,7 +3,9 @@
 KV cache measures peak activation memory; ``kv_sizing`` turns the figures into tokens.
 
 The temporary cache has the engine's request table and the backend its CUDA-graph buffers, so what stays in
-use afterwards counts them. The forward is a prefill from an empty cache: a backend whose attention memory
+use afterwards counts them: both grow with ``max_context`` (``req_to_token`` is ``[max_batch_size + 1,
+max_context]`` int32, a decode index about ``max_batch_size * max_context`` int32), so a long max_context costs
+memory besides the KV. The forward is a prefill from an empty cache: a backend whose attention memory
 grows with the cached prefix (torch_native's dense scores) is not bounded by it.
 """
 
