@@ -40,6 +40,8 @@ def _device_map(device: torch.device) -> dict[str, Any]:
     """``from_pretrained`` arguments that load the weights straight to ``device``: transformers needs accelerate
     for a ``device_map``; without it the weights load to the CPU and move (one log line says so)."""
     if importlib.util.find_spec("accelerate") is not None:
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         return {"device_map": {"": device}}
     if device.type != "cpu":
         logger.info("accelerate is not installed: the checkpoint loads to the CPU, then moves to %s "
