@@ -16,6 +16,10 @@ class InvalidBatchError(CompileAttnError, ValueError):
     """A ForwardBatch whose fields disagree with each other or with the KV cache."""
 
 
+class InvalidConfigError(CompileAttnError, ValueError):
+    """A constructor argument out of range or of the wrong kind: NaN, zero, negative, an unsupported dtype."""
+
+
 class KVCacheExhaustedError(CompileAttnError, RuntimeError):
     """The KV pool or the request table has no room; nothing was allocated."""
 
@@ -38,3 +42,7 @@ class BackendUnavailableError(CompileAttnError, ImportError):
 
 class GraphReplayError(CompileAttnError, RuntimeError):
     """A captured graph was asked to replay with inputs it cannot read (moved or resized)."""
+
+
+class KVCacheTooSmallError(CompileAttnError, ValueError):
+    """The KV cache sized from memory cannot hold one request of ``max_context`` tokens."""

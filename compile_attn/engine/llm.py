@@ -17,6 +17,8 @@ from tqdm.auto import tqdm
 
 from compile_attn.attention import check_backend_name, create_backend
 from compile_attn.batch import ForwardBatch, ForwardMode
+from compile_attn.engine.kv_sizing import check_memory_utilization
+from compile_attn.engine.memory_profile import check_memory_after_capture, size_kv_cache
 from compile_attn.engine.model_loading import LoadedModel, load_for_engine
 from compile_attn.engine.request import Request, RequestOutput
 from compile_attn.engine.sampler import sample
@@ -37,7 +39,9 @@ class LLM:
     following the model protocol (``model(input_ids[T], positions[T]) -> logits[T, V]`` and
     ``attention_layers()``). ``compile=True`` wraps it in ``torch.compile(backend="compile_attn")``;
     ``graph_mode`` picks the graphs (see GraphMode; CUDA only, the logic also runs on CPU).
-    ``kv_cache_tokens`` defaults to ``max_batch_size * max_context``.
+    ``kv_cache_tokens`` defaults, on CUDA, to what ``gpu_memory_utilization`` of the device's memory leaves after
+    the weights, a profile run's activations and a CUDA graph reserve; on the CPU to ``max_batch_size *
+    max_context`` capped by host memory (see engine/kv_sizing.py).
     """
 
     def __init__(
@@ -51,6 +55,7 @@ class LLM:
         max_batch_size: int = 32,
         max_num_tokens: int = 2048,
         kv_cache_tokens: int | None = None,
+        gpu_memory_utilization: float = 0.9,
         max_context: int | None = None,
         page_size: int = 1,
         dtype: torch.dtype | None = None,
@@ -59,7 +64,8 @@ class LLM:
         capture: bool = True,
     ) -> None:
         check_backend_name(attn_backend)  # a misspelt name or mode fails here, not after the model has loaded
-        GraphMode.parse(graph_mode)
+        graphs = GraphMode.parse(graph_mode) is not GraphMode.NONE
+        check_memory_utilization(gpu_memory_utilization)
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         loaded: LoadedModel = load_for_engine(model, tokenizer=tokenizer, dtype=dtype, device=device)
@@ -67,7 +73,12 @@ class LLM:
         self.device, self.dtype = device, dtype
         layers = self.model.attention_layers()
         max_context = max_context or loaded.max_context or 4096
-        kv_cache_tokens = kv_cache_tokens or max_batch_size * max_context
+        sized = not kv_cache_tokens
+        kv_cache_tokens = kv_cache_tokens or size_kv_cache(
+            self.model, layers, attn_backend=attn_backend, gpu_memory_utilization=gpu_memory_utilization,
+            max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_context=max_context,
+            page_size=page_size, dtype=dtype, device=device, graphs=graphs,
+        ).num_tokens
         first = layers[0]
         self.kv_cache = KVCache(
             num_layers=len(layers), num_kv_heads=first.num_kv_heads, head_dim=first.head_dim,
@@ -87,6 +98,8 @@ class LLM:
         )
         if capture:
             self.step_runner.capture()
+            if sized:
+                check_memory_after_capture(device, gpu_memory_utilization)
         self._next_id = 0
         self.num_steps = 0
         self.steps_by_mode: Counter[ForwardMode] = Counter()

@@ -3,11 +3,15 @@ model following the engine's protocol, plus its tokenizer, EOS ids and context l
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -34,7 +38,7 @@ def _eos_ids(config: Any, tokenizer: Any) -> set[int]:
 
 def load_for_engine(model: Any, *, tokenizer: Any, dtype: torch.dtype, device: torch.device) -> LoadedModel:
     """Protocol models are used as they are; HF models, local directories and configs go through
-    ``compile_attn.hf`` (which needs transformers)."""
+    ``compile_attn.hf`` (which needs transformers), which creates or loads the weights on ``device`` directly."""
     if _is_protocol_model(model) and not hasattr(model, "model"):
         return LoadedModel(model.to(device=device, dtype=dtype).eval(), tokenizer)
     try:
@@ -51,7 +55,12 @@ def load_for_engine(model: Any, *, tokenizer: Any, dtype: torch.dtype, device: t
     elif isinstance(model, PreTrainedModel):
         adapter = HFModelAdapter(model)
     elif isinstance(model, (str, os.PathLike, PretrainedConfig)):
+        start = time.perf_counter()
         adapter = load_model(model, dtype=dtype, device=device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the time of the initialisation kernels, not of their launches
+        logger.info("%s %s on %s in %.2f s", "initialised" if isinstance(model, PretrainedConfig) else "loaded",
+                    type(adapter.model).__name__, device, time.perf_counter() - start)
     else:
         raise TypeError(
             f"LLM(model=...) got {type(model).__name__}; pass an HF model, a local HF directory, a transformers "
