@@ -389,11 +389,18 @@ def expected_tokens(model: ToyDecoder, cache: dict, prompt: list[int], params: d
     return out if cut is None else out[: cut + 1]
 
 
-@given(st.lists(st.tuples(st.one_of(GOOD_PROMPTS, GOOD_PROMPTS, BAD_PROMPTS), st.one_of(GOOD_PARAMS, BAD_PARAMS)),
-                min_size=1, max_size=4),
+GOOD_REQUEST = st.tuples(GOOD_PROMPTS, GOOD_PARAMS)
+BAD_REQUEST = st.one_of(st.tuples(BAD_PROMPTS, GOOD_PARAMS), st.tuples(GOOD_PROMPTS, BAD_PARAMS))
+
+
+@given(st.lists(GOOD_REQUEST, min_size=1, max_size=3), st.one_of(st.none(), BAD_REQUEST), st.integers(0, 3),
        st.booleans())
 def test_fuzz_requests_give_a_named_error_or_the_right_tokens(llm: LLM, model: ToyDecoder, requests: list,
-                                                              use_generate: bool) -> None:
+                                                              bad: tuple | None, where: int, use_generate: bool) -> None:
+    """Good requests, with one malformed request among them half the time, through generate or add_request/step:
+    a named error with nothing queued, or each request's greedy tokens; the pool exact afterwards."""
+    if bad is not None:
+        requests = requests[:where] + [bad] + requests[where:]
     cache = _GREEDY
     prompts = [p for p, _ in requests]
     params = [sp for _, sp in requests]
@@ -414,11 +421,13 @@ def test_fuzz_requests_give_a_named_error_or_the_right_tokens(llm: LLM, model: T
                 llm.step()
             outs = [r.output_ids for r in queued]
     except (ValueError, TypeError) as exc:
+        assert bad is not None, f"a good request was refused: {exc!r}"
         assert isinstance(exc, CompileAttnError) and str(exc), repr(exc)
         assert use_generate or llm._next_id >= next_id
         if use_generate:
             assert llm._next_id == next_id
         assert_idle_and_exact(llm)
         return
+    assert bad is None, f"a malformed request was accepted: {bad!r}"
     assert outs == [expected_tokens(model, cache, p, sp) for p, sp in zip(prompts, params)]
     assert_idle_and_exact(llm)
