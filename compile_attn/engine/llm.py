@@ -104,7 +104,8 @@ class LLM:
     def generate(
         self,
         prompts: str | Sequence[int] | Sequence[str | Sequence[int]] | torch.Tensor | np.ndarray,
-        sampling_params: SamplingParams | Mapping[str, Any] | Sequence[SamplingParams | Mapping[str, Any]] | None = None,
+        sampling_params: SamplingParams | Mapping[str, Any] | Sequence[SamplingParams | Mapping[str, Any]]
+        | None = None,
         *,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
@@ -158,13 +159,14 @@ class LLM:
     def _admit(self, prompts: list[Any], params: Any) -> list[Request]:
         """Check every prompt and parameter, then queue them all; on any error nothing is queued or changed."""
         params_list = split_params(params, len(prompts))
-        ids = [encode_prompt(p, i, tokenizer=self.tokenizer, vocab_size=self.vocab_size) for i, p in enumerate(prompts)]
+        ids = [encode_prompt(p, i, tokenizer=self.tokenizer, vocab_size=self.vocab_size)
+               for i, p in enumerate(prompts)]
         requests = [Request(self._next_id + i, t, sp, seed=0) for i, (t, sp) in enumerate(zip(ids, params_list))]
         for req in requests:  # refuse the whole call before queueing anything
             self.scheduler.check_fits(req)
         for req in requests:
             req.seed = req.params.seed if req.params.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
-            self.scheduler.waiting.append(req)
+            self.scheduler.add(req)
         self._next_id += len(requests)
         return requests
 
