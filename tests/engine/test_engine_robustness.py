@@ -129,7 +129,7 @@ def test_token_ids_outside_the_vocabulary_are_refused_whole(llm: LLM, reference:
     assert_healthy(llm, reference)
 
 
-def test_hf_llama_vocabulary_is_checked_too() -> None:
+def test_hf_llama_vocabulary_is_checked_and_a_failed_generate_recovers() -> None:
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "hf"))
     from hf_tiny_models import build_pair
 
@@ -144,6 +144,13 @@ def test_hf_llama_vocabulary_is_checked_too() -> None:
     ref = stock.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
                          eos_token_id=None, pad_token_id=0)[0, 3:].tolist()
     assert llm.generate([prompt], {"max_new_tokens": 4, "ignore_eos": True})[0].token_ids == ref
+    for n, exc in ((3, KeyboardInterrupt()), (6, BackendFailure("injected"))):  # fail mid-generate, then recover
+        restore = fail_on_attention_call(llm, n, exc)
+        with pytest.raises(type(exc)):
+            llm.generate([[1, 2, 3, 4, 5], prompt], {"max_new_tokens": 4, "ignore_eos": True})
+        restore()
+        assert_idle_and_exact(llm)
+        assert llm.generate([prompt], {"max_new_tokens": 4, "ignore_eos": True})[0].token_ids == ref
 
 
 @pytest.mark.parametrize(
@@ -290,6 +297,31 @@ def test_a_failed_step_is_undone_and_stepping_on_gives_the_right_tokens(llm: LLM
         llm.step()
     assert [r.output_ids for r in reqs] == reference
     assert all(r.finish_reason == "length" for r in reqs)
+    assert_healthy(llm, reference)
+
+
+def test_a_step_interrupted_while_scheduling_gives_back_its_rows(llm: LLM, reference: list[list[int]]) -> None:
+    """KeyboardInterrupt after the scheduler admitted requests (rows taken) but before their KV was allocated: the
+    queues are as before the step, the admitted requests' rows free again."""
+    reqs = [llm.add_request(p, PARAMS) for p in PROMPTS]
+
+    def interrupted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise KeyboardInterrupt
+
+    for _ in range(3):
+        queues = (list(llm.scheduler.waiting), list(llm.scheduler.running))
+        rows_free = llm.kv_cache.req_to_token_pool.available
+        llm.kv_cache.alloc_extend = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            llm.step()
+        del llm.kv_cache.alloc_extend
+        assert (list(llm.scheduler.waiting), list(llm.scheduler.running)) == queues
+        assert llm.kv_cache.req_to_token_pool.available == rows_free
+        assert_consistent(llm)
+        llm.step()
+    while llm.scheduler.has_work():
+        llm.step()
+    assert [r.output_ids for r in reqs] == reference
     assert_healthy(llm, reference)
 
 
