@@ -2,15 +2,21 @@
 
 The attention op reads per-step state from here, never from its arguments, because a captured
 graph (or a breakable graph's eager break) replays the op with its capture-time arguments. The
-context is process-global (one step runs at a time) and set with ``forward_context(...)``.
+context is set with ``forward_context(...)`` and belongs to the thread (or asyncio task) that set it: a
+``ContextVar``, so two engines in two threads each see their own step, and nested blocks restore the
+enclosing one on exit.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+import torch
 
 from compile_attn.errors import NoForwardContextError
 
@@ -47,7 +53,12 @@ class ForwardContext:
             ) from None
 
 
-_current: ForwardContext | None = None
+_current: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar(
+    "compile_attn_forward_context", default=None
+)
+# Dynamo cannot trace ContextVar.get, but it traces (and guards on) a thread-local's attribute: code being compiled
+# reads this per-thread copy of "is there a context", kept equal to the ContextVar by forward_context.
+_traced = threading.local()
 
 
 def _as_mapping(layers: Sequence[AttentionLayer] | Mapping[int, AttentionLayer]) -> Mapping[int, AttentionLayer]:
@@ -69,7 +80,6 @@ def forward_context(
     ``layers`` and ``kv_cache`` default to the backend's own. Contexts nest; the previous one is
     restored on exit.
     """
-    global _current
     ctx = ForwardContext(
         batch=batch,
         backend=backend,
@@ -77,23 +87,29 @@ def forward_context(
         kv_cache=kv_cache if kv_cache is not None else backend.kv_cache,
         graph_mode=graph_mode,
     )
-    previous, _current = _current, ctx
+    token = _current.set(ctx)
+    _traced.active = True
     try:
         yield ctx
     finally:
-        _current = previous
+        _current.reset(token)
+        _traced.active = _current.get() is not None
 
 
 def get_forward_context() -> ForwardContext:
     """The current step's context; NoForwardContextError outside ``forward_context(...)``."""
-    if _current is None:
+    ctx = _current.get()
+    if ctx is None:
         raise NoForwardContextError(
             "torch.ops.compile_attn.attention ran with no forward context. Run the model inside "
             "`with compile_attn.forward_context(batch, backend): ...` (the engine and GraphRunner do "
             "this for you), or use the model outside compile_attn with its stock attention"
         )
-    return _current
+    return ctx
 
 
 def has_forward_context() -> bool:
-    return _current is not None
+    """Whether this thread (or task) is inside ``forward_context(...)``."""
+    if torch.compiler.is_compiling():  # under Dynamo: the thread-local copy it can trace and guard on
+        return getattr(_traced, "active", False)
+    return _current.get() is not None

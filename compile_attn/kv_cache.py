@@ -349,3 +349,18 @@ class KVCache:
         out, rows_t, starts_t = to_device([slots, rows, starts], torch.int64, self.device)
         self.req_to_token[rows_t, starts_t] = out.to(torch.int32)
         return out
+
+    def truncate(self, row: int, length: int) -> None:
+        """Cut request ``row`` back to its first ``length`` tokens (undoing an allocation whose step failed): pages
+        past them go back to the allocator and the table's entries past them point at the scratch slot again."""
+        if row not in self._pages:
+            raise ValueError(f"request row {row} is not allocated")
+        old = self._lens[row]
+        if not 0 <= length <= old:
+            raise ValueError(f"cannot truncate request row {row} to {length} tokens: it holds {old}")
+        keep = -(-length // self.page_size)
+        pages = self._pages[row]
+        self.allocator.free(pages[keep:])
+        del pages[keep:]
+        self._lens[row] = length
+        self.req_to_token[row, length:old].fill_(PAD_SLOT)

@@ -5,13 +5,16 @@
 from __future__ import annotations
 
 import array
+import contextlib
 import logging
+import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from itertools import accumulate
 from typing import Any
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -19,11 +22,13 @@ from compile_attn.attention import check_backend_name, create_backend
 from compile_attn.batch import ForwardBatch, ForwardMode
 from compile_attn.engine.kv_sizing import check_memory_utilization
 from compile_attn.engine.memory_profile import check_memory_after_capture, size_kv_cache
+from compile_attn.engine.admission import encode_prompt, find_vocab_size, split_params, split_prompts
+from compile_attn.engine.errors import EngineBusyError, EngineOptionError
 from compile_attn.engine.model_loading import LoadedModel, load_for_engine
-from compile_attn.engine.request import Request, RequestOutput
+from compile_attn.engine.request import Request, RequestOutput, RequestStatus
 from compile_attn.engine.sampler import sample
 from compile_attn.engine.sampling_params import SamplingParams
-from compile_attn.engine.scheduler import ScheduledStep, Scheduler
+from compile_attn.engine.scheduler import ScheduledStep, Scheduler, SchedulerState
 from compile_attn.engine.step_runner import StepRunner
 from compile_attn.graph_runner.mode import GraphMode
 from compile_attn.host_tensors import to_device, upload
@@ -66,7 +71,9 @@ class LLM:
         check_backend_name(attn_backend)  # a misspelt name or mode fails here, not after the model has loaded
         graphs = GraphMode.parse(graph_mode) is not GraphMode.NONE
         check_memory_utilization(gpu_memory_utilization)
-        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        _check_sizes(max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, page_size=page_size,
+                     max_context=max_context, kv_cache_tokens=kv_cache_tokens)
+        device = _check_device(device)
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         loaded: LoadedModel = load_for_engine(model, tokenizer=tokenizer, dtype=dtype, device=device)
         self.model, self.tokenizer, self.eos_token_ids = loaded.model, loaded.tokenizer, loaded.eos_token_ids
@@ -100,6 +107,8 @@ class LLM:
             self.step_runner.capture()
             if sized:
                 check_memory_after_capture(device, gpu_memory_utilization)
+        self.vocab_size = find_vocab_size(self.model)  # None: prompts' token ids are only checked to be >= 0
+        self._lock = threading.Lock()  # held by each public call: one call at a time (see _exclusive)
         self._next_id = 0
         self.num_steps = 0
         self.steps_by_mode: Counter[ForwardMode] = Counter()
@@ -107,72 +116,146 @@ class LLM:
     # ------------------------------------------------------------------ public API
     def generate(
         self,
-        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        prompts: str | Sequence[int] | Sequence[str | Sequence[int]] | torch.Tensor | np.ndarray,
+        sampling_params: SamplingParams | Mapping[str, Any] | Sequence[SamplingParams | Mapping[str, Any]]
+        | None = None,
         *,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (strings need a tokenizer; lists of ints are token ids)."""
-        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        params = sampling_params or SamplingParams()
-        params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
-        if len(params_list) != len(prompts):
-            raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
-        requests = [self._make_request(p, sp) for p, sp in zip(prompts, params_list)]
-        for req in requests:  # refuse the whole call before queueing anything
-            self.scheduler.check_fits(req)
-        for req in requests:
-            self.scheduler.add(req)
-        start = time.perf_counter()
-        with tqdm(total=len(requests), desc="generate", disable=not use_tqdm) as bar:
-            while self.scheduler.has_work():
-                bar.update(len(self.step()))
+        """Generate for every prompt. A prompt is a string (needs a tokenizer), a list or tuple of token ids, or a
+        1-D integer tensor / NumPy array; ``sampling_params`` is one SamplingParams (or dict of its fields) for
+        every prompt, or one per prompt.
+
+        The whole call is checked first: one malformed prompt or parameter raises an InvalidRequestError (a
+        ValueError; RequestTypeError, also a TypeError, for a wrong type) naming it, and nothing is queued. If the
+        call raises later (a failing step, KeyboardInterrupt), its requests are aborted and their KV freed; the
+        LLM stays usable. Requests queued with ``add_request`` before the call run to completion in it too.
+        """
+        with self._exclusive("generate"):
+            requests = self._admit(split_prompts(prompts), sampling_params)
+            try:
+                start = time.perf_counter()
+                with tqdm(total=len(requests), desc="generate", disable=not use_tqdm) as bar:
+                    while self.scheduler.has_work():
+                        bar.update(len(self._step()))
+            except BaseException:
+                self.scheduler.abort(requests)  # leave nothing of this call queued
+                raise
         elapsed = time.perf_counter() - start
         logger.info("generated %d tokens for %d requests in %.2f s", sum(r.num_output for r in requests),
                     len(requests), elapsed)
         return [self._output(r) for r in requests]
 
-    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Request:
-        """Queue a request; it runs in the following ``step()`` calls. Raises RequestTooLargeError if it
-        can never fit the KV cache."""
-        req = self._make_request(prompt, params or SamplingParams())
-        self.scheduler.add(req)
+    def add_request(self, prompt: Any, params: SamplingParams | Mapping[str, Any] | None = None) -> Request:
+        """Queue a request (a prompt as in ``generate``); it runs in the following ``step()`` calls. Checked like
+        ``generate``'s prompts; RequestTooLargeError if it can never fit the KV cache."""
+        with self._exclusive("add_request"):
+            (req,) = self._admit([prompt], params)
         return req
 
-    def _make_request(self, prompt: str | Sequence[int], params: SamplingParams) -> Request:
-        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
-        req = Request(self._next_id, self._encode(prompt), params, seed)
-        self._next_id += 1
-        return req
+    def abort_request(self, req: Request) -> None:
+        """Drop a queued or running request: its KV is freed and it finishes with reason "abort"."""
+        with self._exclusive("abort_request"):
+            self.scheduler.abort([req])
 
     def step(self) -> list[Request]:
-        """Run one scheduled step; return the requests that finished in it."""
-        step = self.scheduler.schedule()
-        if step is None:
-            return []
+        """Run one scheduled step; return the requests that finished in it.
+
+        A step is all-or-nothing: if it raises (including KeyboardInterrupt), its KV allocations are released and
+        every request is back in the state it had before it, so the same step can run again. A request whose own
+        output is the failure (the model sampled a token outside the vocabulary) finishes with reason "error"
+        instead, and the others go on.
+        """
+        with self._exclusive("step"):
+            return self._step()
+
+    def _admit(self, prompts: list[Any], params: Any) -> list[Request]:
+        """Check every prompt and parameter, then queue them all; on any error nothing is queued or changed."""
+        params_list = split_params(params, len(prompts))
+        ids = [encode_prompt(p, i, tokenizer=self.tokenizer, vocab_size=self.vocab_size)
+               for i, p in enumerate(prompts)]
+        requests = [Request(self._next_id + i, t, sp, seed=0) for i, (t, sp) in enumerate(zip(ids, params_list))]
+        for req in requests:  # refuse the whole call before queueing anything
+            self.scheduler.check_fits(req)
+        for req in requests:
+            req.seed = req.params.seed if req.params.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
+            self.scheduler.add(req)
+        self._next_id += len(requests)
+        return requests
+
+    @contextlib.contextmanager
+    def _exclusive(self, call: str) -> Iterator[None]:
+        """One call at a time on this LLM: a second thread gets EngineBusyError instead of mixing batches."""
+        if not self._lock.acquire(blocking=False):
+            raise EngineBusyError(
+                f"LLM.{call}() was called while another call on this LLM is running (from another thread, or "
+                f"re-entered); an LLM runs one call at a time: give each thread its own LLM, or serialise the calls"
+            )
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+    def _step(self) -> list[Request]:
+        state = self.scheduler.snapshot()
+        step: ScheduledStep | None = None
+        sampled: list[int] = []
+        try:
+            step = self.scheduler.schedule()
+            if step is None:
+                return []
+            fb = ForwardBatch.build(
+                req_pool_indices=[r.row for r in step.requests], prefix_lens=step.prefix_lens,
+                extend_lens=step.extend_lens, out_cache_loc=step.out_cache_loc,
+                input_ids=self._step_input_ids(step),
+                device=self.device,
+            )
+            sampled = [i for i, (r, p, n) in enumerate(zip(step.requests, step.prefix_lens, step.extend_lens))
+                       if p + n == len(r.token_ids)]
+            next_ids = self._sample(step, fb, sampled)
+            done = self._commit(step, sampled, next_ids)
+        except BaseException:
+            try:
+                self._undo(step, sampled, state)
+            except Exception:
+                logger.exception("undoing a failed step failed too; this LLM's state may be inconsistent")
+            raise
         self.num_steps += 1
-        fb = ForwardBatch.build(
-            req_pool_indices=[r.row for r in step.requests], prefix_lens=step.prefix_lens,
-            extend_lens=step.extend_lens, out_cache_loc=step.out_cache_loc,
-            input_ids=self._step_input_ids(step),
-            device=self.device,
-        )
         self.steps_by_mode[fb.forward_mode] += 1
-        sampled = [i for i, (r, p, n) in enumerate(zip(step.requests, step.prefix_lens, step.extend_lens))
-                   if p + n == len(r.token_ids)]
-        next_ids = self._sample(step, fb, sampled)
+        return done
+
+    def _commit(self, step: ScheduledStep, sampled: list[int], next_ids: list[int]) -> list[Request]:
+        """Advance the step's requests by its tokens and finish those that stop (their KV freed in one call)."""
+        vocab = self.vocab_size
+        outside = vocab is not None and bool(next_ids) and (min(next_ids) < 0 or max(next_ids) >= vocab)
         done = []
         for r, n in zip(step.requests, step.extend_lens):
             r.num_cached += n
         for i, tok in zip(sampled, next_ids):
             r = step.requests[i]
+            if outside and not 0 <= tok < vocab:  # the next step's embedding would fail on it: this request's fault
+                logger.warning("request %d: the model sampled token %d, outside the vocabulary [0, %d); finishing "
+                               "it with reason 'error'", r.request_id, tok, vocab)
+                done.append((r, "error"))
+                continue
             r.token_ids.append(tok)
             reason = self._stop_reason(r, tok)
             if reason:
                 done.append((r, reason))
         self.scheduler.finish_all(done)  # one free for the step's finished requests
         return [r for r, _ in done]
+
+    def _undo(self, step: ScheduledStep | None, sampled: list[int], state: SchedulerState) -> None:
+        """Put every request back as it was before the failed step (see ``step``) and release the step's KV."""
+        if step is not None:
+            for r, p in zip(step.requests, step.prefix_lens):
+                if r.status is not RequestStatus.FINISHED:
+                    r.num_cached = p
+            for i in sampled:
+                r = step.requests[i]
+                if r.status is not RequestStatus.FINISHED:
+                    del r.token_ids[step.prefix_lens[i] + step.extend_lens[i]:]
+        self.scheduler.restore(state)
 
     # ------------------------------------------------------------------ internals
     @staticmethod
@@ -214,27 +297,34 @@ class LLM:
             return "length"
         return None
 
-    def _encode(self, prompt: str | Sequence[int]) -> array.array:
-        """The prompt's token ids as an int64 ``array.array`` (see ``Request.token_ids``)."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("string prompts need a tokenizer; pass token id lists or LLM(..., tokenizer=...)")
-            return array.array("q", self.tokenizer(prompt)["input_ids"])
-        try:  # array.array converts in one C loop (a prefill's prompts are thousands of ids) and refuses non-ints
-            return array.array("q", prompt)
-        except (TypeError, OverflowError) as exc:
-            bad = next((t for t in prompt if not _is_token_id(t)), None)
-            raise ValueError(f"prompt token ids must be integers that fit int64, got {bad!r} "
-                             f"({type(bad).__name__}); pass a list of ints or a string with a tokenizer") from exc
-
     def _output(self, r: Request) -> RequestOutput:
         text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True) if self.tokenizer else None
         return RequestOutput(r.request_id, r.prompt_ids.tolist(), r.output_ids, r.finish_reason or "length", text)
 
 
-def _is_token_id(value: object) -> bool:
+
+def _check_sizes(**sizes: int | None) -> None:
+    """Each size a positive int (None: its default), refused by name before the model loads."""
+    for name, value in sizes.items():
+        if value is None and name in ("max_context", "kv_cache_tokens"):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise EngineOptionError(f"LLM({name}=...) must be a positive int, got {value!r}")
+
+
+def _check_device(device: str | torch.device | None) -> torch.device:
+    """The engine's device: CUDA when present unless named; a CUDA device without CUDA is refused in one line."""
     try:
-        array.array("q", [value])
-    except (TypeError, OverflowError):
-        return False
-    return True
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except (RuntimeError, TypeError) as exc:
+        raise EngineOptionError(f"LLM(device={device!r}) is not a device ({exc}); pass 'cpu', 'cuda' or "
+                                f"'cuda:N'") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise EngineOptionError(f"LLM(device={str(device)!r}) but CUDA is not available here (torch "
+                                    f"{torch.__version__}); pass device='cpu', or install a CUDA build of torch")
+        if device.index is not None and device.index >= count:
+            raise EngineOptionError(f"LLM(device={str(device)!r}) but only {count} CUDA device(s) exist; "
+                                    f"pass device='cuda:0'..'cuda:{count - 1}'")
+    return device

@@ -67,7 +67,7 @@ class Request:
 @dataclass
 class RequestOutput:
     """What ``LLM.generate`` returns per prompt: generated tokens only, their text, and why it stopped
-    ("length" or "stop")."""
+    ("length", "stop", or "error" when the request itself failed: see ``LLM.step``)."""
 
     request_id: int
     prompt_token_ids: list[int]

@@ -4,7 +4,8 @@ Each step it takes every decoding request (one token each), then continues chunk
 admits waiting requests (FIFO) until ``max_num_tokens`` or ``max_batch_size`` is reached, so new
 requests prefill in the same step as others decode. KV pages for the step are reserved before
 anything is allocated; when they run out, the most recently admitted request is preempted (its KV
-freed, to be recomputed later). Requests that could never fit are refused when added.
+freed, to be recomputed later). Requests that could never fit are refused when added. ``snapshot`` /
+``restore`` undo a step that failed (its rows and KV pages released), and ``abort`` drops requests.
 """
 
 from __future__ import annotations
@@ -16,15 +17,13 @@ from dataclasses import dataclass
 
 import torch
 
+from compile_attn.engine.errors import InvalidRequestError, RequestTooLargeError
 from compile_attn.engine.request import Request, RequestStatus
-from compile_attn.errors import CompileAttnError
 from compile_attn.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
 
-
-class RequestTooLargeError(CompileAttnError, ValueError):
-    """A request whose prompt plus max_new_tokens can never fit the KV cache or its max_context."""
+__all__ = ["RequestTooLargeError", "ScheduledStep", "Scheduler", "SchedulerState"]
 
 
 @dataclass
@@ -37,6 +36,14 @@ class ScheduledStep:
     @property
     def num_tokens(self) -> int:
         return sum(self.extend_lens)
+
+
+@dataclass
+class SchedulerState:
+    """The queues before a step: enough to undo the step (see ``Scheduler.restore``)."""
+
+    waiting: list[Request]
+    running: list[Request]
 
 
 class Scheduler:
@@ -53,7 +60,7 @@ class Scheduler:
         total = len(req.prompt_ids) + req.params.max_new_tokens
         capacity = self.kv.allocator.num_pages * self.kv.page_size
         if not req.prompt_ids:
-            raise RequestTooLargeError(f"request {req.request_id} has an empty prompt")
+            raise InvalidRequestError(f"request {req.request_id} has an empty prompt; pass at least one token id")
         if total > self.kv.max_context or total > capacity:
             raise RequestTooLargeError(
                 f"request {req.request_id} needs up to {total} tokens (prompt {len(req.prompt_ids)} + max_new_tokens "
@@ -174,3 +181,44 @@ class Scheduler:
             req.status, req.finish_reason, req.row = RequestStatus.FINISHED, reason, None
             ids.add(id(req))
         self.running[:] = [r for r in self.running if id(r) not in ids]
+
+    def abort(self, reqs: Sequence[Request]) -> None:
+        """Drop ``reqs`` wherever they are (waiting or running; finished ones are left alone): their KV rows and
+        pages are freed and they finish with reason "abort"."""
+        ids = {id(r) for r in reqs if r.status is not RequestStatus.FINISHED}
+        if not ids:
+            return
+        rows = [r.row for r in self.running if id(r) in ids]
+        self.running[:] = [r for r in self.running if id(r) not in ids]
+        self.waiting = deque(r for r in self.waiting if id(r) not in ids)
+        if rows:
+            self.kv.free_requests(rows)
+        for r in reqs:
+            if id(r) in ids:
+                r.status, r.finish_reason, r.row = RequestStatus.FINISHED, "abort", None
+
+    # ------------------------------------------------------------------ undoing a failed step
+    def snapshot(self) -> SchedulerState:
+        """The queues as they are now; between steps every running request's KV holds exactly its ``num_cached``
+        tokens, which is what ``restore`` goes back to."""
+        return SchedulerState(list(self.waiting), list(self.running))
+
+    def restore(self, state: SchedulerState) -> None:
+        """Undo whatever a step did since ``state`` was taken, once the step's requests have their ``num_cached``
+        and ``token_ids`` back: requests admitted in it go back to ``waiting`` (rows freed), running ones have their
+        KV cut back to ``num_cached``, and the queues get their order back. A request the step preempted stays
+        preempted (its KV is gone; it is recomputed later) at the front of ``waiting``; one that finished stays
+        finished."""
+        before_running = {id(r) for r in state.running}
+        admitted = [r for r in state.waiting if r.row is not None and r.status is not RequestStatus.FINISHED]
+        if admitted:
+            self.kv.free_requests([r.row for r in admitted])
+            for r in admitted:
+                r.row, r.num_cached, r.status = None, 0, RequestStatus.WAITING
+        running = [r for r in state.running if r.row is not None and r.status is RequestStatus.RUNNING]
+        for r in running:
+            if self.kv.num_allocated_tokens(r.row) != r.num_cached:
+                self.kv.truncate(r.row, r.num_cached)
+        preempted = [r for r in self.waiting if id(r) in before_running]
+        self.running[:] = running
+        self.waiting = deque(preempted + [r for r in state.waiting if r.status is RequestStatus.WAITING])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -174,5 +175,5 @@ def test_prompt_ids_that_are_not_int64_are_refused_by_name(model: ToyDecoder, pr
     with pytest.raises(ValueError, match=f"prompt token ids must be integers.*got {re.escape(bad)}"):
         llm.generate([prompt], SamplingParams(max_new_tokens=1))
     assert not llm.scheduler.has_work()  # nothing was queued
-    ids = [torch.tensor(3), 4, True]  # anything with __index__ is taken as its integer
+    ids = [torch.tensor(3), 4, np.int64(1)]  # an integer with __index__ is taken as its integer (a bool is not)
     assert llm.generate([ids], SamplingParams(max_new_tokens=1, temperature=0))[0].prompt_token_ids == [3, 4, 1]
