@@ -16,7 +16,6 @@ import logging
 import time
 from pathlib import Path
 
-
 from compile_attn import LLM, SamplingParams
 from compile_attn.models.tiny_llama import tiny_llama
 
