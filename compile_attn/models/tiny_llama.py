@@ -137,12 +137,17 @@ def _lr_at(step: int, recipe: TinyLlamaRecipe) -> float:
 
 
 def _num_threads() -> int:
-    """All cores this process may use, up to 8 (more threads do not help a model this small)."""
+    """The cores this process may use that other work leaves idle (by the load average), 1 to 4. OpenMP threads
+    that wait on cores busy with other work slow training down several-fold; the weights do not depend on it."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:
         cores = os.cpu_count() or 1
-    return max(1, min(8, cores))
+    try:
+        idle = cores - os.getloadavg()[0] + 1  # + 1: this process's own share of the load
+    except OSError:
+        idle = cores
+    return max(1, min(4, cores, int(idle + 0.5)))
 
 
 def train_tiny_llama(out_dir: str | os.PathLike[str], *, steps: int | None = None, seed: int = 0,
@@ -170,8 +175,8 @@ def train_tiny_llama(out_dir: str | os.PathLike[str], *, steps: int | None = Non
     if len(train) <= recipe.seq_len + 1 or len(held_out) <= recipe.seq_len + 1:
         raise ValueError(f"{len(stream)} tokens of text is too little for windows of {recipe.seq_len} tokens")
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(_num_threads())
+    threads, train_threads = torch.get_num_threads(), _num_threads()
+    torch.set_num_threads(train_threads)
     try:
         torch.manual_seed(seed)
         config = LlamaConfig(
@@ -215,7 +220,7 @@ def train_tiny_llama(out_dir: str | os.PathLike[str], *, steps: int | None = Non
         record = {"format": _FORMAT, "seed": seed, "recipe": asdict(recipe), "text": "python_docs_text()"
                   if texts is None else f"{len(texts)} texts given", "tokens": len(stream),
                   "held_out_loss_before": loss_before, "held_out_loss_after": loss_after,
-                  "seconds": time.perf_counter() - start}
+                  "threads": train_threads, "seconds": time.perf_counter() - start}
         (tmp / _DONE).write_text(json.dumps(record, indent=1))
         if out.exists():
             shutil.rmtree(out)
