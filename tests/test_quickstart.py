@@ -90,3 +90,25 @@ def test_training_is_reproducible_and_the_cache_is_reused(tmp_path: Path) -> Non
     assert tiny_llama(a, steps=3) == a and (a / "model.safetensors").stat().st_mtime_ns == stamp  # reused
     (a / "training.json").unlink()  # an interrupted run: trained again
     assert tiny_llama(a, steps=3) == a and is_trained(a, steps=3)
+
+
+def test_cli_generate_with_the_trained_model_prints_its_text_and_no_random_weights_warning(
+    trained: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    import compile_attn.models.tiny_llama as tiny
+    from compile_attn import cli
+
+    monkeypatch.setattr(tiny, "tiny_llama", lambda: trained)  # the module's model stands in for the cached one
+    monkeypatch.setattr(tiny, "is_trained", lambda directory: True)
+    argv = ["generate", "--model", cli.TRAINED_MODEL, "--no-compile", "--graph-mode", "none", "--device", "cpu",
+            "--max-new-tokens", "6", "--ignore-eos", "--prompt", PROMPTS[0]]
+    with caplog.at_level("WARNING", logger="compile_attn.cli"):
+        assert cli.main(argv) == 0
+    assert not [r for r in caplog.records if "random weights" in r.getMessage()]
+    out = capsys.readouterr().out
+    tok = AutoTokenizer.from_pretrained(trained, local_files_only=True)
+    hf = AutoModelForCausalLM.from_pretrained(trained, local_files_only=True).eval()
+    ids = torch.tensor([tok(PROMPTS[0])["input_ids"]])
+    ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, eos_token_id=None,
+                      pad_token_id=tok.pad_token_id)[0, ids.shape[1]:]
+    assert f"--- {PROMPTS[0]!r} -> (6 tokens, length)\n{tok.decode(ref, skip_special_tokens=True)}\n" in out

@@ -1,4 +1,4 @@
-"""A tiny Llama (transformers ``LlamaForCausalLM``) trained on the CPU in seconds, so a first run shows real text.
+"""A tiny Llama (transformers ``LlamaForCausalLM``) trained briefly on the CPU, so a first run shows real text.
 
 The text is English prose from Python's own installation (the reference-manual topics that ``pydoc`` ships in
 ``pydoc_data.topics``, else standard-library docstrings); nothing is downloaded. A byte-level BPE tokenizer is
