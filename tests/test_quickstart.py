@@ -90,6 +90,11 @@ def test_training_is_reproducible_and_the_cache_is_reused(tmp_path: Path) -> Non
     assert tiny_llama(a, steps=3) == a and (a / "model.safetensors").stat().st_mtime_ns == stamp  # reused
     (a / "training.json").unlink()  # an interrupted run: trained again
     assert tiny_llama(a, steps=3) == a and is_trained(a, steps=3)
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "keep.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="holds something other than a model"):
+        train_tiny_llama(tmp_path / "notes", steps=1)
+    assert (tmp_path / "notes" / "keep.txt").read_text() == "mine"
 
 
 def test_cli_generate_with_the_trained_model_prints_its_text_and_no_random_weights_warning(

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from compile_attn.config import default_cache_dir
+from compile_attn.errors import CompileAttnError
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,10 @@ _DOC_MODULES = ("argparse", "asyncio", "collections", "contextlib", "csv", "data
                 "email", "enum", "functools", "http.client", "inspect", "io", "itertools", "json", "logging",
                 "os", "pathlib", "pickle", "random", "re", "shutil", "socket", "sqlite3", "string", "subprocess",
                 "tempfile", "textwrap", "threading", "typing", "unittest", "urllib.request", "zipfile")
+
+
+class OutDirInUseError(CompileAttnError, FileExistsError):
+    """``train_tiny_llama`` was pointed at a directory that holds something other than a model."""
 
 
 @dataclass(frozen=True)
@@ -153,7 +158,7 @@ def _num_threads() -> int:
 def train_tiny_llama(out_dir: str | os.PathLike[str], *, steps: int | None = None, seed: int = 0,
                      texts: list[str] | None = None, recipe: TinyLlamaRecipe | None = None) -> Path:
     """Train a tokenizer and a tiny ``LlamaForCausalLM`` on ``texts`` (default: ``python_docs_text()``) on the CPU;
-    save both to ``out_dir`` (replaced if it exists) and return it.
+    save both to ``out_dir`` (a model already there is replaced) and return it.
 
     ``steps`` overrides ``recipe.steps``. Everything is seeded, so the same ``seed``, texts and thread count give
     the same weights. ``out_dir/training.json`` records the recipe and the held-out loss before and after.
@@ -166,6 +171,9 @@ def train_tiny_llama(out_dir: str | os.PathLike[str], *, steps: int | None = Non
     if recipe.steps < 1:
         raise ValueError(f"steps must be >= 1, got {recipe.steps}")
     out = Path(out_dir)
+    if out.exists() and any(out.iterdir()) and not ((out / _DONE).exists() or (out / "config.json").exists()):
+        raise OutDirInUseError(f"{str(out)!r} exists and holds something other than a model; train_tiny_llama "
+                              f"replaces its out_dir, so pass a new or empty directory")
     start = time.perf_counter()
     paragraphs = (texts if texts is not None else python_docs_text().split("\n\n"))
     tokenizer = train_tokenizer(paragraphs, recipe.vocab_size)
@@ -239,7 +247,7 @@ def _window_loss(model: torch.nn.Module, window: torch.Tensor) -> torch.Tensor:
 
 
 def default_tiny_llama_dir() -> Path:
-    """Where the trained tiny model is cached: ``<compile_attn cache>/tiny-llama`` (see ``config.default_cache_dir``)."""
+    """Where the trained tiny model is cached: ``<compile_attn cache>/tiny-llama`` (``config.default_cache_dir``)."""
     return Path(default_cache_dir()) / "tiny-llama"
 
 
