@@ -9,6 +9,7 @@ import json
 import logging
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -16,7 +17,11 @@ from compile_attn.config import parse_compile_sizes
 from compile_attn.errors import CompileAttnError
 from compile_attn.run_info import package_versions, run_info
 
-TINY_MODEL = "tiny"
+TINY_MODEL = "tiny"  # built-in, random weights
+TRAINED_MODEL = "tiny-llama"  # a tiny Llama trained on the CPU on first use (compile_attn.models.tiny_llama)
+RANDOM_WEIGHTS = "random weights: the text is meaningless; "
+
+logger = logging.getLogger(__name__)
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -49,7 +54,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     """Generate with ``args.params`` (the SamplingParams that ``_prepare_generate`` built from the options)."""
     from compile_attn.engine import LLM
 
-    model = _tiny_model() if args.model == TINY_MODEL else args.model
+    if args.model == TINY_MODEL:
+        logger.warning(RANDOM_WEIGHTS + "--model %s generates from a small trained model (trained once on the CPU), "
+                       "--model DIR from a checkpoint", TRAINED_MODEL)
+        model = _tiny_model()
+    elif args.model == TRAINED_MODEL:
+        from compile_attn.models.tiny_llama import default_tiny_llama_dir, is_trained, tiny_llama
+
+        if not is_trained(default_tiny_llama_dir()):
+            print(f"compile-attn generate: training {TRAINED_MODEL} into {default_tiny_llama_dir()} (first use only)",
+                  file=sys.stderr, flush=True)
+        model = str(tiny_llama())
+    else:
+        model = args.model
     llm = LLM(model, attn_backend=args.backend, graph_mode=args.graph_mode, compile=not args.no_compile,
               max_batch_size=args.max_batch_size, page_size=args.page_size, max_context=args.max_context,
               device=args.device)
@@ -73,6 +90,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from compile_attn import bench
 
     cfg = args.cfg
+    logger.warning(RANDOM_WEIGHTS + "the benchmark times steps of a %s-shaped model with random weights, so its "
+                   "timings hold for any weights but it makes no text", "tiny" if args.tiny else "Llama-3.2-1B")
     if args.engine_only:
         rows = []
     else:
@@ -117,7 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("info", help="backends, GPU and versions on this machine").set_defaults(func=cmd_info)
     gen = sub.add_parser("generate", help="generate text", formatter_class=_ShowDefaults,
                          description="Generate text with compile_attn.LLM (a tiny built-in model by default).")
-    gen.add_argument("--model", default=TINY_MODEL, help=f"local HF model directory, or '{TINY_MODEL}' (built-in)")
+    gen.add_argument("--model", default=TINY_MODEL,
+                     help=f"local HF model directory, '{TRAINED_MODEL}' (a small Llama trained on the CPU on first use "
+                          f"and cached), or '{TINY_MODEL}' (built-in, random weights)")
     gen.add_argument("--prompt", action="append", default=None,
                      help="a prompt (repeat for several; without it: one built-in prompt)")
     gen.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate per prompt (>= 1)")
@@ -194,11 +215,40 @@ def _prepare_generate(args: argparse.Namespace) -> None:
 
     check_backend_name(args.backend)
     GraphMode.parse(args.graph_mode)
-    args.params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                                 top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
+    _check_device(args.device)
+    if any(not p for p in args.prompt):
+        raise ValueError("--prompt must not be empty")
+    if args.seed is not None and not 0 <= args.seed < 2**63:
+        raise ValueError(f"--seed must be in [0, 2**63), got {args.seed}")
     for name in ("max_batch_size", "max_context", "page_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.max_new_tokens >= args.max_context:
+        raise ValueError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in --max-context "
+                         f"{args.max_context}; raise --max-context or lower --max-new-tokens")
+    args.params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                                 top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
+    if args.model not in (TINY_MODEL, TRAINED_MODEL) and not (Path(args.model) / "config.json").is_file():
+        raise FileNotFoundError(
+            f"--model {args.model!r} is not a local model directory with a config.json; pass a directory holding an "
+            f"HF checkpoint (config.json, safetensors weights, tokenizer files), or '{TRAINED_MODEL}' / '{TINY_MODEL}'")
+
+
+def _check_device(text: str | None) -> None:
+    """``--device``: cpu, or cuda[:N] where torch sees that GPU."""
+    if text is None:
+        return
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise ValueError(f"--device must be 'cpu', 'cuda' or 'cuda:N', got {text!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be 'cpu', 'cuda' or 'cuda:N', got {text!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {text}: torch {torch.__version__} sees no CUDA GPU (torch.cuda.is_available() "
+                         f"is False); use --device cpu, or a CUDA build of torch on a machine with a GPU")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {text}: torch sees {torch.cuda.device_count()} CUDA GPU(s), numbered from 0")
 
 
 def _positive_ints(option: str, text: str) -> list[int]:
@@ -209,6 +259,20 @@ def _positive_ints(option: str, text: str) -> list[int]:
     if not values or min(values) < 1:
         raise ValueError(f"{option} values must be >= 1, got {text!r}")
     return values
+
+
+def _inductor_patches(option: str, text: str) -> dict:
+    """A JSON object whose keys are ``torch._inductor.config`` options (nested ones dotted)."""
+    patches = _json_object(option, text)
+    if patches:
+        import torch._inductor.config as inductor_config
+
+        unknown = sorted(set(patches) - set(inductor_config.get_config_copy()))
+        if unknown:
+            raise ValueError(f"{option}: unknown Inductor option(s) {unknown} in torch {torch.__version__}; the names "
+                             f"are those of torch._inductor.config, nested ones dotted (e.g. 'combo_kernels', "
+                             f"'triton.enable_pdl')")
+    return patches
 
 
 def _json_object(option: str, text: str) -> dict:
@@ -249,9 +313,9 @@ def _prepare_bench(args: argparse.Namespace) -> None:
         iters=args.iters,
         profile=not args.no_profile,
         fuse_linears=not args.no_fuse_linears,
-        inductor_config=_json_object("--inductor-config", args.inductor_config),
+        inductor_config=_inductor_patches("--inductor-config", args.inductor_config),
         compile_sizes=parse_compile_sizes(args.compile_sizes),
-        static_inductor_config=_json_object("--static-inductor-config", args.static_inductor_config),
+        static_inductor_config=_inductor_patches("--static-inductor-config", args.static_inductor_config),
     )
     if not args.tiny and not torch.cuda.is_available():
         logging.getLogger(__name__).warning(
@@ -267,12 +331,12 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "prompt", "") is None:
         args.prompt = ["Hello, compile_attn!"]
     prepare = getattr(args, "prepare", None)
-    if prepare is not None:
-        try:
-            prepare(args)
-        except ValueError as exc:  # the options' own errors: a usage message, exit status 2
-            args.subparser.error(str(exc))
     try:
+        if prepare is not None:
+            try:
+                prepare(args)
+            except ValueError as exc:  # a bad option value: one line naming it, exit status 2, before any model loads
+                args.subparser.exit(2, f"{args.subparser.prog}: error: {exc}\n")
         return args.func(args)
     except (CompileAttnError, FileNotFoundError) as exc:  # the message names the way out: no traceback unless -v
         if args.verbose:

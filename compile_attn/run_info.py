@@ -31,7 +31,7 @@ def package_versions() -> dict[str, str | None]:
         "triton": package_version("triton"),
         "transformers": package_version("transformers"),
         "flashinfer": package_version("flashinfer-python"),
-        "sgl-kernel": package_version("sgl-kernel"),
+        "sglang-kernel": package_version("sglang-kernel") or package_version("sgl-kernel"),
     }
 
 

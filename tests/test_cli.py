@@ -6,9 +6,11 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from compile_attn import cli
 from greedy_reference import greedy_by_recompute
@@ -72,6 +74,13 @@ def test_generate_with_a_seed_samples_the_same_tokens_twice(capsys: pytest.Captu
         (["bench", "--inductor-config", "{bad"], "--inductor-config must be a JSON object"),
         (["bench", "--static-inductor-config", "[1]"], "--static-inductor-config must be a JSON object"),
         (["bench", "--compile-sizes", "one"], "compile sizes must be 'auto', 'none'"),
+        (["generate", "--device", "tpu"], "--device must be 'cpu', 'cuda' or 'cuda:N', got 'tpu'"),
+        (["generate", "--prompt", ""], "--prompt must not be empty"),
+        (["generate", "--seed", "-1"], "--seed must be in [0, 2**63)"),
+        (["generate", "--max-context", "8"], "--max-new-tokens 32 leaves no room for a prompt in --max-context 8"),
+        (["bench", "--inductor-config", '{"no_such_knob": 1}'], "unknown Inductor option(s) ['no_such_knob']"),
+        (["bench", "--static-inductor-config", '{"triton.no_such_knob": true}'],
+         "unknown Inductor option(s) ['triton.no_such_knob']"),
     ],
 )
 def test_bad_options_are_a_usage_error_before_anything_is_built(
@@ -85,8 +94,8 @@ def test_bad_options_are_a_usage_error_before_anything_is_built(
     with pytest.raises(SystemExit) as exc:
         cli.main(argv)
     assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert f"compile-attn {argv[0]}: error:" in err and message in err
+    err = capsys.readouterr().err.strip().splitlines()  # one line, naming the value
+    assert len(err) == 1 and err[0].startswith(f"compile-attn {argv[0]}: error:") and message in err[0]
 
 
 def test_a_missing_model_directory_is_one_line_and_exit_status_1(tmp_path: Path) -> None:
@@ -100,7 +109,7 @@ def test_a_missing_model_directory_is_one_line_and_exit_status_1(tmp_path: Path)
 
 
 def test_a_request_too_large_for_the_cache_is_one_line_and_exit_status_1(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["generate", *FAST, "--max-context", "8", "--prompt", "longer than eight bytes"]
+    argv = ["generate", *FAST, "--max-context", "8", "--max-new-tokens", "2", "--prompt", "longer than eight bytes"]
     assert cli.main(argv) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("compile-attn generate: error: RequestTooLargeError: request 0 needs")
@@ -126,3 +135,49 @@ def test_bench_of_the_full_size_model_without_a_gpu_warns_and_names_tiny(
         assert cli.main(["bench", "--tiny", "--hf", ""]) == 0
     warnings = [r.getMessage() for r in caplog.records if r.name == "compile_attn.cli"]
     assert len(warnings) == 1 and "no CUDA GPU" in warnings[0] and "--tiny" in warnings[0]
+
+
+def test_python_dash_m_compile_attn_runs_the_command() -> None:
+    run = subprocess.run([sys.executable, "-m", "compile_attn", "--help"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.startswith("usage: compile-attn")
+    assert all(cmd in run.stdout for cmd in ("info", "generate", "bench"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA GPU")
+def test_device_cuda_without_a_gpu_is_one_line_and_no_model_loads() -> None:
+    run = subprocess.run([sys.executable, "-m", "compile_attn", "generate", "--device", "cuda"],
+                         capture_output=True, text=True, timeout=300)
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 2 and len(lines) == 1, run.stderr
+    assert lines[0].startswith("compile-attn generate: error: --device cuda:") and "--device cpu" in lines[0]
+    assert run.stdout == ""  # nothing generated
+
+
+def test_a_bad_inductor_option_is_refused_before_the_benchmark_builds_anything(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from compile_attn import bench
+
+    def must_not_run(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the benchmark started despite a bad option")
+
+    monkeypatch.setattr(bench, "run", must_not_run)
+    start = time.perf_counter()
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "--tiny", "--hf", "", "--inductor-config", '{"no_such_knob": 1, "combo_kernels": true}'])
+    elapsed = time.perf_counter() - start
+    assert exc.value.code == 2 and "['no_such_knob']" in capsys.readouterr().err
+    assert elapsed < 60, f"refusing the option took {elapsed:.1f} s"  # importing Inductor's config, no model
+
+
+def test_known_inductor_options_pass_the_check() -> None:
+    assert cli._inductor_patches("--inductor-config", '{"combo_kernels": true, "triton.enable_pdl": true}') == {
+        "combo_kernels": True, "triton.enable_pdl": True}
+
+
+def test_random_weights_say_so_once(capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="compile_attn.cli"):
+        assert cli.main(["generate", *FAST, "--max-new-tokens", "2"]) == 0
+    warnings = [r.getMessage() for r in caplog.records if r.name == "compile_attn.cli"]
+    assert len(warnings) == 1 and warnings[0].startswith("random weights: the text is meaningless;")
+    assert cli.TRAINED_MODEL in warnings[0]

@@ -28,8 +28,8 @@ from compile_attn.layer import AttentionLayer
 logger = logging.getLogger(__name__)
 
 INSTALL_HINT = (
-    'pip install "compile-attn[fa3]"  (installs sgl-kernel, unpinned; each release is built for one torch + CUDA: '
-    "install the sglang-kernel / sgl-kernel release built for yours, e.g. sglang-kernel 0.4.3 for torch 2.11 + CUDA 13)"
+    'pip install "compile-attn[fa3]"  (installs sglang-kernel 0.4.x; each release is built for one torch + CUDA: '
+    "install the sglang-kernel release built for yours, e.g. sglang-kernel 0.4.3 for torch 2.11 + CUDA 13)"
 )
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
