@@ -9,9 +9,11 @@ import torch
 from scipy.stats import chi2 as chi2_dist
 from torch._dynamo.utils import counters
 
+from compile_attn.engine import LLM
 from compile_attn.engine.sampler import SamplingPlan, hashed_uniform, sample, warmup
 from compile_attn.engine.sampling import flashinfer_sampling
 from compile_attn.engine.sampling_params import SamplingParams
+from compile_attn.models import ToyDecoder, ToyDecoderConfig
 
 Filters = tuple[float, int, float, float]  # temperature, top_k, top_p, min_p
 
@@ -204,6 +206,23 @@ def test_min_p_outside_0_1_is_refused(bad: float) -> None:
         SamplingParams(min_p=bad)
 
 
+def test_engine_filters_that_keep_one_token_give_the_greedy_tokens() -> None:
+    # min_p 1, top_k 1 and a tiny top_p each keep only the most likely token: through LLM._sample's uploads
+    # (a filter only some rows use, others absent) the sampled tokens must equal greedy decoding
+    cfg = ToyDecoderConfig(vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                           intermediate_size=64)
+    torch.manual_seed(0)
+    llm = LLM(ToyDecoder(cfg).eval(), max_batch_size=4, max_num_tokens=32, kv_cache_tokens=256, max_context=64,
+              page_size=4, graph_mode="none", compile=False, device="cpu")
+    prompts = [[(5 * i + j) % 97 for j in range(n)] for i, n in enumerate([4, 9, 2, 6])]
+    greedy = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))]
+    one_token = [SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=1.5, min_p=1.0),
+                 SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=1.5, top_k=1, seed=3),
+                 SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=1.5, top_p=1e-6),
+                 SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=0.0, top_k=5)]
+    assert [o.token_ids for o in llm.generate(prompts, one_token)] == greedy
+
+
 def _graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
@@ -238,6 +257,12 @@ def _gpu_kwargs(backend: str) -> dict:
     return dict(backend="portable", compiled=backend == "portable-compiled")
 
 
+def _plan(params: dict, backend: str) -> SamplingPlan:
+    """The host plan for ``params``; FlashInfer serves only rows without an explicit seed."""
+    cols = (params[k].tolist() for k in ("temperature", "top_k", "top_p", "min_p"))
+    return SamplingPlan.for_rows(*cols, seeded=backend != "flashinfer")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -246,13 +271,14 @@ def test_gpu_samples_follow_the_filtered_softmax(backend: str, dtype: torch.dtyp
     groups = [CASES[c] for c in ("no filter", "temperature 0.5", "top-k 5", "top-p 0.7", "top-k 10 + top-p 0.8")]
     if backend != "flashinfer":
         groups += [CASES["min_p 0.2"], CASES["top-k + top-p + min_p"]]
-    row = LOGITS.to(dtype)  # the reference reads the same rounded logits
+    # distinct even in bf16 (a tie at the top-k boundary would make the kept set ambiguous); the reference
+    # reads the same rounded logits
+    row = (torch.randperm(40, generator=torch.Generator().manual_seed(3)) * 0.15 - 3.0).to(dtype)
+    assert row.unique().numel() == row.numel()
     per_group = 20000
     params = batch_params(groups, per_group, "cuda")
-    plan = SamplingPlan.for_rows(*(params[k].tolist() for k in ("temperature", "top_k", "top_p", "min_p")),
-                                 seeded=backend != "flashinfer")
     logits = row.cuda().repeat(len(groups) * per_group, 1)
-    tokens = sample(logits, **params, plan=plan, **kw).cpu().view(per_group, len(groups))
+    tokens = sample(logits, **params, plan=_plan(params, backend), **kw).cpu().view(per_group, len(groups))
     for j, g in enumerate(groups):
         assert_follows(tokens[:, j], reference_probs(row.float(), *g), f"{backend} {g}")
 
@@ -266,17 +292,15 @@ def test_gpu_large_vocabulary_greedy_and_sampled_rows(backend: str) -> None:
     hot = torch.tensor([0, 2047, 2048, 65000, 128000, 128255])
     row[hot] = torch.tensor([0.5, 1.0, 0.2, -0.3, 0.8, 1.2])
     groups = [(1.0, 0, 1.0, 0.0), (1.0, 4, 1.0, 0.0), (1.0, 0, 0.8, 0.0)]
-    per_group = 3000
+    per_group = 1000
     params = batch_params(groups, per_group, "cuda")
-    plan = SamplingPlan.for_rows(*(params[k].tolist() for k in ("temperature", "top_k", "top_p", "min_p")),
-                                 seeded=backend != "flashinfer")
-    tokens = sample(row.cuda().repeat(len(groups) * per_group, 1), **params, plan=plan, **kw)
+    tokens = sample(row.cuda().repeat(len(groups) * per_group, 1), **params, plan=_plan(params, backend), **kw)
     tokens = tokens.cpu().view(per_group, len(groups))
     for j, g in enumerate(groups):
         assert_follows(tokens[:, j], reference_probs(row, *g), f"{backend} {g}")
     logits = torch.randn(64, vocab, device="cuda", dtype=torch.bfloat16)
     params = batch_params([(0.0, 0, 1.0, 0.0), (1.0, 50, 0.9, 0.0)], 32, "cuda")
-    assert torch.equal(sample(logits, **params, **kw)[::2], logits.argmax(-1)[::2])
+    assert torch.equal(sample(logits, **params, plan=_plan(params, backend), **kw)[::2], logits.argmax(-1)[::2])
 
 
 @pytest.mark.gpu
