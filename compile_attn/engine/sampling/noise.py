@@ -10,16 +10,8 @@ from __future__ import annotations
 
 import torch
 
-_MASK32 = 0xFFFFFFFF
 _MIX = 0x045D9F3B
 _SEED_MUL, _POS_MUL, _TOKEN_MUL = 0x2545F491, 0x6C8E9CF5, 0x1B873593
-
-
-def _mix32_int64(h: torch.Tensor) -> torch.Tensor:
-    """The 32-bit avalanche mix on int64 values that hold a uint32 (per row: a few elements)."""
-    h = ((h ^ (h >> 16)) * _MIX) & _MASK32
-    h = ((h ^ (h >> 16)) * _MIX) & _MASK32
-    return h ^ (h >> 16)
 
 
 def _mix32_int32(h: torch.Tensor) -> torch.Tensor:
@@ -31,10 +23,10 @@ def _mix32_int32(h: torch.Tensor) -> torch.Tensor:
 
 
 def row_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """int32 ``[N, 1]`` key per row from int64 ``seeds[N]`` and ``positions[N]`` (the uint32 hash's bits)."""
-    h = ((seeds & _MASK32) * _SEED_MUL + (positions & _MASK32) * _POS_MUL) & _MASK32
-    h = _mix32_int64(h)
-    return torch.where(h >= 2**31, h - 2**32, h).to(torch.int32)[:, None]
+    """int32 ``[N, 1]`` key per row from int64 ``seeds[N]`` and ``positions[N]``: their low 32 bits, hashed.
+    All int32, so that recomputing it per element (where Inductor inlines it) stays cheap."""
+    h = seeds.to(torch.int32) * _SEED_MUL + positions.to(torch.int32) * _POS_MUL
+    return _mix32_int32(h)[:, None]
 
 
 def hashed_uniform_from_keys(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:

@@ -105,12 +105,15 @@ def compile_default(device: torch.device) -> bool:
 
 
 _compiled: dict[str, Callable[..., torch.Tensor]] = {}
+# The hash reads each intermediate twice (``h ^ (h >> 16)``); Inductor's reuse heuristics would write one of
+# them to memory as an [N, V] buffer. Inlining keeps the noise in registers (codegen deduplicates it).
+_INDUCTOR_OPTIONS = {"realize_opcount_threshold": 1000, "realize_reads_threshold": 1000}
 
 
 def _compiled_fn(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     if fn.__name__ not in _compiled:
         # dynamic=False with the row (and candidate) dims marked dynamic: the vocabulary size stays static
-        _compiled[fn.__name__] = torch.compile(fn, dynamic=False, fullgraph=True)
+        _compiled[fn.__name__] = torch.compile(fn, dynamic=False, fullgraph=True, options=_INDUCTOR_OPTIONS)
     return _compiled[fn.__name__]
 
 
