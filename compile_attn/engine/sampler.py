@@ -18,13 +18,14 @@ import torch
 from compile_attn.engine.sampling import flashinfer_sampling
 from compile_attn.engine.sampling.noise import hashed_uniform
 from compile_attn.engine.sampling.plan import SamplingPlan
-from compile_attn.engine.sampling.portable import compile_default, run_candidates, run_plain
+from compile_attn.engine.sampling.portable import compile_default, compile_switch, run_candidates, run_plain
 
 __all__ = ["BACKENDS", "SamplingPlan", "hashed_uniform", "sample", "warmup"]
 
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "portable", "flashinfer")
+_warmed_compiled: set[torch.device] = set()  # devices whose compiled graphs ``warmup`` has built
 
 
 def _use_flashinfer(plan: SamplingPlan, device: torch.device, backend: str) -> bool:
@@ -63,8 +64,9 @@ def sample(
     ``SamplingPlan.for_rows``); without one, it is read from the tensors with one host sync, and every row
     counts as seeded when ``seeds`` is given. The plan is trusted: a filter it says no row uses is not
     applied. ``backend``: 'auto' (FlashInfer for eligible filtered rows where installed), 'portable' or
-    'flashinfer'. ``compiled``: run the portable kernels through ``torch.compile`` (default: see
-    ``portable.compile_default``). Compiled graphs are keyed on the inputs' kind as well as their shapes:
+    'flashinfer'. ``compiled``: run the portable kernels through ``torch.compile``; by default only once
+    ``warmup`` has compiled them for this device (so traffic never compiles), unless
+    ``COMPILE_ATTN_SAMPLER_COMPILE`` is set to 1 or 0. Compiled graphs are keyed on the inputs' kind as well as their shapes:
     ``warmup`` builds them for inference-mode logits (the engine's forward output) and parameter tensors
     made, like this call, outside inference mode (the engine's uploads)."""
     if logits.dim() != 2:
@@ -81,7 +83,9 @@ def sample(
         seeds = torch.randint(0, 2**31 - 1, (rows,), device=device)
     if positions is None:
         positions = torch.zeros(rows, dtype=torch.int64, device=device)
-    compiled = compile_default(device) if compiled is None else compiled
+    if compiled is None:
+        switch = compile_switch()
+        compiled = switch if switch is not None else device in _warmed_compiled
     top_k = top_k if plan.max_top_k > 0 else None
     top_p = top_p if plan.top_p_rows else None
     min_p = min_p if plan.min_p_rows else None
@@ -112,9 +116,13 @@ def warmup(
 ) -> int:
     """Build every kernel ``sample`` can reach for ``[rows <= max_rows, vocab_size]`` logits of ``dtype``:
     the compiled portable graphs (one row and any row count; plain, min_p, candidates) and FlashInfer's
-    JIT modules where they would be used. Call it at start-up so that no traffic compiles. Returns the
-    number of ``sample`` calls made."""
+    JIT modules where they would be used. Call it at start-up so that no traffic compiles; ``sample`` runs
+    the compiled graphs on this device from then on (eagerly before). ``compiled`` defaults to
+    ``portable.compile_default``. Returns the number of ``sample`` calls made."""
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    compiled = compile_default(device) if compiled is None else compiled
     if vocab_size < 1 or max_rows < 1:
         raise ValueError(f"warmup needs vocab_size >= 1 and max_rows >= 1, got {vocab_size} and {max_rows}")
     calls = 0
@@ -142,5 +150,7 @@ def warmup(
             calls += 1
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    if compiled:
+        _warmed_compiled.add(device)
     logger.info("sampler warm-up: %d calls over rows 1..%d x vocab %d (%s)", calls, max_rows, vocab_size, dtype)
     return calls

@@ -91,9 +91,8 @@ def candidate_tokens(
     return cand_ids.gather(-1, score.argmax(-1, keepdim=True)).squeeze(-1)
 
 
-def compile_default(device: torch.device) -> bool:
-    """Whether the portable functions run compiled: ``COMPILE_ATTN_SAMPLER_COMPILE=1/0`` decides; otherwise
-    on CUDA (where eager would launch a kernel per op over ``[N, V]``) and not on the CPU."""
+def compile_switch() -> bool | None:
+    """``COMPILE_ATTN_SAMPLER_COMPILE``: True for 1, False for 0, None when unset."""
     env = os.environ.get(COMPILE_ENV, "").strip().lower()
     if env in ("1", "true", "yes", "on"):
         return True
@@ -101,7 +100,14 @@ def compile_default(device: torch.device) -> bool:
         return False
     if env:
         raise ValueError(f"{COMPILE_ENV}={env!r} is not a switch; set it to 1 or 0, or unset it")
-    return device.type == "cuda"
+    return None
+
+
+def compile_default(device: torch.device) -> bool:
+    """Whether ``warmup`` compiles the portable functions: ``COMPILE_ATTN_SAMPLER_COMPILE=1/0`` decides;
+    otherwise on CUDA (where eager would launch a kernel per op over ``[N, V]``) and not on the CPU."""
+    switch = compile_switch()
+    return switch if switch is not None else device.type == "cuda"
 
 
 _compiled: dict[str, Callable[..., torch.Tensor]] = {}
