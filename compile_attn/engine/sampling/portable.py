@@ -2,9 +2,10 @@
 top-k / top-p / min_p over a row's candidates (``torch.topk`` of the batch's largest k, or a full sort when
 a row has top-p without top-k).
 
-Both functions are elementwise work plus row reductions, which Inductor fuses into a kernel or two; they
-run eagerly or through ``torch.compile`` with the row count (and the candidate count) dynamic, so one
-graph serves every batch size. Randomness is the counter hash of ``noise``, keyed by the token id.
+The kernels are elementwise work plus row reductions, which Inductor fuses into a kernel or two; they run
+eagerly or through ``torch.compile`` with the row count (and the candidate count) dynamic, so one graph
+serves every batch size of two rows or more and one serves a single row. Randomness is the counter hash
+of ``noise``, keyed by the token id.
 """
 
 from __future__ import annotations
