@@ -26,7 +26,8 @@ from compile_attn.engine.admission import encode_prompt, find_vocab_size, split_
 from compile_attn.engine.errors import EngineBusyError, EngineOptionError
 from compile_attn.engine.model_loading import LoadedModel, load_for_engine
 from compile_attn.engine.request import Request, RequestOutput, RequestStatus
-from compile_attn.engine.sampler import sample
+from compile_attn.engine import sampler
+from compile_attn.engine.sampler import SamplingPlan, sample
 from compile_attn.engine.sampling_params import SamplingParams
 from compile_attn.engine.scheduler import ScheduledStep, Scheduler, SchedulerState
 from compile_attn.engine.step_runner import StepRunner
@@ -108,6 +109,8 @@ class LLM:
             if sized:
                 check_memory_after_capture(device, gpu_memory_utilization)
         self.vocab_size = find_vocab_size(self.model)  # None: prompts' token ids are only checked to be >= 0
+        if capture and device.type == "cuda" and self.vocab_size:  # the sampler's kernels, built before traffic
+            sampler.warmup(device, self.vocab_size, max_batch_size, dtype=dtype)
         self._lock = threading.Lock()  # held by each public call: one call at a time (see _exclusive)
         self._next_id = 0
         self.num_steps = 0
@@ -274,20 +277,29 @@ class LLM:
         keep = [ends[i] - 1 for i in sampled]
         reqs = [step.requests[i] for i in sampled]
         every_row = len(keep) == fb.num_tokens  # the LM head runs on every row (a decode step): no index tensor
-        if all(r.params.temperature <= 0 for r in reqs):  # all greedy: skip the softmax / sort / noise kernels
-            # and their inputs (a greedy decode step uploads nothing here)
+        temps = [r.params.temperature for r in reqs]
+        if all(t <= 0 for t in temps):  # all greedy: skip the noise kernels and their inputs (a greedy decode
+            # step uploads nothing here)
             keep_t = None if every_row else to_device([keep], torch.int64, self.device)[0]
             logits = self.step_runner.run(fb, keep_t)
             return logits.argmax(dim=-1).tolist() if sampled else []
-        # Two host-to-device copies for the step (one per dtype), not one per field.
-        keep_t, top_k, seeds, positions = to_device(
-            [keep, [r.params.top_k for r in reqs], [r.seed for r in reqs], [len(r.token_ids) for r in reqs]],
-            torch.int64, self.device)
-        logits = self.step_runner.run(fb, None if every_row else keep_t)
-        temperature, top_p = upload(torch.tensor(
-            [[r.params.temperature for r in reqs], [r.params.top_p for r in reqs]], dtype=torch.float32
-        ), self.device).unbind(0)
-        tokens = sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds, positions=positions)
+        top_ks = [r.params.top_k for r in reqs]
+        top_ps = [r.params.top_p for r in reqs]
+        min_ps = [r.params.min_p for r in reqs]
+        plan = SamplingPlan.for_rows(temps, top_ks, top_ps, min_ps, [r.params.seed is not None for r in reqs])
+        # Two host-to-device copies for the step (one per dtype), not one per field; a filter that no row
+        # uses is not uploaded (a batch without filters sends temperatures, seeds and positions only).
+        ints = [[r.seed for r in reqs], [len(r.token_ids) for r in reqs]]
+        ints += ([top_ks] if plan.max_top_k else []) + ([] if every_row else [keep])
+        on_device = to_device(ints, torch.int64, self.device)
+        seeds, positions = on_device[0], on_device[1]
+        top_k = on_device[2] if plan.max_top_k else None
+        logits = self.step_runner.run(fb, None if every_row else on_device[-1])
+        floats = [temps] + ([top_ps] if plan.top_p_rows else []) + ([min_ps] if plan.min_p_rows else [])
+        temperature, *filters = upload(torch.tensor(floats, dtype=torch.float32), self.device).unbind(0)
+        top_p = filters.pop(0) if plan.top_p_rows else None
+        min_p = filters.pop(0) if plan.min_p_rows else None
+        tokens = sample(logits, temperature, top_k, top_p, seeds, positions, min_p=min_p, plan=plan)
         return tokens.tolist()  # the step's one host sync
 
     def _stop_reason(self, r: Request, tok: int) -> str | None:

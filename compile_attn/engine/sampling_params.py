@@ -52,7 +52,8 @@ def check_real(name: str, value: object, hint: str = "") -> float:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 is greedy. top_k 0 / top_p 1.0 disable those filters. ``seed`` makes a request's
+    """temperature 0 is greedy. top_k 0 / top_p 1.0 / min_p 0.0 disable those filters (min_p keeps tokens
+    with probability >= min_p times the most likely token's). ``seed`` makes a request's
     samples reproducible whatever else is in its batch. Generation stops at ``max_new_tokens``, at the
     model's EOS token (unless ``ignore_eos``), or at any of ``stop_token_ids`` (the stop token is kept
     in the output).
@@ -66,6 +67,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
@@ -82,6 +84,9 @@ class SamplingParams:
         put("top_p", check_real("top_p", self.top_p, " (1 = no top-p filter)"))
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError(f"top_p must be in (0, 1] (1 = no top-p filter), got {self.top_p}")
+        put("min_p", check_real("min_p", self.min_p, " (0 = no min-p filter)"))
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError(f"min_p must be in [0, 1] (0 = no min-p filter), got {self.min_p}")
         if self.seed is not None:
             put("seed", check_int("seed", self.seed, hint=" (the sampler's seeds are int64; None = random)"))
         put("stop_token_ids", _check_stop_ids(self.stop_token_ids))
