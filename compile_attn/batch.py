@@ -4,15 +4,23 @@ A batch is a list of requests; request b contributes ``extend_seq_lens[b]`` new 
 ``extend_prefix_lens[b] .. seq_lens[b] - 1`` (decode is the case where every request adds one token).
 Tokens are laid out request after request. A batch padded for a CUDA graph bucket may carry padding
 tokens after the last request's tokens; they belong to no request and write KV only to the scratch slot.
-This module builds and validates batches; it never allocates KV slots (see ``kv_cache``).
+This module builds and checks batches; it never allocates KV slots (see ``kv_cache``).
+
+Where a batch is checked: ``build`` checks what its host lists say (lengths agree, nothing negative, the
+token count); ``check(kv_cache)``, which every backend's eager entry ``init_forward_metadata`` runs, checks
+the batch against the cache (rows, allocated lengths, slots) with host values, and is a few list comparisons
+for the engine's batches, whose slots come straight from ``kv_cache.alloc_extend``; ``validate`` is the
+thorough check that also reads device tensors (tests, debugging).
 """
 
 from __future__ import annotations
 
 import enum
+import operator
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
 
 import torch
 
@@ -21,6 +29,28 @@ from compile_attn.host_tensors import int_tensor, ragged_arange, to_device
 
 if TYPE_CHECKING:
     from compile_attn.kv_cache import KVCache
+
+
+def _int_list(name: str, values: Sequence[int]) -> list[int]:
+    """``values`` as a list of Python ints; InvalidBatchError for a float, None or other non-integer entry."""
+    try:
+        return [operator.index(x) for x in values]
+    except TypeError:
+        bad = next(x for x in values if not hasattr(x, "__index__"))
+        raise InvalidBatchError(f"{name} must hold integers, got {bad!r} in {_short(list(values))}") from None
+
+
+def _num_entries(name: str, value: object) -> int:
+    """Entries of a per-token field given as a 1-D tensor, array or sequence; InvalidBatchError otherwise."""
+    ndim = getattr(value, "ndim", 1)
+    if ndim != 1:
+        raise InvalidBatchError(f"{name} must be 1-D (one entry per token), got shape {tuple(value.shape)}")
+    return int(value.shape[0]) if hasattr(value, "shape") else len(value)  # type: ignore[arg-type]
+
+
+def _short(values: list[int], limit: int = 8) -> str:
+    """A list for an error message, cut after ``limit`` entries."""
+    return str(values) if len(values) <= limit else f"[{', '.join(map(str, values[:limit]))}, ... ({len(values)})]"
 
 
 class ForwardMode(enum.IntEnum):
@@ -69,6 +99,11 @@ class ForwardBatch:
     extend_seq_lens_cpu: list[int]
     real_batch_size: int | None = None
     graph_bucket: int | None = None
+    req_pool_indices_cpu: list[int] | None = None  # host copy of req_pool_indices (set by build)
+    # Set by build (whose host and device views agree by construction); a batch assembled field by field, or
+    # changed with dataclasses.replace, is checked in full (see check()).
+    _built: bool = field(default=False, init=False, repr=False, compare=False)
+    _slot_bounds: tuple[torch.Tensor, int, int] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.real_batch_size is None:
@@ -90,32 +125,48 @@ class ForwardBatch:
     ) -> ForwardBatch:
         """Build a batch from host lists.
 
-        ``forward_mode`` defaults to DECODE when every request adds one token to a non-empty
-        sequence, MIXED when some do and others prefill, EXTEND when none do, IDLE for no requests. ``positions`` default to each request's
-        ``prefix .. prefix + extend - 1``; ``input_ids`` default to zeros (attention-only use).
+        ``forward_mode`` defaults to DECODE when every request adds one token to a non-empty sequence, MIXED
+        when some do and others prefill, EXTEND when none do, IDLE for no requests. ``positions`` default to
+        each request's ``prefix .. prefix + extend - 1``; ``input_ids`` default to zeros (attention-only use).
+
+        Raises InvalidBatchError, before anything reaches the device, when the host values disagree: per-request
+        lists of different lengths, a negative length or row, non-integer lengths, ``out_cache_loc`` /
+        ``input_ids`` / ``positions`` without one entry per new token, or a ``forward_mode`` the lengths
+        contradict. Whether the batch fits a KV cache is ``check``'s job (backends run it).
         """
         device = torch.device(device)
-        prefix_lens = [int(x) for x in prefix_lens]
-        extend_lens = [int(x) for x in extend_lens]
-        req_idx = [int(x) for x in req_pool_indices]
+        prefix_lens = _int_list("prefix_lens", prefix_lens)
+        extend_lens = _int_list("extend_lens", extend_lens)
+        req_idx = _int_list("req_pool_indices", req_pool_indices)
         bs = len(req_idx)
         if not (len(prefix_lens) == len(extend_lens) == bs):
             raise InvalidBatchError(
                 f"req_pool_indices, prefix_lens and extend_lens must have one entry per request; "
                 f"got lengths {bs}, {len(prefix_lens)}, {len(extend_lens)}"
             )
+        if bs and (min(prefix_lens) < 0 or min(extend_lens) < 0 or min(req_idx) < 0):
+            b = next(i for i in range(bs) if min(prefix_lens[i], extend_lens[i], req_idx[i]) < 0)
+            raise InvalidBatchError(
+                f"request {b}: prefix_len, extend_len and req_pool_index must be >= 0, got prefix_len="
+                f"{prefix_lens[b]}, extend_len={extend_lens[b]}, req_pool_index={req_idx[b]}"
+            )
         seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
         num_tokens = sum(extend_lens)
-        if forward_mode is None:
-            is_decode = [e == 1 and p > 0 for p, e in zip(prefix_lens, extend_lens)]
-            if bs == 0:
-                forward_mode = ForwardMode.IDLE
-            elif all(is_decode):
-                forward_mode = ForwardMode.DECODE
-            elif any(is_decode):
-                forward_mode = ForwardMode.MIXED
-            else:
-                forward_mode = ForwardMode.EXTEND
+        for name, value in (("out_cache_loc", out_cache_loc), ("input_ids", input_ids), ("positions", positions)):
+            if value is not None and (n := _num_entries(name, value)) != num_tokens:
+                raise InvalidBatchError(
+                    f"extend_lens {_short(extend_lens)} sum to {num_tokens} tokens but {name} has {n} entries; "
+                    f"give one entry per new token, request after request"
+                )
+        if forward_mode is not None:
+            forward_mode = ForwardMode(forward_mode)
+            if forward_mode.is_decode() and extend_lens.count(1) != bs:
+                raise InvalidBatchError(
+                    f"forward_mode DECODE needs extend_len 1 for every request, got {_short(extend_lens)}; "
+                    f"leave forward_mode None to derive it"
+                )
+            if forward_mode.is_idle() and bs:
+                raise InvalidBatchError(f"forward_mode IDLE needs an empty batch, got {bs} requests")
         start_loc, acc = [], 0
         for e in extend_lens:
             start_loc.append(acc)
@@ -127,8 +178,13 @@ class ForwardBatch:
             positions = prefix_lens if num_tokens == bs and extend_lens.count(1) == bs else (
                 ragged_arange(prefix_lens, extend_lens))
         ints = to_device([seq_lens, prefix_lens, extend_lens, start_loc], torch.int32, device)
-        longs = to_device([input_ids, positions, req_idx, out_cache_loc], torch.int64, device)
-        return cls(
+        # A slot tensor already in place is used as it is (on a GPU to_device does the same): the KV cache then
+        # recognises the tensor its alloc_extend returned (check()).
+        keep_loc = (isinstance(out_cache_loc, torch.Tensor) and out_cache_loc.is_cpu and device.type == "cpu"
+                    and out_cache_loc.dtype == torch.int64)
+        longs = to_device([input_ids, positions, req_idx, *(() if keep_loc else (out_cache_loc,))], torch.int64,
+                          device)
+        fb = cls(
             forward_mode=forward_mode,
             batch_size=bs,
             input_ids=longs[0],
@@ -136,14 +192,17 @@ class ForwardBatch:
             req_pool_indices=longs[2],
             seq_lens=ints[0],
             seq_lens_cpu=int_tensor(seq_lens),
-            out_cache_loc=longs[3],
+            out_cache_loc=out_cache_loc if keep_loc else longs[3],
             seq_lens_sum=sum(seq_lens),
             extend_prefix_lens=ints[1],
             extend_seq_lens=ints[2],
             extend_start_loc=ints[3],
             extend_prefix_lens_cpu=prefix_lens,
             extend_seq_lens_cpu=extend_lens,
+            req_pool_indices_cpu=req_idx,
         )
+        fb._built = True
+        return fb
 
     # ------------------------------------------------------------------ derived sizes
     @property
@@ -211,9 +270,23 @@ class ForwardBatch:
             )
         if self.seq_lens_sum != sum(seq):
             raise InvalidBatchError(f"seq_lens_sum is {self.seq_lens_sum} but seq_lens sum to {sum(seq)}")
-        dev_seq = [int(x) for x in self.seq_lens.tolist()]
-        if dev_seq != seq:
-            raise InvalidBatchError(f"seq_lens on device {dev_seq} differ from seq_lens_cpu {seq}")
+        # Device tensors against the host view (a graph view's padded requests hold fill values: seq_lens only).
+        real = bs if self.graph_bucket is None else self.real_batch_size
+        host = {
+            "seq_lens": seq,
+            "extend_prefix_lens": prefix[:real],
+            "extend_seq_lens": extend[:real],
+            "extend_start_loc": [sum(extend[:b]) for b in range(real)],
+        }
+        if self.req_pool_indices_cpu is not None:
+            host["req_pool_indices"] = self.req_pool_indices_cpu[:real]
+        for name, values in host.items():
+            on_device = [int(x) for x in getattr(self, name)[: len(values)].tolist()]
+            if on_device != list(values):
+                raise InvalidBatchError(
+                    f"ForwardBatch.{name} on the device {_short(on_device)} differs from the host view "
+                    f"{_short(list(values))}; build batches with ForwardBatch.build"
+                )
         if self.forward_mode.is_idle() and bs:
             raise InvalidBatchError(f"forward_mode IDLE needs an empty batch, got batch_size {bs}")
         if self.forward_mode.is_decode() and any(e != 1 for e in extend):
@@ -223,14 +296,11 @@ class ForwardBatch:
 
     def _validate_against(self, kv_cache: KVCache, seq: list[int]) -> None:
         if self.num_tokens:
-            lo, hi = int(self.out_cache_loc.min()), int(self.out_cache_loc.max())
-            if lo < 0 or hi >= kv_cache.pool.num_slots:
-                raise InvalidBatchError(
-                    f"out_cache_loc has slots in [{lo}, {hi}] but the KV pool has slots 0..{kv_cache.pool.num_slots - 1}"
-                )
+            lo, hi = (int(x) for x in torch.aminmax(self.out_cache_loc))
+            kv_cache.check_slots(lo, hi)
         if self.batch_size:
-            rows = self.req_pool_indices
-            lo, hi = int(rows.min()), int(rows.max())
+            rows = [int(x) for x in self.req_pool_indices.tolist()]
+            lo, hi = min(rows), max(rows)
             if lo < 0 or hi >= kv_cache.req_to_token_pool.num_rows:
                 raise InvalidBatchError(
                     f"req_pool_indices in [{lo}, {hi}] but the request table has rows "
@@ -242,3 +312,40 @@ class ForwardBatch:
                     f"seq_len {longest} exceeds the KV cache's max_context {kv_cache.max_context}; "
                     f"create the KVCache with a larger max_context"
                 )
+            # Padded requests of a graph view (after real_batch_size) share row PAD_REQUEST and its scratch slot.
+            real = self.batch_size if self.graph_bucket is None else self.real_batch_size
+            kv_cache.check_rows(rows[:real], self.extend_prefix_lens_cpu[:real], self.extend_seq_lens_cpu[:real])
+
+    def check(self, kv_cache: KVCache) -> None:
+        """Raise InvalidBatchError unless this batch fits ``kv_cache``; the check every backend's eager entry
+        (``init_forward_metadata``) runs, so that no kernel reads or writes outside its buffers.
+
+        Cheap by design, and never a device sync for the engine's batches:
+
+        * A batch from ``build`` whose ``out_cache_loc`` is the tensor ``kv_cache.alloc_extend(rows, lens)``
+          returned for exactly its rows and extend lengths, with its prefix lengths the rows' lengths before that
+          call (the engine's steps), is valid by construction: three list comparisons.
+        * Any other batch from ``build`` is checked with host values: every row allocated and used once, each
+          request's ``prefix + extend`` within the row's allocated tokens, and ``out_cache_loc`` inside the pool
+          (slot PAD_SLOT, the scratch slot, included). The slot range is read from the tensor once per batch:
+          on a GPU that is a device sync, paid only by batches built by hand.
+        * A batch assembled field by field (the dataclass constructor, ``dataclasses.replace``) has no host view
+          that is known to agree with its device tensors: it gets ``validate(kv_cache)``, which syncs.
+        * Views of a graph runner's static buffers (``graph_bucket`` set) are filled from batches checked here.
+        """
+        if self.graph_bucket is not None:
+            return
+        if not self._built:
+            self.validate(kv_cache)
+            return
+        rows, prefix, extend = self.req_pool_indices_cpu, self.extend_prefix_lens_cpu, self.extend_seq_lens_cpu
+        loc = self.out_cache_loc
+        if kv_cache.issued(loc, rows, prefix, extend):
+            return
+        kv_cache.check_rows(rows, prefix, extend)
+        if loc.shape[0]:
+            bounds = self._slot_bounds
+            if bounds is None or bounds[0] is not loc:
+                lo, hi = (int(x) for x in torch.aminmax(loc))
+                self._slot_bounds = bounds = (loc, lo, hi)
+            kv_cache.check_slots(bounds[1], bounds[2])

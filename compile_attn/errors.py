@@ -16,6 +16,10 @@ class InvalidBatchError(CompileAttnError, ValueError):
     """A ForwardBatch whose fields disagree with each other or with the KV cache."""
 
 
+class InvalidConfigError(CompileAttnError, ValueError):
+    """A constructor argument out of range or of the wrong kind: NaN, zero, negative, an unsupported dtype."""
+
+
 class KVCacheExhaustedError(CompileAttnError, RuntimeError):
     """The KV pool or the request table has no room; nothing was allocated."""
 
