@@ -103,7 +103,8 @@ class ForwardBatch:
     # Set by build (whose host and device views agree by construction); a batch assembled field by field, or
     # changed with dataclasses.replace, is checked in full (see check()).
     _built: bool = field(default=False, init=False, repr=False, compare=False)
-    _slot_bounds: tuple[torch.Tensor, int, int] | None = field(default=None, init=False, repr=False, compare=False)
+    _checked_against: tuple[KVCache, torch.Tensor, int] | None = field(default=None, init=False, repr=False,
+                                                                       compare=False)
 
     def __post_init__(self) -> None:
         if self.real_batch_size is None:
@@ -158,7 +159,17 @@ class ForwardBatch:
                     f"extend_lens {_short(extend_lens)} sum to {num_tokens} tokens but {name} has {n} entries; "
                     f"give one entry per new token, request after request"
                 )
-        if forward_mode is not None:
+        if forward_mode is None:
+            is_decode = [e == 1 and p > 0 for p, e in zip(prefix_lens, extend_lens)]
+            if bs == 0:
+                forward_mode = ForwardMode.IDLE
+            elif all(is_decode):
+                forward_mode = ForwardMode.DECODE
+            elif any(is_decode):
+                forward_mode = ForwardMode.MIXED
+            else:
+                forward_mode = ForwardMode.EXTEND
+        else:
             forward_mode = ForwardMode(forward_mode)
             if forward_mode.is_decode() and extend_lens.count(1) != bs:
                 raise InvalidBatchError(
@@ -284,7 +295,7 @@ class ForwardBatch:
             on_device = [int(x) for x in getattr(self, name)[: len(values)].tolist()]
             if on_device != list(values):
                 raise InvalidBatchError(
-                    f"ForwardBatch.{name} on the device {_short(on_device)} differs from the host view "
+                    f"ForwardBatch.{name} on device {_short(on_device)} differ from the host values "
                     f"{_short(list(values))}; build batches with ForwardBatch.build"
                 )
         if self.forward_mode.is_idle() and bs:
@@ -297,7 +308,11 @@ class ForwardBatch:
     def _validate_against(self, kv_cache: KVCache, seq: list[int]) -> None:
         if self.num_tokens:
             lo, hi = (int(x) for x in torch.aminmax(self.out_cache_loc))
-            kv_cache.check_slots(lo, hi)
+            if lo < 0 or hi >= kv_cache.pool.num_slots:
+                raise InvalidBatchError(
+                    f"out_cache_loc holds slots in [{lo}, {hi}] but the KV pool has slots "
+                    f"0..{kv_cache.pool.num_slots - 1}; use the slots kv.alloc_extend() returns"
+                )
         if self.batch_size:
             rows = [int(x) for x in self.req_pool_indices.tolist()]
             lo, hi = min(rows), max(rows)
@@ -314,7 +329,9 @@ class ForwardBatch:
                 )
             # Padded requests of a graph view (after real_batch_size) share row PAD_REQUEST and its scratch slot.
             real = self.batch_size if self.graph_bucket is None else self.real_batch_size
-            kv_cache.check_rows(rows[:real], self.extend_prefix_lens_cpu[:real], self.extend_seq_lens_cpu[:real])
+            prefix, extend = self.extend_prefix_lens_cpu[:real], self.extend_seq_lens_cpu[:real]
+            kv_cache.check_rows(rows[:real], prefix, extend)
+            kv_cache.check_slots(rows[:real], prefix, extend, self.out_cache_loc)  # padding tokens write PAD_SLOT
 
     def check(self, kv_cache: KVCache) -> None:
         """Raise InvalidBatchError unless this batch fits ``kv_cache``; the check every backend's eager entry
@@ -325,10 +342,11 @@ class ForwardBatch:
         * A batch from ``build`` whose ``out_cache_loc`` is the tensor ``kv_cache.alloc_extend(rows, lens)``
           returned for exactly its rows and extend lengths, with its prefix lengths the rows' lengths before that
           call (the engine's steps), is valid by construction: three list comparisons.
-        * Any other batch from ``build`` is checked with host values: every row allocated and used once, each
-          request's ``prefix + extend`` within the row's allocated tokens, and ``out_cache_loc`` inside the pool
-          (slot PAD_SLOT, the scratch slot, included). The slot range is read from the tensor once per batch:
-          on a GPU that is a device sync, paid only by batches built by hand.
+        * Any other batch from ``build`` (built by hand) is checked: every row allocated and used once, each
+          request's ``prefix + extend`` within the row's allocated tokens (host values), and each token's
+          ``out_cache_loc`` entry the slot ``req_to_token`` holds for its position (so nothing is written
+          outside the pool or into another request's KV). That comparison reads the request table: on a GPU
+          one device sync, paid once per batch (until a request is freed).
         * A batch assembled field by field (the dataclass constructor, ``dataclasses.replace``) has no host view
           that is known to agree with its device tensors: it gets ``validate(kv_cache)``, which syncs.
         * Views of a graph runner's static buffers (``graph_bucket`` set) are filled from batches checked here.
@@ -342,10 +360,9 @@ class ForwardBatch:
         loc = self.out_cache_loc
         if kv_cache.issued(loc, rows, prefix, extend):
             return
+        checked = self._checked_against
+        if checked is not None and checked[0] is kv_cache and checked[1] is loc and checked[2] == kv_cache.generation:
+            return  # checked before, and no request was freed since
         kv_cache.check_rows(rows, prefix, extend)
-        if loc.shape[0]:
-            bounds = self._slot_bounds
-            if bounds is None or bounds[0] is not loc:
-                lo, hi = (int(x) for x in torch.aminmax(loc))
-                self._slot_bounds = bounds = (loc, lo, hi)
-            kv_cache.check_slots(bounds[1], bounds[2])
+        kv_cache.check_slots(rows, prefix, extend, loc)
+        self._checked_against = (kv_cache, loc, kv_cache.generation)

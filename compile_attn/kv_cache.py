@@ -226,6 +226,7 @@ class KVCache:
         self._lens: dict[int, int] = {}  # request row -> tokens allocated
         # What the last few alloc_extend calls returned: (out_cache_loc, rows, starts, extend_lens), see issued().
         self._issued: deque[tuple[weakref.ref, list[int], list[int], list[int]]] = deque(maxlen=4)
+        self._generation = 0  # see generation
 
     @property
     def req_to_token(self) -> torch.Tensor:
@@ -252,6 +253,7 @@ class KVCache:
         """Return the rows and all their pages, in one call each to the page allocator and the request table."""
         rows = list(rows)
         self._issued.clear()  # a freed row's slots may be handed out again: no batch is trusted from here on
+        self._generation += 1
         for row in rows:
             if row not in self._pages:
                 raise ValueError(f"request row {row} is not allocated")
@@ -405,11 +407,35 @@ class KVCache:
             raise InvalidBatchError(f"request row {twice} appears twice in one batch (req_pool_indices {list(rows)}); "
                                     f"give each request its own row")
 
-    def check_slots(self, lo: int, hi: int) -> None:
-        """InvalidBatchError unless ``[lo, hi]`` (the batch's smallest and largest ``out_cache_loc``) lies in the
-        pool: slots ``0 .. num_slots - 1`` (slot PAD_SLOT is the scratch slot padding tokens write)."""
-        if lo < 0 or hi >= self.pool.num_slots:
+    def check_slots(self, rows: Sequence[int], prefix_lens: Sequence[int], extend_lens: Sequence[int],
+                    out_cache_loc: torch.Tensor) -> None:
+        """InvalidBatchError unless each new token's ``out_cache_loc`` entry is the slot its request's row holds
+        for that position (what ``alloc_extend`` returned), so a step writes only its own tokens' KV. Run after
+        ``check_rows``. Reads the request table: on a GPU a device sync (hand-built batches only)."""
+        n = sum(extend_lens)
+        if out_cache_loc.device.type != self.req_to_token.device.type:
             raise InvalidBatchError(
-                f"out_cache_loc holds slots in [{lo}, {hi}] but the KV pool has slots 0..{self.pool.num_slots - 1}; "
-                f"use the slots kv.alloc_extend() returns"
+                f"out_cache_loc is on {out_cache_loc.device} but the KV cache is on {self.device}; build the batch "
+                f"with ForwardBatch.build(..., device=kv.device)"
             )
+        if not n:
+            return
+        token_rows, positions = to_device(
+            [repeat_each(rows, extend_lens), ragged_arange(prefix_lens, extend_lens)], torch.int64,
+            self.req_to_token.device)
+        expected = self.req_to_token[token_rows, positions].to(out_cache_loc.dtype)
+        given = out_cache_loc[:n]
+        if torch.equal(given, expected):
+            return
+        i = int((given != expected).nonzero()[0, 0])
+        slot, want = int(given[i]), int(expected[i])
+        where = "" if 0 <= slot < self.pool.num_slots else f", outside the KV pool's slots 0..{self.pool.num_slots - 1}"
+        raise InvalidBatchError(
+            f"out_cache_loc[{i}] is slot {slot}{where}, but token {i} (request row {int(token_rows[i])}, position "
+            f"{int(positions[i])}) has slot {want}; use the out_cache_loc that kv.alloc_extend() returned"
+        )
+
+    @property
+    def generation(self) -> int:
+        """Counts frees: a batch checked against the cache stays valid until a row's slots can change hands."""
+        return self._generation

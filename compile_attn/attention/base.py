@@ -10,8 +10,8 @@ The three-method metadata contract lets a graph runner capture decode as one ful
 * ``init_forward_metadata(fb)`` is the eager entry: ``fb.check(kv_cache)`` (the batch fits the cache;
   see ``ForwardBatch.check`` for what that costs), then out_graph, then in_graph.
 
-``forward`` checks the shapes, dtypes and devices of q/k/v/out against the layer, the batch and the KV
-pool before anything is written (InvalidBatchError).
+``forward`` checks the batch too if the eager entry did not, and the shapes, dtypes and devices of
+q/k/v/out against the layer, the batch and the KV pool, before anything is written (InvalidBatchError).
 
 ``fb.graph_bucket`` is set when ``fb`` is a graph runner's padded view of its static buffers
 (capture or replay); backends then use the buffers from ``init_cuda_graph_state``.
@@ -64,6 +64,7 @@ class AttentionBackend(ABC):
         )
         self.device = kv_cache.device
         self._pool_device = kv_cache.pool.k_buffers[0].device  # with its index, for comparing with inputs'
+        self._checked_batch: ForwardBatch | None = None  # the last batch that passed ForwardBatch.check
         for layer in self.layers.values():
             self.check_layer(layer)
 
@@ -88,6 +89,7 @@ class AttentionBackend(ABC):
         """Eager entry: check that ``fb`` fits the KV cache (InvalidBatchError, nothing prepared), then prepare
         everything ``forward`` needs for it."""
         fb.check(self.kv_cache)
+        self._checked_batch = fb
         self.init_forward_metadata_out_graph(fb, in_capture=False)
         self.init_forward_metadata_in_graph(fb)
 
@@ -139,6 +141,9 @@ class AttentionBackend(ABC):
         """Write new K/V (if ``save_kv_cache``) and compute attention for ``fb`` into ``out``."""
         if fb.forward_mode.is_idle():
             return
+        if fb is not self._checked_batch:  # e.g. an extend batch run without init_forward_metadata
+            fb.check(self.kv_cache)
+            self._checked_batch = fb
         self.check_inputs(q, k, v, layer, fb, out)
         if fb.forward_mode.is_decode():
             self.forward_decode(q, k, v, layer, fb, out, save_kv_cache)
