@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-
+import numpy as np
 import torch
 
 from compile_attn.errors import InvalidBatchError
@@ -36,16 +36,27 @@ def _int_list(name: str, values: Sequence[int]) -> list[int]:
     try:
         return [operator.index(x) for x in values]
     except TypeError:
-        bad = next(x for x in values if not hasattr(x, "__index__"))
-        raise InvalidBatchError(f"{name} must hold integers, got {bad!r} in {_short(list(values))}") from None
+        try:
+            shown = repr(next(x for x in values if not hasattr(x, "__index__")))
+        except (TypeError, StopIteration):
+            shown = f"{type(values).__name__} {values!r}"
+        raise InvalidBatchError(f"{name} must be a sequence of ints, got {shown}") from None
 
 
 def _num_entries(name: str, value: object) -> int:
-    """Entries of a per-token field given as a 1-D tensor, array or sequence; InvalidBatchError otherwise."""
-    ndim = getattr(value, "ndim", 1)
-    if ndim != 1:
+    """Entries of a per-token field given as a 1-D integer tensor, array or sequence; InvalidBatchError otherwise."""
+    dtype = getattr(value, "dtype", None)
+    if dtype is not None and not (
+        dtype.kind in "iu" if isinstance(dtype, np.dtype) else
+        (dtype in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8))
+    ):
+        raise InvalidBatchError(f"{name} must hold integers, got dtype {dtype}")
+    if getattr(value, "ndim", 1) != 1:
         raise InvalidBatchError(f"{name} must be 1-D (one entry per token), got shape {tuple(value.shape)}")
-    return int(value.shape[0]) if hasattr(value, "shape") else len(value)  # type: ignore[arg-type]
+    try:
+        return int(value.shape[0]) if hasattr(value, "shape") else len(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidBatchError(f"{name} must be a 1-D tensor, array or sequence of ints, got {value!r}") from None
 
 
 def _short(values: list[int], limit: int = 8) -> str:
@@ -193,8 +204,11 @@ class ForwardBatch:
         # recognises the tensor its alloc_extend returned (check()).
         keep_loc = (isinstance(out_cache_loc, torch.Tensor) and out_cache_loc.is_cpu and device.type == "cpu"
                     and out_cache_loc.dtype == torch.int64)
-        longs = to_device([input_ids, positions, req_idx, *(() if keep_loc else (out_cache_loc,))], torch.int64,
-                          device)
+        try:
+            longs = to_device([input_ids, positions, req_idx, *(() if keep_loc else (out_cache_loc,))], torch.int64,
+                              device)
+        except (TypeError, OverflowError) as exc:  # e.g. a float in a list, a value past int64
+            raise InvalidBatchError(f"input_ids, positions and out_cache_loc must hold int64 values: {exc}") from None
         fb = cls(
             forward_mode=forward_mode,
             batch_size=bs,

@@ -184,9 +184,13 @@ def test_create_backend_refuses_a_layer_past_the_cache(backend: str) -> None:
     (dict(prefix_lens=[3, 1], extend_lens=[-1, 4]), "request 0: .* got prefix_len=3, extend_len=-1"),
     (dict(req_pool_indices=[1, -1]), "request 1: .*req_pool_index=-1"),
     (dict(prefix_lens=[3]), "one entry per request; got lengths 2, 1, 2"),
-    (dict(extend_lens=[1, 2.5]), "extend_lens must hold integers, got 2.5"),
+    (dict(extend_lens=[1, 2.5]), "extend_lens must be a sequence of ints, got 2.5"),
     (dict(input_ids=[1, 2]), "sum to 3 tokens but input_ids has 2 entries"),
     (dict(positions=torch.zeros(3, 1, dtype=torch.int64)), "positions must be 1-D"),
+    (dict(out_cache_loc=[1.5, 2, 3]), "must hold int64 values"),
+    (dict(out_cache_loc=torch.tensor([1.0, 2.0, 3.0])), "out_cache_loc must hold integers, got dtype torch.float32"),
+    (dict(input_ids=[1, 2, 2**70]), "must hold int64 values"),
+    (dict(prefix_lens=None), "prefix_lens must be a sequence of ints, got NoneType None"),
     (dict(forward_mode=2), "forward_mode DECODE needs extend_len 1 for every request, got \\[1, 2\\]"),
 ])
 def test_build_refuses_inconsistent_host_lists(change: dict, message: str) -> None:
