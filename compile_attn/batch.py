@@ -249,9 +249,11 @@ class ForwardBatch:
         """Raise InvalidBatchError naming the first inconsistent field and its values.
 
         Checks lengths of every per-request and per-token field, non-negative lengths,
-        ``prefix <= seq_len``, ``seq_len == prefix + extend``, the mode, and, when ``kv_cache`` is
-        given, that slots, request rows and sequence lengths fit it. Reads device tensors, so it
-        syncs: call it in tests and debug mode, not per step in production.
+        ``prefix <= seq_len``, ``seq_len == prefix + extend``, the device tensors against the host
+        values, the mode, and, when ``kv_cache`` is given, that slots, request rows and sequence
+        lengths fit it: each live request's row allocated and used once, ``prefix + extend`` within
+        the row's allocated tokens, each token's slot the one the row holds for its position. Reads
+        device tensors, so it syncs: call it in tests and debug mode, not per step in production.
         """
         bs = self.batch_size
         per_request = {
