@@ -123,7 +123,8 @@ LAYER = dict(layer_id=0, num_heads=4, num_kv_heads=2, head_dim=64)
 @pytest.mark.parametrize(("change", "names"), [
     (dict(scaling=float("nan")), "scaling"), (dict(scaling=float("inf")), "scaling"), (dict(scaling=0.0), "scaling"),
     (dict(scaling=-0.1), "scaling"), (dict(logit_cap=float("nan")), "logit_cap"), (dict(logit_cap=-1.0), "logit_cap"),
-    (dict(logit_cap=float("inf")), "logit_cap"), (dict(num_heads=0), "num_heads"), (dict(num_kv_heads=0), "num_kv_heads"),
+    (dict(logit_cap=float("inf")), "logit_cap"), (dict(num_heads=0), "num_heads"),
+    (dict(num_kv_heads=0), "num_kv_heads"),
     (dict(head_dim=-64), "head_dim"), (dict(head_dim=64.5), "head_dim"), (dict(v_head_dim=0), "v_head_dim"),
     (dict(num_heads=6, num_kv_heads=4), "multiple of num_kv_heads"), (dict(sliding_window=0), "sliding_window"),
     (dict(sliding_window=2.5), "sliding_window"), (dict(layer_id=-1), "layer_id"), (dict(causal="yes"), "causal"),

@@ -158,7 +158,8 @@ class AttentionBackend(ABC):
         the batch's token count ``T`` (padding included), the layer's heads, the pool's head dims, one floating
         dtype and the pool's device. Attribute comparisons only: it runs once per layer per step."""
         pool = self.kv_cache.pool
-        n, hq, hkv, d, dv = fb.out_cache_loc.shape[0], layer.num_heads, pool.num_kv_heads, pool.head_dim, pool.v_head_dim
+        n, hq, hkv = fb.out_cache_loc.shape[0], layer.num_heads, pool.num_kv_heads
+        d, dv = pool.head_dim, pool.v_head_dim
         dev, dtype = self._pool_device, q.dtype
         if (q.shape == (n, hq, d) and k.shape == (n, hkv, d) and v.shape == (n, hkv, dv) and out.shape == (n, hq, dv)
                 and k.dtype == dtype and v.dtype == dtype and out.dtype == dtype and dtype.is_floating_point
