@@ -4,16 +4,24 @@ A batch is a list of requests; request b contributes ``extend_seq_lens[b]`` new 
 ``extend_prefix_lens[b] .. seq_lens[b] - 1`` (decode is the case where every request adds one token).
 Tokens are laid out request after request. A batch padded for a CUDA graph bucket may carry padding
 tokens after the last request's tokens; they belong to no request and write KV only to the scratch slot.
-This module builds and validates batches; it never allocates KV slots (see ``kv_cache``).
+This module builds and checks batches; it never allocates KV slots (see ``kv_cache``).
+
+Where a batch is checked: ``build`` checks what its host lists say (lengths agree, nothing negative, the
+token count); ``check(kv_cache)``, which every backend's eager entry ``init_forward_metadata`` runs, checks
+the batch against the cache (rows, allocated lengths, slots) with host values, and is a few list comparisons
+for the engine's batches, whose slots come straight from ``kv_cache.alloc_extend``; ``validate`` is the
+thorough check that also reads device tensors (tests, debugging).
 """
 
 from __future__ import annotations
 
 import enum
+import operator
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from compile_attn.errors import InvalidBatchError
@@ -21,6 +29,39 @@ from compile_attn.host_tensors import int_tensor, ragged_arange, to_device
 
 if TYPE_CHECKING:
     from compile_attn.kv_cache import KVCache
+
+
+def _int_list(name: str, values: Sequence[int]) -> list[int]:
+    """``values`` as a list of Python ints; InvalidBatchError for a float, None or other non-integer entry."""
+    try:
+        return [operator.index(x) for x in values]
+    except TypeError:
+        try:
+            shown = repr(next(x for x in values if not hasattr(x, "__index__")))
+        except (TypeError, StopIteration):
+            shown = f"{type(values).__name__} {values!r}"
+        raise InvalidBatchError(f"{name} must be a sequence of ints, got {shown}") from None
+
+
+def _num_entries(name: str, value: object) -> int:
+    """Entries of a per-token field given as a 1-D integer tensor, array or sequence; InvalidBatchError otherwise."""
+    dtype = getattr(value, "dtype", None)
+    if dtype is not None and not (
+        dtype.kind in "iu" if isinstance(dtype, np.dtype) else
+        (dtype in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8))
+    ):
+        raise InvalidBatchError(f"{name} must hold integers, got dtype {dtype}")
+    if getattr(value, "ndim", 1) != 1:
+        raise InvalidBatchError(f"{name} must be 1-D (one entry per token), got shape {tuple(value.shape)}")
+    try:
+        return int(value.shape[0]) if hasattr(value, "shape") else len(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidBatchError(f"{name} must be a 1-D tensor, array or sequence of ints, got {value!r}") from None
+
+
+def _short(values: list[int], limit: int = 8) -> str:
+    """A list for an error message, cut after ``limit`` entries."""
+    return str(values) if len(values) <= limit else f"[{', '.join(map(str, values[:limit]))}, ... ({len(values)})]"
 
 
 class ForwardMode(enum.IntEnum):
@@ -69,6 +110,12 @@ class ForwardBatch:
     extend_seq_lens_cpu: list[int]
     real_batch_size: int | None = None
     graph_bucket: int | None = None
+    req_pool_indices_cpu: list[int] | None = None  # host copy of req_pool_indices (set by build)
+    # Set by build (whose host and device views agree by construction); a batch assembled field by field, or
+    # changed with dataclasses.replace, is checked in full (see check()).
+    _built: bool = field(default=False, init=False, repr=False, compare=False)
+    _checked_against: tuple[KVCache, torch.Tensor, int] | None = field(default=None, init=False, repr=False,
+                                                                       compare=False)
 
     def __post_init__(self) -> None:
         if self.real_batch_size is None:
@@ -90,22 +137,39 @@ class ForwardBatch:
     ) -> ForwardBatch:
         """Build a batch from host lists.
 
-        ``forward_mode`` defaults to DECODE when every request adds one token to a non-empty
-        sequence, MIXED when some do and others prefill, EXTEND when none do, IDLE for no requests. ``positions`` default to each request's
-        ``prefix .. prefix + extend - 1``; ``input_ids`` default to zeros (attention-only use).
+        ``forward_mode`` defaults to DECODE when every request adds one token to a non-empty sequence, MIXED
+        when some do and others prefill, EXTEND when none do, IDLE for no requests. ``positions`` default to
+        each request's ``prefix .. prefix + extend - 1``; ``input_ids`` default to zeros (attention-only use).
+
+        Raises InvalidBatchError, before anything reaches the device, when the host values disagree: per-request
+        lists of different lengths, a negative length or row, non-integer lengths, ``out_cache_loc`` /
+        ``input_ids`` / ``positions`` without one entry per new token, or a ``forward_mode`` the lengths
+        contradict. Whether the batch fits a KV cache is ``check``'s job (backends run it).
         """
         device = torch.device(device)
-        prefix_lens = [int(x) for x in prefix_lens]
-        extend_lens = [int(x) for x in extend_lens]
-        req_idx = [int(x) for x in req_pool_indices]
+        prefix_lens = _int_list("prefix_lens", prefix_lens)
+        extend_lens = _int_list("extend_lens", extend_lens)
+        req_idx = _int_list("req_pool_indices", req_pool_indices)
         bs = len(req_idx)
         if not (len(prefix_lens) == len(extend_lens) == bs):
             raise InvalidBatchError(
                 f"req_pool_indices, prefix_lens and extend_lens must have one entry per request; "
                 f"got lengths {bs}, {len(prefix_lens)}, {len(extend_lens)}"
             )
+        if bs and (min(prefix_lens) < 0 or min(extend_lens) < 0 or min(req_idx) < 0):
+            b = next(i for i in range(bs) if min(prefix_lens[i], extend_lens[i], req_idx[i]) < 0)
+            raise InvalidBatchError(
+                f"request {b}: prefix_len, extend_len and req_pool_index must be >= 0, got prefix_len="
+                f"{prefix_lens[b]}, extend_len={extend_lens[b]}, req_pool_index={req_idx[b]}"
+            )
         seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
         num_tokens = sum(extend_lens)
+        for name, value in (("out_cache_loc", out_cache_loc), ("input_ids", input_ids), ("positions", positions)):
+            if value is not None and (n := _num_entries(name, value)) != num_tokens:
+                raise InvalidBatchError(
+                    f"extend_lens {_short(extend_lens)} sum to {num_tokens} tokens but {name} has {n} entries; "
+                    f"give one entry per new token, request after request"
+                )
         if forward_mode is None:
             is_decode = [e == 1 and p > 0 for p, e in zip(prefix_lens, extend_lens)]
             if bs == 0:
@@ -116,6 +180,15 @@ class ForwardBatch:
                 forward_mode = ForwardMode.MIXED
             else:
                 forward_mode = ForwardMode.EXTEND
+        else:
+            forward_mode = ForwardMode(forward_mode)
+            if forward_mode.is_decode() and extend_lens.count(1) != bs:
+                raise InvalidBatchError(
+                    f"forward_mode DECODE needs extend_len 1 for every request, got {_short(extend_lens)}; "
+                    f"leave forward_mode None to derive it"
+                )
+            if forward_mode.is_idle() and bs:
+                raise InvalidBatchError(f"forward_mode IDLE needs an empty batch, got {bs} requests")
         start_loc, acc = [], 0
         for e in extend_lens:
             start_loc.append(acc)
@@ -127,8 +200,16 @@ class ForwardBatch:
             positions = prefix_lens if num_tokens == bs and extend_lens.count(1) == bs else (
                 ragged_arange(prefix_lens, extend_lens))
         ints = to_device([seq_lens, prefix_lens, extend_lens, start_loc], torch.int32, device)
-        longs = to_device([input_ids, positions, req_idx, out_cache_loc], torch.int64, device)
-        return cls(
+        # A slot tensor already in place is used as it is (on a GPU to_device does the same): the KV cache then
+        # recognises the tensor its alloc_extend returned (check()).
+        keep_loc = (isinstance(out_cache_loc, torch.Tensor) and out_cache_loc.is_cpu and device.type == "cpu"
+                    and out_cache_loc.dtype == torch.int64)
+        try:
+            longs = to_device([input_ids, positions, req_idx, *(() if keep_loc else (out_cache_loc,))], torch.int64,
+                              device)
+        except (TypeError, OverflowError) as exc:  # e.g. a float in a list, a value past int64
+            raise InvalidBatchError(f"input_ids, positions and out_cache_loc must hold int64 values: {exc}") from None
+        fb = cls(
             forward_mode=forward_mode,
             batch_size=bs,
             input_ids=longs[0],
@@ -136,14 +217,17 @@ class ForwardBatch:
             req_pool_indices=longs[2],
             seq_lens=ints[0],
             seq_lens_cpu=int_tensor(seq_lens),
-            out_cache_loc=longs[3],
+            out_cache_loc=out_cache_loc if keep_loc else longs[3],
             seq_lens_sum=sum(seq_lens),
             extend_prefix_lens=ints[1],
             extend_seq_lens=ints[2],
             extend_start_loc=ints[3],
             extend_prefix_lens_cpu=prefix_lens,
             extend_seq_lens_cpu=extend_lens,
+            req_pool_indices_cpu=req_idx,
         )
+        fb._built = True
+        return fb
 
     # ------------------------------------------------------------------ derived sizes
     @property
@@ -165,9 +249,11 @@ class ForwardBatch:
         """Raise InvalidBatchError naming the first inconsistent field and its values.
 
         Checks lengths of every per-request and per-token field, non-negative lengths,
-        ``prefix <= seq_len``, ``seq_len == prefix + extend``, the mode, and, when ``kv_cache`` is
-        given, that slots, request rows and sequence lengths fit it. Reads device tensors, so it
-        syncs: call it in tests and debug mode, not per step in production.
+        ``prefix <= seq_len``, ``seq_len == prefix + extend``, the device tensors against the host
+        values, the mode, and, when ``kv_cache`` is given, that slots, request rows and sequence
+        lengths fit it: each live request's row allocated and used once, ``prefix + extend`` within
+        the row's allocated tokens, each token's slot the one the row holds for its position. Reads
+        device tensors, so it syncs: call it in tests and debug mode, not per step in production.
         """
         bs = self.batch_size
         per_request = {
@@ -211,9 +297,23 @@ class ForwardBatch:
             )
         if self.seq_lens_sum != sum(seq):
             raise InvalidBatchError(f"seq_lens_sum is {self.seq_lens_sum} but seq_lens sum to {sum(seq)}")
-        dev_seq = [int(x) for x in self.seq_lens.tolist()]
-        if dev_seq != seq:
-            raise InvalidBatchError(f"seq_lens on device {dev_seq} differ from seq_lens_cpu {seq}")
+        # Device tensors against the host view (a graph view's padded requests hold fill values: seq_lens only).
+        real = bs if self.graph_bucket is None else self.real_batch_size
+        host = {
+            "seq_lens": seq,
+            "extend_prefix_lens": prefix[:real],
+            "extend_seq_lens": extend[:real],
+            "extend_start_loc": [sum(extend[:b]) for b in range(real)],
+        }
+        if self.req_pool_indices_cpu is not None:
+            host["req_pool_indices"] = self.req_pool_indices_cpu[:real]
+        for name, values in host.items():
+            on_device = [int(x) for x in getattr(self, name)[: len(values)].tolist()]
+            if on_device != list(values):
+                raise InvalidBatchError(
+                    f"ForwardBatch.{name} on device {_short(on_device)} differ from the host values "
+                    f"{_short(list(values))}; build batches with ForwardBatch.build"
+                )
         if self.forward_mode.is_idle() and bs:
             raise InvalidBatchError(f"forward_mode IDLE needs an empty batch, got batch_size {bs}")
         if self.forward_mode.is_decode() and any(e != 1 for e in extend):
@@ -223,14 +323,15 @@ class ForwardBatch:
 
     def _validate_against(self, kv_cache: KVCache, seq: list[int]) -> None:
         if self.num_tokens:
-            lo, hi = int(self.out_cache_loc.min()), int(self.out_cache_loc.max())
+            lo, hi = (int(x) for x in torch.aminmax(self.out_cache_loc))
             if lo < 0 or hi >= kv_cache.pool.num_slots:
                 raise InvalidBatchError(
-                    f"out_cache_loc has slots in [{lo}, {hi}] but the KV pool has slots 0..{kv_cache.pool.num_slots - 1}"
+                    f"out_cache_loc holds slots in [{lo}, {hi}] but the KV pool has slots "
+                    f"0..{kv_cache.pool.num_slots - 1}; use the slots kv.alloc_extend() returns"
                 )
         if self.batch_size:
-            rows = self.req_pool_indices
-            lo, hi = int(rows.min()), int(rows.max())
+            rows = [int(x) for x in self.req_pool_indices.tolist()]
+            lo, hi = min(rows), max(rows)
             if lo < 0 or hi >= kv_cache.req_to_token_pool.num_rows:
                 raise InvalidBatchError(
                     f"req_pool_indices in [{lo}, {hi}] but the request table has rows "
@@ -242,3 +343,42 @@ class ForwardBatch:
                     f"seq_len {longest} exceeds the KV cache's max_context {kv_cache.max_context}; "
                     f"create the KVCache with a larger max_context"
                 )
+            # Padded requests of a graph view (after real_batch_size) share row PAD_REQUEST and its scratch slot.
+            real = self.batch_size if self.graph_bucket is None else self.real_batch_size
+            prefix, extend = self.extend_prefix_lens_cpu[:real], self.extend_seq_lens_cpu[:real]
+            kv_cache.check_rows(rows[:real], prefix, extend)
+            kv_cache.check_slots(rows[:real], prefix, extend, self.out_cache_loc)  # padding tokens write PAD_SLOT
+
+    def check(self, kv_cache: KVCache) -> None:
+        """Raise InvalidBatchError unless this batch fits ``kv_cache``; the check every backend's eager entry
+        (``init_forward_metadata``) runs, so that no kernel reads or writes outside its buffers.
+
+        Cheap by design, and never a device sync for the engine's batches:
+
+        * A batch from ``build`` whose ``out_cache_loc`` is the tensor ``kv_cache.alloc_extend(rows, lens)``
+          returned for exactly its rows and extend lengths, with its prefix lengths the rows' lengths before that
+          call (the engine's steps), is valid by construction: three list comparisons.
+        * Any other batch from ``build`` (built by hand) is checked: every row allocated and used once, each
+          request's ``prefix + extend`` within the row's allocated tokens (host values), and each token's
+          ``out_cache_loc`` entry the slot ``req_to_token`` holds for its position (so nothing is written
+          outside the pool or into another request's KV). That comparison reads the request table: on a GPU
+          one device sync, paid once per batch (until a request is freed).
+        * A batch assembled field by field (the dataclass constructor, ``dataclasses.replace``) has no host view
+          that is known to agree with its device tensors: it gets ``validate(kv_cache)``, which syncs.
+        * Views of a graph runner's static buffers (``graph_bucket`` set) are filled from batches checked here.
+        """
+        if self.graph_bucket is not None:
+            return
+        if not self._built:
+            self.validate(kv_cache)
+            return
+        rows, prefix, extend = self.req_pool_indices_cpu, self.extend_prefix_lens_cpu, self.extend_seq_lens_cpu
+        loc = self.out_cache_loc
+        if kv_cache.issued(loc, rows, prefix, extend):
+            return
+        checked = self._checked_against
+        if checked is not None and checked[0] is kv_cache and checked[1] is loc and checked[2] == kv_cache.generation:
+            return  # checked before, and no request was freed since
+        kv_cache.check_rows(rows, prefix, extend)
+        kv_cache.check_slots(rows, prefix, extend, loc)
+        self._checked_against = (kv_cache, loc, kv_cache.generation)

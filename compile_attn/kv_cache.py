@@ -4,19 +4,23 @@ Slots are token-level: token ``i`` of a request lives at slot ``page * page_size
 the page holding it. Page 0 and request row 0 are reserved scratch: padded tokens write to slot
 ``PAD_SLOT`` and padded requests use row ``PAD_REQUEST`` (all of whose entries point at the scratch
 slot), so padding never touches a live request's KV. Allocation is all-or-nothing: when it cannot be
-satisfied, a KVCacheExhaustedError is raised and nothing changed. Index formats built from the
-request table live in ``kv_index``.
+satisfied, a KVCacheExhaustedError is raised and nothing changed. The cache also answers whether a batch
+fits it (``issued``, ``check_rows``, ``check_slots``: see ``ForwardBatch.check``). Index formats built from
+the request table live in ``kv_index``.
 """
 
 from __future__ import annotations
 
 import array
 import logging
+import weakref
+from collections import deque
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
+from compile_attn.arg_checks import kv_dtype, positive_int
 from compile_attn.errors import InvalidBatchError, KVCacheExhaustedError
 from compile_attn.host_tensors import ragged_arange, repeat_each, to_device
 
@@ -30,8 +34,8 @@ class ReqToTokenPool:
     """``req_to_token[row, position] -> slot`` for up to ``max_requests`` live requests (+1 scratch row)."""
 
     def __init__(self, max_requests: int, max_context: int, device: torch.device | str = "cpu") -> None:
-        if max_requests <= 0 or max_context <= 0:
-            raise ValueError(f"max_requests and max_context must be positive, got {max_requests}, {max_context}")
+        max_requests = positive_int("ReqToTokenPool", "max_requests", max_requests)
+        max_context = positive_int("ReqToTokenPool", "max_context", max_context)
         self.max_requests = max_requests
         self.max_context = max_context
         self.num_rows = max_requests + 1
@@ -81,17 +85,14 @@ class PagedKVPool:
         dtype: torch.dtype = torch.float16,
         device: torch.device | str = "cpu",
     ) -> None:
-        if num_pages <= 0 or page_size <= 0 or num_layers <= 0:
-            raise ValueError(
-                f"num_pages, page_size and num_layers must be positive, got {num_pages}, {page_size}, {num_layers}"
-            )
-        self.num_pages = num_pages
-        self.page_size = page_size
-        self.num_layers = num_layers
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.v_head_dim = v_head_dim or head_dim
-        self.dtype = dtype
+        owner = "PagedKVPool"
+        self.num_pages = num_pages = positive_int(owner, "num_pages", num_pages)
+        self.page_size = page_size = positive_int(owner, "page_size", page_size)
+        self.num_layers = num_layers = positive_int(owner, "num_layers", num_layers)
+        self.num_kv_heads = num_kv_heads = positive_int(owner, "num_kv_heads", num_kv_heads)
+        self.head_dim = head_dim = positive_int(owner, "head_dim", head_dim)
+        self.v_head_dim = head_dim if v_head_dim is None else positive_int(owner, "v_head_dim", v_head_dim)
+        self.dtype = dtype = kv_dtype(owner, dtype)
         self.device = torch.device(device)
         self.num_slots = (num_pages + 1) * page_size
         self.k_buffers = [
@@ -201,7 +202,16 @@ class KVCache:
         dtype: torch.dtype = torch.float16,
         device: torch.device | str = "cpu",
     ) -> None:
-        """``num_tokens`` is the KV capacity (rounded up to whole pages), scratch page excluded."""
+        """``num_tokens`` is the KV capacity (rounded up to whole pages), scratch page excluded. Sizes must be
+        positive ints and ``dtype`` one of ``arg_checks.KV_DTYPES``; anything else raises InvalidConfigError."""
+        page_size = positive_int("KVCache", "page_size", page_size)
+        num_tokens = positive_int("KVCache", "num_tokens (the KV capacity in tokens)", num_tokens)
+        for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
+                            ("max_requests", max_requests), ("max_context", max_context)):
+            positive_int("KVCache", name, value)
+        if v_head_dim is not None:
+            positive_int("KVCache", "v_head_dim", v_head_dim)
+        kv_dtype("KVCache", dtype)
         num_pages = -(-num_tokens // page_size)
         self.page_size = page_size
         self.max_context = max_context
@@ -214,6 +224,9 @@ class KVCache:
         self.allocator = PageAllocator(num_pages)
         self._pages: dict[int, array.array] = {}  # request row -> its pages, in order (int64)
         self._lens: dict[int, int] = {}  # request row -> tokens allocated
+        # What the last few alloc_extend calls returned: (out_cache_loc, rows, starts, extend_lens), see issued().
+        self._issued: deque[tuple[weakref.ref, list[int], list[int], list[int]]] = deque(maxlen=4)
+        self._generation = 0  # see generation
 
     @property
     def req_to_token(self) -> torch.Tensor:
@@ -239,6 +252,8 @@ class KVCache:
     def free_requests(self, rows: Sequence[int]) -> None:
         """Return the rows and all their pages, in one call each to the page allocator and the request table."""
         rows = list(rows)
+        self._issued.clear()  # a freed row's slots may be handed out again: no batch is trusted from here on
+        self._generation += 1
         for row in rows:
             if row not in self._pages:
                 raise ValueError(f"request row {row} is not allocated")
@@ -273,7 +288,12 @@ class KVCache:
         not fit, InvalidBatchError if a request would pass ``max_context``.
         """
         rows, extend_lens = list(rows), list(extend_lens)
-        if rows and extend_lens.count(1) == len(extend_lens) == len(rows):
+        if len(rows) != len(extend_lens):
+            raise InvalidBatchError(
+                f"alloc_extend needs one extend_len per request row, got {len(rows)} rows {rows} and "
+                f"{len(extend_lens)} extend_lens {extend_lens}; nothing was allocated"
+            )
+        if rows and extend_lens.count(1) == len(extend_lens):
             out = self._alloc_decode(rows)
             if out is not None:
                 return out
@@ -317,6 +337,7 @@ class KVCache:
         out, token_rows, token_positions = to_device(
             [slots, repeat_each(rows, extend_lens), ragged_arange(starts, extend_lens)], torch.int64, self.device)
         self.req_to_token[token_rows, token_positions] = out.to(torch.int32)
+        self._issued.append((weakref.ref(out), rows, starts, extend_lens))
         return out
 
     def _alloc_decode(self, rows: list[int]) -> torch.Tensor | None:
@@ -348,6 +369,7 @@ class KVCache:
         # one token per request: nothing to expand on the device
         out, rows_t, starts_t = to_device([slots, rows, starts], torch.int64, self.device)
         self.req_to_token[rows_t, starts_t] = out.to(torch.int32)
+        self._issued.append((weakref.ref(out), rows, starts, [1] * len(rows)))
         return out
 
     def truncate(self, row: int, length: int) -> None:
@@ -364,3 +386,73 @@ class KVCache:
         del pages[keep:]
         self._lens[row] = length
         self.req_to_token[row, length:old].fill_(PAD_SLOT)
+        self._issued.clear()  # as in free_requests: slots change hands, no issued batch is trusted any more
+        self._generation += 1
+
+    # ------------------------------------------------------------------ batch checks (ForwardBatch.check)
+    def issued(self, out_cache_loc: torch.Tensor, rows: list[int], prefix_lens: list[int],
+               extend_lens: list[int]) -> bool:
+        """True if ``out_cache_loc`` is the very tensor a recent ``alloc_extend(rows, extend_lens)`` returned, with
+        ``prefix_lens`` the rows' lengths before it, and no request was freed since: such a batch is valid by
+        construction. List comparisons only (no device access): the engine's steps take this path."""
+        for ref, r, starts, lens in reversed(self._issued):
+            if ref() is out_cache_loc:
+                return r == rows and lens == extend_lens and starts == prefix_lens
+        return False
+
+    def check_rows(self, rows: Sequence[int], prefix_lens: Sequence[int], extend_lens: Sequence[int]) -> None:
+        """InvalidBatchError unless every row is an allocated request row, no row appears twice, and each request's
+        ``prefix_len + extend_len`` positions are allocated (so every slot it reads or writes is its own)."""
+        lens = self._lens
+        for b, (row, prefix, ext) in enumerate(zip(rows, prefix_lens, extend_lens)):
+            have = lens.get(row)
+            if have is None:
+                raise InvalidBatchError(
+                    f"request {b}: req_pool_indices value {row} is not an allocated request row (the table has rows "
+                    f"1..{self.req_to_token_pool.num_rows - 1}, {len(lens)} of them allocated); use rows from "
+                    f"kv.alloc_request()"
+                )
+            if prefix + ext > have:
+                raise InvalidBatchError(
+                    f"request {b} (row {row}): prefix_len {prefix} + extend_len {ext} = {prefix + ext} tokens but "
+                    f"the row has {have} allocated; call kv.alloc_extend([row], [extend_len]) for the new tokens "
+                    f"first, and pass the cached length as its prefix_len"
+                )
+        if len(set(rows)) != len(rows):
+            seen: set[int] = set()
+            twice = next(r for r in rows if r in seen or seen.add(r))  # type: ignore[func-returns-value]
+            raise InvalidBatchError(f"request row {twice} appears twice in one batch (req_pool_indices {list(rows)}); "
+                                    f"give each request its own row")
+
+    def check_slots(self, rows: Sequence[int], prefix_lens: Sequence[int], extend_lens: Sequence[int],
+                    out_cache_loc: torch.Tensor) -> None:
+        """InvalidBatchError unless each new token's ``out_cache_loc`` entry is the slot its request's row holds
+        for that position (what ``alloc_extend`` returned), so a step writes only its own tokens' KV. Run after
+        ``check_rows``. Reads the request table: on a GPU a device sync (hand-built batches only)."""
+        n = sum(extend_lens)
+        if out_cache_loc.device.type != self.req_to_token.device.type:
+            raise InvalidBatchError(
+                f"out_cache_loc is on {out_cache_loc.device} but the KV cache is on {self.device}; build the batch "
+                f"with ForwardBatch.build(..., device=kv.device)"
+            )
+        if not n:
+            return
+        token_rows, positions = to_device(
+            [repeat_each(rows, extend_lens), ragged_arange(prefix_lens, extend_lens)], torch.int64,
+            self.req_to_token.device)
+        expected = self.req_to_token[token_rows, positions].to(out_cache_loc.dtype)
+        given = out_cache_loc[:n]
+        if torch.equal(given, expected):
+            return
+        i = int((given != expected).nonzero()[0, 0])
+        slot, want = int(given[i]), int(expected[i])
+        where = "" if 0 <= slot < self.pool.num_slots else f", outside the KV pool's slots 0..{self.pool.num_slots - 1}"
+        raise InvalidBatchError(
+            f"out_cache_loc[{i}] is slot {slot}{where}, but token {i} (request row {int(token_rows[i])}, position "
+            f"{int(positions[i])}) has slot {want}; use the out_cache_loc that kv.alloc_extend() returned"
+        )
+
+    @property
+    def generation(self) -> int:
+        """Counts frees: a batch checked against the cache stays valid until a row's slots can change hands."""
+        return self._generation

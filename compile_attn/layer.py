@@ -7,7 +7,11 @@ forward context; never rebuilt per call. Holds no tensors.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
+
+from compile_attn.arg_checks import finite_float, non_negative_int, positive_int
+from compile_attn.errors import InvalidConfigError
 
 
 @dataclass(frozen=True)
@@ -16,7 +20,9 @@ class AttentionLayer:
 
     ``sliding_window`` follows HF semantics: a query at position p sees key positions j with
     ``p - sliding_window < j <= p``; ``None`` means full attention. ``logit_cap`` > 0 applies
-    ``cap * tanh(score / cap)`` to the scaled scores (Gemma2 softcap); 0 disables it.
+    ``cap * tanh(score / cap)`` to the scaled scores (Gemma2 softcap); 0 disables it. Bad values (NaN or
+    non-positive ``scaling``, NaN or negative ``logit_cap``, non-positive sizes, ``num_heads`` not a multiple
+    of ``num_kv_heads``) raise InvalidConfigError, a ValueError.
     """
 
     layer_id: int
@@ -30,25 +36,36 @@ class AttentionLayer:
     causal: bool = True
 
     def __post_init__(self) -> None:
-        if self.layer_id < 0:
-            raise ValueError(f"layer_id must be >= 0, got {self.layer_id}")
+        owner = f"AttentionLayer(layer_id={self.layer_id!r})"
+        checked = {"layer_id": non_negative_int(owner, "layer_id", self.layer_id)}
         for name in ("num_heads", "num_kv_heads", "head_dim"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"AttentionLayer.{name} must be positive, got {getattr(self, name)}")
+            checked[name] = positive_int(owner, name, getattr(self, name))
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads}) for GQA"
+            raise InvalidConfigError(
+                f"{owner}: num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads}) "
+                f"for grouped-query attention; take both from the model config"
             )
-        if self.v_head_dim is None:
-            object.__setattr__(self, "v_head_dim", self.head_dim)
-        if self.scaling is None:
-            object.__setattr__(self, "scaling", 1.0 / math.sqrt(self.head_dim))
-        if self.sliding_window is not None and self.sliding_window <= 0:
-            raise ValueError(
-                f"sliding_window must be a positive token count or None (full attention), got {self.sliding_window}"
-            )
-        if self.logit_cap < 0:
-            raise ValueError(f"logit_cap must be >= 0 (0 disables softcap), got {self.logit_cap}")
+        checked["v_head_dim"] = (
+            self.head_dim if self.v_head_dim is None else positive_int(owner, "v_head_dim", self.v_head_dim)
+        )
+        checked["scaling"] = (
+            1.0 / math.sqrt(self.head_dim) if self.scaling is None else finite_float(
+                owner, "scaling", self.scaling, positive=True, hint="leave it None for 1/sqrt(head_dim)")
+        )
+        if self.sliding_window is not None:
+            if not isinstance(self.sliding_window, numbers.Integral) or isinstance(self.sliding_window, bool) or (
+                    self.sliding_window <= 0):
+                raise InvalidConfigError(
+                    f"{owner}: sliding_window must be a positive token count or None (full attention), "
+                    f"got {self.sliding_window!r}"
+                )
+            checked["sliding_window"] = int(self.sliding_window)
+        checked["logit_cap"] = finite_float(owner, "logit_cap", self.logit_cap, positive=False,
+                                            hint="0 disables softcap")
+        if not isinstance(self.causal, bool):
+            raise InvalidConfigError(f"{owner}: causal must be True or False, got {self.causal!r}")
+        for name, value in checked.items():  # plain Python numbers (e.g. not numpy ints), as validated
+            object.__setattr__(self, name, value)
 
     @property
     def group_size(self) -> int:

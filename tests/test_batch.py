@@ -65,17 +65,32 @@ def test_validate_rejects_inconsistent_batches(change: dict, message: str) -> No
 
 def test_validate_against_the_cache_checks_slots_rows_and_context() -> None:
     kv = KVCache(num_layers=1, num_kv_heads=1, head_dim=4, max_requests=2, max_context=8, num_tokens=16)
-    with pytest.raises(InvalidBatchError, match="out_cache_loc has slots in \\[5, 99\\]"):
+    rows = [kv.alloc_request(), kv.alloc_request()]
+    assert rows == [1, 2]
+    kv.alloc_extend(rows, [3, 0])
+    loc = kv.alloc_extend(rows, [1, 4]).tolist()
+    assert loc == [4, 5, 6, 7, 8]
+    with pytest.raises(InvalidBatchError, match="out_cache_loc holds slots in \\[5, 99\\]"):
         _batch(out_cache_loc=[5, 6, 7, 8, 99]).validate(kv)
     with pytest.raises(InvalidBatchError, match="req_pool_indices in \\[1, 3\\]"):
         _batch(req_pool_indices=[1, 3]).validate(kv)
     with pytest.raises(InvalidBatchError, match="seq_len 9 exceeds the KV cache's max_context 8"):
         _batch(prefix_lens=[8, 0]).validate(kv)
-    _batch().validate(kv)
+    with pytest.raises(InvalidBatchError, match="prefix_len 4 \\+ extend_len 1 = 5 tokens but the row has 4"):
+        _batch(prefix_lens=[4, 0], out_cache_loc=loc).validate(kv)
+    with pytest.raises(InvalidBatchError, match="request row 1 appears twice in one batch"):
+        _batch(req_pool_indices=[1, 1], prefix_lens=[0, 0], extend_lens=[1, 1], out_cache_loc=[1, 2]).validate(kv)
+    with pytest.raises(InvalidBatchError, match="out_cache_loc\\[0\\] is slot 5, but token 0 \\(request row 1, "
+                                                "position 3\\) has slot 4"):
+        _batch().validate(kv)
+    _batch(out_cache_loc=loc).validate(kv)
 
 
 def test_padding_tokens_only_allowed_in_graph_views() -> None:
-    fb = _batch(out_cache_loc=[5, 6, 7, 8, 9, 0, 0], input_ids=[0] * 7, positions=[3, 0, 1, 2, 3, 0, 0])
+    with pytest.raises(InvalidBatchError, match="sum to 5 tokens but out_cache_loc has 7 entries"):
+        _batch(out_cache_loc=[5, 6, 7, 8, 9, 0, 0])
+    fb = dataclasses.replace(_batch(), out_cache_loc=torch.tensor([5, 6, 7, 8, 9, 0, 0]),
+                             input_ids=torch.zeros(7, dtype=torch.int64), positions=torch.tensor([3, 0, 1, 2, 3, 0, 0]))
     with pytest.raises(InvalidBatchError, match="padding tokens are only allowed in graph-bucket views"):
         fb.validate()
     fb.graph_bucket = 8

@@ -7,7 +7,11 @@ The three-method metadata contract lets a graph runner capture decode as one ful
   static-buffer views the capture will record.
 * ``init_forward_metadata_in_graph(fb)`` is recorded into the graph: static shapes only, no
   ``.item()``/``.cpu()``/``.tolist()``, no host sync, no allocation whose address must persist.
-* ``init_forward_metadata(fb)`` is the eager entry: out_graph then in_graph.
+* ``init_forward_metadata(fb)`` is the eager entry: ``fb.check(kv_cache)`` (the batch fits the cache;
+  see ``ForwardBatch.check`` for what that costs), then out_graph, then in_graph.
+
+``forward`` checks the batch too if the eager entry did not, and the shapes, dtypes and devices of
+q/k/v/out against the layer, the batch and the KV pool, before anything is written (InvalidBatchError).
 
 ``fb.graph_bucket`` is set when ``fb`` is a graph runner's padded view of its static buffers
 (capture or replay); backends then use the buffers from ``init_cuda_graph_state``.
@@ -23,7 +27,7 @@ from typing import ClassVar
 import torch
 
 from compile_attn.batch import ForwardBatch
-from compile_attn.errors import UnsupportedConfigError
+from compile_attn.errors import InvalidBatchError, InvalidConfigError, UnsupportedConfigError
 from compile_attn.kv_cache import KVCache
 from compile_attn.layer import AttentionLayer
 
@@ -59,13 +63,21 @@ class AttentionBackend(ABC):
             dict(layers) if isinstance(layers, Mapping) else {layer.layer_id: layer for layer in layers}
         )
         self.device = kv_cache.device
+        self._pool_device = kv_cache.pool.k_buffers[0].device  # with its index, for comparing with inputs'
+        self._checked_batch: ForwardBatch | None = None  # the last batch that passed ForwardBatch.check
         for layer in self.layers.values():
             self.check_layer(layer)
 
     # ------------------------------------------------------------------ configuration checks
     def check_layer(self, layer: AttentionLayer) -> None:
-        """Raise UnsupportedConfigError if this backend cannot run ``layer``. Default: anything goes."""
+        """Raise UnsupportedConfigError if this backend cannot run ``layer`` (InvalidConfigError if the cache has no
+        such layer). Default: any layer whose KV heads the pool holds."""
         pool = self.kv_cache.pool
+        if layer.layer_id >= pool.num_layers:
+            raise InvalidConfigError(
+                f"layer_id {layer.layer_id} is past the KV cache's {pool.num_layers} layers (ids 0.."
+                f"{pool.num_layers - 1}); build the KVCache with num_layers={layer.layer_id + 1} or more"
+            )
         if layer.num_kv_heads != pool.num_kv_heads or layer.head_dim != pool.head_dim:
             raise UnsupportedConfigError(
                 f"layer {layer.layer_id} has {layer.num_kv_heads} KV heads of dim {layer.head_dim} but the KV "
@@ -74,7 +86,10 @@ class AttentionBackend(ABC):
 
     # ------------------------------------------------------------------ the metadata contract
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
-        """Eager entry: prepare everything ``forward`` needs for ``fb``."""
+        """Eager entry: check that ``fb`` fits the KV cache (InvalidBatchError, nothing prepared), then prepare
+        everything ``forward`` needs for it."""
+        fb.check(self.kv_cache)
+        self._checked_batch = fb
         self.init_forward_metadata_out_graph(fb, in_capture=False)
         self.init_forward_metadata_in_graph(fb)
 
@@ -126,10 +141,51 @@ class AttentionBackend(ABC):
         """Write new K/V (if ``save_kv_cache``) and compute attention for ``fb`` into ``out``."""
         if fb.forward_mode.is_idle():
             return
+        if fb is not self._checked_batch:  # e.g. an extend batch run without init_forward_metadata
+            fb.check(self.kv_cache)
+            self._checked_batch = fb
+        self.check_inputs(q, k, v, layer, fb, out)
         if fb.forward_mode.is_decode():
             self.forward_decode(q, k, v, layer, fb, out, save_kv_cache)
         else:
             self.forward_extend(q, k, v, layer, fb, out, save_kv_cache)
+
+    def check_inputs(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, fb: ForwardBatch,
+        out: torch.Tensor,
+    ) -> None:
+        """InvalidBatchError unless ``q[T, Hq, D]``, ``k[T, Hkv, D]``, ``v[T, Hkv, Dv]`` and ``out[T, Hq, Dv]`` have
+        the batch's token count ``T`` (padding included), the layer's heads, the pool's head dims, one floating
+        dtype and the pool's device. Attribute comparisons only: it runs once per layer per step."""
+        pool = self.kv_cache.pool
+        n, hq, hkv = fb.out_cache_loc.shape[0], layer.num_heads, pool.num_kv_heads
+        d, dv = pool.head_dim, pool.v_head_dim
+        dev, dtype = self._pool_device, q.dtype
+        if (q.shape == (n, hq, d) and k.shape == (n, hkv, d) and v.shape == (n, hkv, dv) and out.shape == (n, hq, dv)
+                and k.dtype == dtype and v.dtype == dtype and out.dtype == dtype and dtype.is_floating_point
+                and q.device == dev and k.device == dev and v.device == dev and out.device == dev
+                and self.layers.get(layer.layer_id) is layer):
+            return
+        if self.layers.get(layer.layer_id) is not layer:  # a layer given by the forward context, not the backend's
+            self.check_layer(layer)
+        want = {"q": (n, hq, d), "k": (n, hkv, d), "v": (n, hkv, dv), "out": (n, hq, dv)}
+        for name, t in zip(want, (q, k, v, out)):
+            if tuple(t.shape) != want[name]:
+                raise InvalidBatchError(
+                    f"layer {layer.layer_id}: {name} has shape {tuple(t.shape)}, expected {want[name]} ([tokens, "
+                    f"heads, head_dim] with the batch's {n} tokens, the layer's {hq} query / {hkv} KV heads, head "
+                    f"dims {d}/{dv}); nothing was written"
+                )
+            if t.dtype != dtype or not dtype.is_floating_point:
+                raise InvalidBatchError(
+                    f"layer {layer.layer_id}: q, k, v and out must share one floating dtype, got q {q.dtype}, "
+                    f"k {k.dtype}, v {v.dtype}, out {out.dtype}; nothing was written"
+                )
+            if t.device != dev:
+                raise InvalidBatchError(
+                    f"layer {layer.layer_id}: {name} is on {t.device} but the KV cache is on {dev}; "
+                    f"nothing was written"
+                )
 
     def save_kv(self, layer: AttentionLayer, fb: ForwardBatch, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the step's new K/V at ``fb.out_cache_loc`` (padding tokens go to the scratch slot)."""

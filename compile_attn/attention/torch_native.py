@@ -3,7 +3,9 @@
 Extend (and mixed) batches loop over requests on the host and gather each request's KV from the
 pool. Decode is batched and graph-capturable: the slot table of every request is gathered up to a
 fixed width into a static buffer and masked by sequence length, so a full decode CUDA graph can be
-tested with this backend before the fast ones. Scores are computed in float32. Slow by design.
+tested with this backend before the fast ones. Masked positions are replaced (``torch.where``) before any
+product, so whatever unused slots hold never reaches the output. Scores are computed in float32. Slow by
+design.
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ def _masked_attention(
 ) -> torch.Tensor:
     """Softmax attention for N independent problems; returns ``[N, Q, Hkv, G, Dv]`` (Q query rows)."""
     # q: [N, Q, Hkv, G, D] expected; callers reshape so Q is explicit.
+    # Keys no query may see (past a request's length: the scratch slot, stale or never-written slots) can hold
+    # anything, NaN included; 0 * NaN is NaN, so they are replaced, not multiplied by a 0/1 mask.
+    key_used = allowed.any(dim=1)[:, :, None, None]  # [N, L, 1, 1]
+    k = torch.where(key_used, k, 0.0)
+    v = torch.where(key_used, v, 0.0)
     scores = torch.einsum("nqhgd,nlhd->nhgql", q, k) * layer.scaling
     if layer.logit_cap > 0:
         scores = layer.logit_cap * torch.tanh(scores / layer.logit_cap)

@@ -26,7 +26,7 @@ from compile_attn.attention.base import AttentionBackend, GraphSupport
 from compile_attn.attention.registry import register_backend
 from compile_attn.batch import ForwardBatch
 from compile_attn.config import env_switched_off
-from compile_attn.errors import BackendUnavailableError, UnsupportedConfigError
+from compile_attn.errors import BackendUnavailableError, InvalidBatchError, UnsupportedConfigError
 from compile_attn.host_tensors import to_device
 from compile_attn.kv_cache import KVCache
 from compile_attn.layer import AttentionLayer
@@ -378,18 +378,27 @@ class TritonBackend(AttentionBackend):
             max_len_extend=max(ext, default=0),
         )
 
-    def _require_step(self, decode: bool) -> DecodeStep | ExtendStep:
+    def _require_step(self, decode: bool, fb: ForwardBatch) -> DecodeStep | ExtendStep:
         step = self._step
         if not isinstance(step, DecodeStep if decode else ExtendStep) or (decode and not step.filled):
             raise RuntimeError(
                 f"the triton backend has no {'decode' if decode else 'extend'} metadata for this batch: call "
                 f"backend.init_forward_metadata(batch) (or out_graph then in_graph) before the forward"
             )
+        # The kernels' grids and index buffers were sized for the batch the metadata was prepared for.
+        prepared, given = ((step.batch_size, fb.batch_size) if isinstance(step, DecodeStep)
+                           else (step.num_tokens, fb.num_request_tokens))
+        if prepared != given:
+            raise InvalidBatchError(
+                f"the triton backend's metadata was prepared for a batch of {prepared} "
+                f"{'requests' if decode else 'tokens'} but the forward runs one of {given}; call "
+                f"backend.init_forward_metadata(batch) with the batch the forward context holds"
+            )
         return step
 
     # ------------------------------------------------------------------ compute
     def forward_decode(self, q, k, v, layer, fb, out, save_kv_cache) -> None:
-        step = self._require_step(decode=True)
+        step = self._require_step(decode=True, fb=fb)
         assert isinstance(step, DecodeStep)
         loc = fb.out_cache_loc if save_kv_cache else None
         bind = step.graph_bound
@@ -437,7 +446,7 @@ class TritonBackend(AttentionBackend):
             out[bs:].zero_()
 
     def forward_extend(self, q, k, v, layer, fb, out, save_kv_cache) -> None:
-        step = self._require_step(decode=False)
+        step = self._require_step(decode=False, fb=fb)
         assert isinstance(step, ExtendStep)
         k_buf, v_buf = self.kv_cache.pool.get_kv(layer.layer_id)
         k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)

@@ -261,6 +261,7 @@ class GraphRunner:
         route = self.route(fb)
         if route is None:
             return self.run_eager(fb)
+        fb.check(self.backend.kv_cache)  # a graph replay reads the batch unchecked: the eager entry's check here
         if not self.captured:
             raise RuntimeError(
                 "GraphRunner.run() needs graphs: call runner.capture() once before the first step"
