@@ -32,9 +32,7 @@ def row_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 def hashed_uniform_from_keys(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """float32 uniforms in (0, 1) for row ``keys[N, 1]`` (see ``row_keys``) and ``token_ids`` (``[V]`` or
     ``[N, K]``, any integer dtype): 24 hashed bits, centred in their interval so 0 and 1 never occur."""
-    # The token product in int64, truncated to int32 (the same low 32 bits as a wrapping int32 product): Inductor
-    # folds ``arange * constant`` into its index arithmetic, where an int32 product overflows at compile time.
-    h = _mix32_int32(keys + (token_ids.to(torch.int64) * _TOKEN_MUL).to(torch.int32))
+    h = _mix32_int32(keys + token_ids.to(torch.int32) * _TOKEN_MUL)
     return (((h >> 8) & 0xFFFFFF).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 
