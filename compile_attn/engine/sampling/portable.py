@@ -37,33 +37,35 @@ def _first_argmax(score: torch.Tensor) -> torch.Tensor:
 
 
 def _plain_score(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
-                 min_p: torch.Tensor | None) -> torch.Tensor:
+                 token_ids: torch.Tensor, min_p: torch.Tensor | None) -> torch.Tensor:
     x = logits.float()
     t = temperature[:, None]
     scaled = x / t.clamp(min=MIN_TEMPERATURE)
     if min_p is not None:
         floor = scaled.amax(-1, keepdim=True) + torch.log(min_p)[:, None]  # log(0) = -inf keeps every token
         scaled = scaled.masked_fill(scaled < floor, float("-inf"))
-    ids = torch.arange(x.shape[-1], device=x.device, dtype=torch.int32)
-    return torch.where(t > 0, scaled + hashed_gumbel(row_keys(seeds, positions), ids), x)
+    return torch.where(t > 0, scaled + hashed_gumbel(row_keys(seeds, positions), token_ids), x)
 
 
 def plain_tokens(
-    logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor
+    logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+    token_ids: torch.Tensor,
 ) -> torch.Tensor:
     """Next token per row of ``logits[N, V]`` with no filter: ``argmax(logits / T + Gumbel)``, the argmax
-    where ``T == 0``. No sort, no softmax: one pass over the logits."""
-    return _first_argmax(_plain_score(logits, temperature, seeds, positions, None))
+    where ``T == 0``. No sort, no softmax: one pass over the logits. ``token_ids`` is ``vocab_ids(V, device)``:
+    an input tensor rather than an ``arange`` inside the graph, because Inductor folds ``arange * constant``
+    into its int32 index arithmetic, which overflows for the hash's multiplier."""
+    return _first_argmax(_plain_score(logits, temperature, seeds, positions, token_ids, None))
 
 
 def plain_tokens_min_p(
     logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
-    min_p: torch.Tensor,
+    token_ids: torch.Tensor, min_p: torch.Tensor,
 ) -> torch.Tensor:
     """``plain_tokens`` after min_p (``min_p[N]``, 0 = off): tokens with ``p < min_p * p_max``, i.e.
     ``logits / T < max(logits / T) + log(min_p)``, are dropped. A function of its own, so that its compiled
     graphs do not count against ``plain_tokens``' recompile limit."""
-    return _first_argmax(_plain_score(logits, temperature, seeds, positions, min_p))
+    return _first_argmax(_plain_score(logits, temperature, seeds, positions, token_ids, min_p))
 
 
 def candidate_tokens(
@@ -124,6 +126,18 @@ def _compiled_fn(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]
     return _compiled[fn.__name__]
 
 
+_vocab_ids: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def vocab_ids(vocab_size: int, device: torch.device) -> torch.Tensor:
+    """``arange(vocab_size)`` as int32 on ``device``, made once per size and device."""
+    key = (vocab_size, torch.device(device))
+    if key not in _vocab_ids:
+        with torch.inference_mode(False):
+            _vocab_ids[key] = torch.arange(vocab_size, device=device, dtype=torch.int32)
+    return _vocab_ids[key]
+
+
 def _mark_rows_dynamic(*tensors: torch.Tensor | None) -> None:
     for t in tensors:
         if t is not None:
@@ -140,12 +154,12 @@ def run_plain(
 ) -> torch.Tensor:
     """``plain_tokens`` (``plain_tokens_min_p`` with ``min_p``), compiled (one graph for one row, one for any
     other count) or eager."""
-    fn, args = plain_tokens, (logits, temperature, seeds, positions)
-    if min_p is not None:
-        fn, args = plain_tokens_min_p, (*args, min_p)
+    rows = (logits, temperature, seeds, positions) + (() if min_p is None else (min_p,))
+    fn = plain_tokens if min_p is None else plain_tokens_min_p
+    args = (*rows[:4], vocab_ids(logits.shape[-1], logits.device), *rows[4:])
     if not compiled:
         return fn(*args)
-    _mark_rows_dynamic(*args)
+    _mark_rows_dynamic(*rows)  # the vocabulary (token_ids) stays static
     with torch.inference_mode():  # the caller's grad mode is not a guard of its own
         return _compiled_fn(fn)(*args)
 
