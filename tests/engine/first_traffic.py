@@ -90,14 +90,15 @@ class Traffic:
 
 
 def every_path_traffic(vocab: int, longest_prompt: int, num_requests: int, seed: int = 0) -> Traffic:
-    """Prompts of mixed lengths (1 token up to ``longest_prompt``), greedy and sampled requests, varied output
-    lengths: with more requests than a batch holds this gives prefills, chunked prefills, mixed steps and decode
-    batches of many sizes."""
+    """Two long prompts (``longest_prompt`` tokens and about half of it: chunked prefills, steps over the largest
+    token bucket), then short ones (1 to 12 tokens) with longer outputs, greedy and sampled: with more requests
+    than a batch holds this gives prefills, mixed steps and, once the queue is empty, decode batches of every size
+    up to the batch limit."""
     rng = random.Random(seed)
-    lengths = [1, 2, longest_prompt] + [rng.randint(1, longest_prompt) for _ in range(num_requests - 3)]
+    lengths = [longest_prompt, longest_prompt // 2 + 1, 1, 2] + [rng.randint(1, 12) for _ in range(num_requests - 4)]
     prompts = [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
-    params = [SamplingParams(max_new_tokens=rng.randint(2, 12), temperature=0.0 if i % 3 else 0.7, seed=i,
-                             ignore_eos=True) for i in range(num_requests)]
+    params = [SamplingParams(max_new_tokens=rng.randint(2, 4) if i < 2 else rng.randint(12, 24),
+                             temperature=0.0 if i % 3 else 0.7, seed=i, ignore_eos=True) for i in range(num_requests)]
     return Traffic(prompts, params)
 
 

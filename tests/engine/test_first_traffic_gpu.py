@@ -31,10 +31,6 @@ def test_first_generate_builds_nothing(graph_mode: str, tmp_path) -> None:
               compile_options={"cache_dir": str(tmp_path), "decode_batch_sizes": (1, 2, 4, 8),
                                "prefill_token_sizes": (16, 32, 64)})
     traffic = every_path_traffic(1024, longest_prompt=300, num_requests=20)
-    outs, builds, log = generate_recorded(llm, traffic)
+    _, builds, log = generate_recorded(llm, traffic)
     assert_every_path_taken(llm, log)
     assert builds.nothing(), builds
-    # and a second round of the same traffic gives the same greedy tokens (the warm-up left no state behind)
-    again, _, _ = generate_recorded(llm, traffic)
-    greedy = [i for i, p in enumerate(traffic.params) if p.temperature == 0]
-    assert [outs[i].token_ids for i in greedy] == [again[i].token_ids for i in greedy]
