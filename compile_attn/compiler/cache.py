@@ -76,7 +76,16 @@ class CompileCache:
             return None
 
     def save(self, key: str, artifact: Any) -> bool:
-        """Write ``artifact`` (a CompiledArtifact); False (logged) when it cannot be saved."""
+        """Write ``artifact`` (a CompiledArtifact); False when it cannot be saved.
+
+        An artifact PyTorch cannot serialise (its graph made AOTAutograd's cache skip it: ``is_saveable()`` is
+        False) is not saved; it is compiled again at the next start, where Inductor's own FX graph cache serves
+        its code. That is logged once per process at debug level; other failures (a full disk, permissions)
+        are warnings."""
+        is_saveable = getattr(artifact, "is_saveable", None)
+        if is_saveable is not None and not is_saveable():
+            _log_unsaveable_once(self.path(key))
+            return False
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             artifact.save(path=str(self.path(key)), format="binary")
@@ -84,6 +93,18 @@ class CompileCache:
         except Exception as exc:  # noqa: BLE001 - caching is best effort
             logger.warning("compile_attn: could not save compiled piece to %s (%s)", self.path(key), exc)
             return False
+
+
+_unsaveable_logged = False
+
+
+def _log_unsaveable_once(path: Path) -> None:
+    global _unsaveable_logged
+    if _unsaveable_logged:
+        return
+    _unsaveable_logged = True
+    logger.debug("compile_attn: a compiled piece PyTorch cannot serialise (first: %s) is not saved; it is compiled "
+                 "at each start from Inductor's own caches (logged once)", path)
 
 
 def clear_cache(cache_dir: str | os.PathLike[str] | None = None) -> int:

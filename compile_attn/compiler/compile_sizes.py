@@ -99,16 +99,47 @@ def _rows(node: fx.Node, symbol: sympy.Symbol, size: int) -> int | None:
         return None
 
 
+def _linear_operands(node: fx.Node) -> tuple[Any, Any, Any]:
+    """(input, weight, bias) of a ``F.linear`` call node, wherever they were passed."""
+    args = list(node.args) + [None] * (3 - len(node.args))
+    return (node.kwargs.get("input", args[0]), node.kwargs.get("weight", args[1]), node.kwargs.get("bias", args[2]))
+
+
+def _out_dtype(node: fx.Node) -> torch.dtype | None:
+    value = node.meta.get("example_value", node.meta.get("val"))
+    return value.dtype if isinstance(value, torch.Tensor) else None
+
+
+def _emit_linear_as_reduction(graph: fx.Graph, node: fx.Node, dtype: torch.dtype) -> fx.Node:
+    """The ops of ``linear_as_reduction`` for the linear call ``node``, inserted before it, as aten/prims
+    overloads: PyTorch's AOTAutograd cache serialises graphs of those, where a call of a Python function
+    (``linear_as_reduction`` itself) makes it skip the graph, and then the piece cannot be saved."""
+    aten, convert = torch.ops.aten, torch.ops.prims.convert_element_type.default
+    rows, weight, bias = _linear_operands(node)
+    with graph.inserting_before(node):
+        x = graph.call_function(aten.unsqueeze.default, (graph.call_function(convert, (rows, torch.float32)), -2))
+        w = graph.call_function(convert, (weight, torch.float32))
+        out = graph.call_function(aten.sum.dim_IntList, (graph.call_function(aten.mul.Tensor, (x, w)), [-1]))
+        if bias is not None:
+            out = graph.call_function(aten.add.Tensor, (out, graph.call_function(convert, (bias, torch.float32))))
+        return graph.call_function(convert, (out, dtype))
+
+
 def linears_as_reductions(gm: fx.GraphModule, symbol: sympy.Symbol, size: int) -> tuple[fx.GraphModule, int]:
-    """``gm`` with every linear call whose input has one row at ``symbol = size`` calling ``linear_as_reduction``
-    (a new module when any does; ``gm`` itself is left as it is), and how many calls were rewritten."""
+    """``gm`` with every linear call whose input has one row at ``symbol = size`` computed as
+    ``linear_as_reduction`` does (a new module when any is; ``gm`` itself is left as it is), and how many calls
+    were rewritten. The rewritten graph calls aten/prims ops only, so its compiled artifact can be saved."""
     targets = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in LINEAR_TARGETS
-               and _rows(n.kwargs.get("input", n.args[0] if n.args else None), symbol, size) == 1]
+               and _rows(_linear_operands(n)[0], symbol, size) == 1 and _out_dtype(n) is not None]
     if not targets:
         return gm, 0
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     graph.output(graph.graph_copy(gm.graph, env))
     for node in targets:
-        env[node].target = linear_as_reduction
+        new = env[node]
+        out = _emit_linear_as_reduction(graph, new, _out_dtype(node))
+        out.meta = dict(new.meta)  # the linear's value: what the cache's checks of method calls on it look for
+        new.replace_all_uses_with(out)
+        graph.erase_node(new)
     return fx.GraphModule(gm, graph), len(targets)

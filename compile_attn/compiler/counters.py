@@ -23,7 +23,8 @@ class CompileCounters:
     pieces produced by the split (both kinds); split_op_pieces: those holding split ops, run
     eagerly. pieces_compiled: pieces compiled from scratch by Inductor (identical pieces once);
     pieces_reused: pieces that reuse an identical piece's compiled code. cache_hits / cache_misses /
-    cache_saves: persistent compile cache. graphs_captured / graph_replays: piecewise CUDA graphs.
+    cache_saves: persistent compile cache; cache_unsaved: misses whose artifact PyTorch could not serialise
+    (compiled again at the next start, from Inductor's own caches). graphs_captured / graph_replays: piecewise CUDA graphs.
     replays_refused: replays declined because an input lives at another address than at capture
     (the piece ran without its graph). linear_groups_fused: groups of shared-input linear layers run
     as one GEMM (see ``compile_attn.passes.fuse_linears``). split_calls_direct: split-op calls that the
@@ -44,6 +45,7 @@ class CompileCounters:
     cache_hits: int = 0
     cache_misses: int = 0
     cache_saves: int = 0
+    cache_unsaved: int = 0
     graphs_captured: int = 0
     graph_replays: int = 0
     replays_refused: int = 0

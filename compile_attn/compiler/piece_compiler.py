@@ -154,8 +154,11 @@ class PieceCompiler:
         if entry is not None:
             compile_counters.cache_misses += 1
         artifact = compile_fn(gm)
-        if entry is not None and self.cache is not None and self.cache.save(entry, artifact):
-            compile_counters.cache_saves += 1
+        if entry is not None and self.cache is not None:
+            if self.cache.save(entry, artifact):
+                compile_counters.cache_saves += 1
+            else:
+                compile_counters.cache_unsaved += 1
         return CompiledPiece(artifact, single, source="inductor")
 
     def _inductor_compile(self, name: str, gm: fx.GraphModule, example_inputs: Sequence[Any], dynamic_shapes: str,

@@ -9,6 +9,7 @@ sampled rows only (a prefill of 8k tokens would otherwise compute and store 8k x
 from __future__ import annotations
 
 import logging
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ from compile_attn.batch import ForwardBatch
 from compile_attn.config import GraphConfig
 from compile_attn.graph_runner.mode import GraphMode
 from compile_attn.graph_runner.runner import GraphRunner
+from compile_attn.host_tensors import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +54,17 @@ class StepRunner:
         )
 
     def capture(self) -> None:
-        """Capture every bucket's graph (progress bar; time and memory logged by the runner)."""
-        self.runner.capture()
+        """Capture every bucket's graph (progress bar; time and memory logged by the runner), then warm up every
+        other step path through ``run``, the LM head on the sampled rows included (``GraphRunner.warm_up``)."""
+        self.runner.capture(warm_up=False)
+        self.runner.warm_up(run=self._warm_up_step)
+
+    def _warm_up_step(self, fb: ForwardBatch) -> torch.Tensor:
+        """``run`` as the engine calls it: every row of a decode step, else each request's last token."""
+        if fb.forward_mode.is_decode():
+            return self.run(fb, None)
+        ends = list(accumulate(fb.extend_seq_lens_cpu))
+        return self.run(fb, to_device([[e - 1 for e in ends]], torch.int64, fb.input_ids.device)[0])
 
     @torch.inference_mode()
     def run(self, fb: ForwardBatch, keep: torch.Tensor | None) -> torch.Tensor:

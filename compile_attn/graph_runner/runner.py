@@ -13,7 +13,7 @@ import contextlib
 import inspect
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -173,8 +173,10 @@ class GraphRunner:
         )
 
     # ------------------------------------------------------------------ capture
-    def capture(self) -> GraphRunnerStats:
-        """Capture every bucket (largest first) into the shared pool; logs time and graph memory."""
+    def capture(self, warm_up: bool = True) -> GraphRunnerStats:
+        """Capture every bucket (largest first) into the shared pool; logs time and graph memory. Then, with
+        ``warm_up``, run dummy batches through every other path a step can take (``graph_runner.warmup``), so
+        that no kernel is built on first traffic."""
         if self.captured:
             return self.stats
         keys = self.capture_keys()
@@ -213,11 +215,23 @@ class GraphRunner:
             self.stats.first_capture_seconds,
             self.stats.graph_memory_bytes / 2**20,
         )
+        if warm_up:
+            self.warm_up()
         if self.config.verify and keys:
             from compile_attn.graph_runner.verify import verify_runner
 
             verify_runner(self)
         return self.stats
+
+    def warm_up(self, run: Callable[[ForwardBatch], Any] | None = None) -> int:
+        """Run dummy batches of every shape class through ``run`` (default ``self.run``) after capture: cached
+        prefixes, mixed steps, eager batches over the largest buckets, on a GPU every alignment of the step's index
+        tensors (see ``graph_runner.warmup``). Step statistics are unchanged; returns the batches run."""
+        from compile_attn.graph_runner.warmup import warm_up
+
+        if not self.captured:
+            raise RuntimeError("GraphRunner.warm_up() runs after capture(): call runner.capture() first")
+        return warm_up(self, run)
 
     def _capture_one(self, mode: ExecMode, bucket: int, pool: Any, stream: Any) -> None:
         backend, model = self.backend, self.model

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from compile_helpers import SMALL, run_step, toy_model
+from torch import fx
 
 from compile_attn.compiler import clear_cache, compile_counters
 from compile_attn.compiler.cache import CACHE_SUBDIR, CompileCache, environment_fingerprint
@@ -111,3 +113,62 @@ def test_unreadable_entry_is_dropped_and_clear_cache_empties(tmp_path):
     cache.path("cafe").write_bytes(b"x")
     assert clear_cache(tmp_path) == 1
     assert not cache.dir.exists()
+
+
+def _clear_in_memory_caches() -> None:
+    """What a new process would not have: Dynamo's compiled frames and Inductor's in-memory code caches (the
+    on-disk caches stay, as between two starts)."""
+    from torch._inductor.codecache import PyCodeCache
+
+    torch._dynamo.reset()
+    PyCodeCache.cache_clear(purge=False)
+
+
+def test_static_one_token_pieces_are_saved_and_served_from_the_cache(tmp_path, caplog):
+    """``compile_sizes=(1,)`` (the GPU default) rewrites one-row linears as reductions; that rewrite must leave
+    graphs PyTorch can serialise, so every artifact is saved and a warm start compiles nothing, silently."""
+    from compile_attn.compiler.compiled_model import compile_model
+
+    options = {"cache_dir": str(tmp_path), "compile_sizes": (1,)}
+    with caplog.at_level(logging.WARNING, logger="compile_attn"):
+        compiled = compile_model(toy_model(), options)
+        with compile_counters.expect(graphs_seen=1, pieces_split=7, split_op_pieces=3, pieces_compiled=3,
+                                     pieces_reused=1, pieces_compiled_static=3, cache_misses=6, cache_saves=6):
+            run_step(compiled, SMALL, 1, seed=3)
+        assert len(list((tmp_path / CACHE_SUBDIR).glob("*.bin"))) == 6
+
+        _clear_in_memory_caches()
+        model = toy_model(seed=1)
+        again = compile_model(model, options)
+        with compile_counters.expect(graphs_seen=1, pieces_split=7, split_op_pieces=3, pieces_reused=1,
+                                     cache_hits=6):  # no compile of any piece, static ones included
+            for tokens in (1, 6):
+                out = run_step(again, SMALL, tokens, seed=tokens)
+                torch.testing.assert_close(out, run_step(model, SMALL, tokens, seed=tokens), rtol=1e-5, atol=1e-5)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], [r.getMessage() for r in caplog.records]
+
+
+def test_unserialisable_artifact_is_not_saved_and_logged_once_at_debug(tmp_path, caplog):
+    """A piece PyTorch cannot serialise (its graph calls a plain Python function) falls back to Inductor's own
+    caches: not saved, counted, one debug line for the process, no warning."""
+    import compile_attn.compiler.cache as cache_module
+
+    def plain_python(x):  # noqa: ANN001, ANN202 - not a torch function: AOTAutograd's cache skips such graphs
+        return x * 2
+
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["example_value"] = torch.empty(3)
+    graph.output((graph.call_function(plain_python, (x,)),))
+    from torch._inductor import standalone_compile
+
+    artifact = standalone_compile(fx.GraphModule({}, graph), [torch.ones(3)], dynamic_shapes="from_example_inputs",
+                                  options={})
+    cache = CompileCache(tmp_path)
+    cache_module._unsaveable_logged = False
+    with caplog.at_level(logging.DEBUG, logger="compile_attn"):
+        assert not cache.save("a", artifact) and not cache.save("b", artifact)
+    assert not cache.path("a").exists() and not cache.path("b").exists()
+    messages = [r for r in caplog.records if r.name.startswith("compile_attn")]
+    assert len(messages) == 1 and messages[0].levelno == logging.DEBUG, [r.getMessage() for r in messages]
+    torch.testing.assert_close(artifact(torch.ones(3))[0], torch.full((3,), 2.0))
