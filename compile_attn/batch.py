@@ -26,6 +26,7 @@ import torch
 
 from compile_attn.errors import InvalidBatchError
 from compile_attn.host_tensors import int_tensor, ragged_arange, to_device
+from compile_attn.kv_cache import PAD_REQUEST, PAD_SLOT
 
 if TYPE_CHECKING:
     from compile_attn.kv_cache import KVCache
@@ -114,6 +115,7 @@ class ForwardBatch:
     # Set by build (whose host and device views agree by construction); a batch assembled field by field, or
     # changed with dataclasses.replace, is checked in full (see check()).
     _built: bool = field(default=False, init=False, repr=False, compare=False)
+    _scratch: bool = field(default=False, init=False, repr=False, compare=False)  # see build_scratch
     _checked_against: tuple[KVCache, torch.Tensor, int] | None = field(default=None, init=False, repr=False,
                                                                        compare=False)
 
@@ -227,6 +229,20 @@ class ForwardBatch:
             req_pool_indices_cpu=req_idx,
         )
         fb._built = True
+        return fb
+
+    @classmethod
+    def build_scratch(cls, prefix_lens: Sequence[int], extend_lens: Sequence[int],
+                      device: torch.device | str) -> ForwardBatch:
+        """A batch of this shape that touches only scratch memory: every request on row ``PAD_REQUEST`` (whose
+        table entries all point at ``PAD_SLOT``), every new token written to ``PAD_SLOT``. Valid by construction
+        for any cache (``check`` passes it without looking), so start-up can run every step shape before any
+        request holds KV."""
+        tokens = sum(extend_lens)
+        fb = cls.build(req_pool_indices=[PAD_REQUEST] * len(extend_lens), prefix_lens=list(prefix_lens),
+                       extend_lens=list(extend_lens), out_cache_loc=[PAD_SLOT] * tokens, input_ids=[0] * tokens,
+                       device=device)
+        fb._scratch = True
         return fb
 
     # ------------------------------------------------------------------ derived sizes
@@ -367,7 +383,7 @@ class ForwardBatch:
           that is known to agree with its device tensors: it gets ``validate(kv_cache)``, which syncs.
         * Views of a graph runner's static buffers (``graph_bucket`` set) are filled from batches checked here.
         """
-        if self.graph_bucket is not None:
+        if self.graph_bucket is not None or self._scratch:
             return
         if not self._built:
             self.validate(kv_cache)

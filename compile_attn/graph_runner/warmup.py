@@ -22,7 +22,7 @@ import torch
 
 from compile_attn.batch import ForwardBatch
 from compile_attn.graph_runner.plan import ExecMode
-from compile_attn.kv_cache import PAD_REQUEST, PAD_SLOT
+
 
 if TYPE_CHECKING:
     from compile_attn.graph_runner.runner import GraphRunner
@@ -98,11 +98,8 @@ def dummy_batch(shape: Shape, device: torch.device) -> ForwardBatch:
     """A batch of ``shape`` on row ``PAD_REQUEST``, every new token written to ``PAD_SLOT``, built as the engine
     builds its steps (host lists, outside inference mode: the tensor kinds the compiled model's guards saw)."""
     prefix, lens = shape
-    tokens = sum(lens)
     with torch.inference_mode(False):
-        return ForwardBatch.build(req_pool_indices=[PAD_REQUEST] * len(lens), prefix_lens=list(prefix),
-                                  extend_lens=list(lens), out_cache_loc=[PAD_SLOT] * tokens,
-                                  input_ids=[0] * tokens, device=device)
+        return ForwardBatch.build_scratch(prefix, lens, device)
 
 
 def warm_up(runner: GraphRunner, run: Callable[[ForwardBatch], Any] | None = None) -> int:
