@@ -8,6 +8,7 @@ the workload's output tokens. Its KV cache takes ``max_memory_percent`` of the m
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 
@@ -23,28 +24,11 @@ CPU_PAGE_SIZE = 16
 def run(model: torch.nn.Module, workload: Workload, *, rounds: int = 2, max_memory_percent: float | None = 0.8,
         timeout_s: float = 600.0) -> dict:
     """Start-up (the manager's warm-up) and, per round, wall time, generated tokens and tok/s."""
-    from transformers import ContinuousBatchingConfig, GenerationConfig
-    from transformers.generation.continuous_batching.utils import WorkloadHints
-
-    sampled = workload.temperature > 0
-    gen = GenerationConfig(do_sample=sampled, temperature=workload.temperature if sampled else None,
-                           max_new_tokens=max(workload.output_lens), eos_token_id=-1)  # no top-k / top-p filter
-    cuda = model.device.type == "cuda"
-    # on a GPU the cache takes its share of free memory; on the CPU just what the workload needs (HF would size it
-    # from the machine's RAM)
-    pages = None if cuda else sum(-(-(len(p) + n) // CPU_PAGE_SIZE) for p, n in zip(workload.prompts,
-                                                                                      workload.output_lens))
-    cb = ContinuousBatchingConfig(max_memory_percent=max_memory_percent, page_size=CPU_PAGE_SIZE if pages else 256,
-                                  num_blocks=pages)
-    hints = WorkloadHints(max_prompt_length=max(map(len, workload.prompts)),
-                          max_generated_length=max(workload.output_lens), num_requests=workload.num_seqs)
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
     result: dict = dict(system="HF generate_batch", max_memory_percent=max_memory_percent, rounds=[])
     start = time.perf_counter()
-    try:
-        with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb,
-                                                       workload_hints=hints, warmup=True, block=True,
-                                                       timeout=timeout_s) as manager:
+    try:  # everything HF, its configuration included: the baseline failing must not lose the engine's results
+        with _manager(model, workload, max_memory_percent, timeout_s) as manager:
             result["startup_s"] = time.perf_counter() - start
             result["attn_implementation"] = model.config._attn_implementation
             for _ in range(rounds):
@@ -52,10 +36,40 @@ def run(model: torch.nn.Module, workload: Workload, *, rounds: int = 2, max_memo
     except torch.OutOfMemoryError as exc:
         logger.warning("HF generate_batch ran out of memory; its row is skipped: %s", exc)
         result["skipped"] = f"out of memory: {str(exc).splitlines()[0]}"
-    except Exception as exc:  # the baseline failing must not lose the engine's results, measured before it
+    except Exception as exc:  # measured after the engine: its results are kept whatever happens here
         logger.exception("HF generate_batch failed; its row is skipped")
         result["skipped"] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     return result
+
+
+def _manager(model: torch.nn.Module, workload: Workload, max_memory_percent: float | None, timeout_s: float):
+    """The continuous-batching manager for ``workload``, with only the options this transformers version takes
+    (``page_size`` was ``block_size`` before; workload hints and warm-up are newer)."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    sampled = workload.temperature > 0
+    gen = GenerationConfig(do_sample=sampled, temperature=workload.temperature if sampled else None,
+                           max_new_tokens=max(workload.output_lens), eos_token_id=-1)  # no top-k / top-p filter
+    # on a GPU the cache takes its share of free memory; on the CPU just what the workload needs (HF would size it
+    # from the machine's RAM)
+    pages = None if model.device.type == "cuda" else sum(
+        -(-(len(p) + n) // CPU_PAGE_SIZE) for p, n in zip(workload.prompts, workload.output_lens))
+    config_args = inspect.signature(ContinuousBatchingConfig).parameters
+    page_arg = "page_size" if "page_size" in config_args else "block_size"
+    cb = ContinuousBatchingConfig(max_memory_percent=max_memory_percent, num_blocks=pages,
+                                  **{page_arg: CPU_PAGE_SIZE if pages else 256})
+    manager_args = inspect.signature(model.continuous_batching_context_manager).parameters
+    extra: dict = {}
+    if "workload_hints" in manager_args:
+        from transformers.generation.continuous_batching.utils import WorkloadHints
+
+        extra["workload_hints"] = WorkloadHints(max_prompt_length=max(map(len, workload.prompts)),
+                                                max_generated_length=max(workload.output_lens),
+                                                num_requests=workload.num_seqs)
+    if "warmup" in manager_args:
+        extra["warmup"] = True
+    return model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb,
+                                                     block=True, timeout=timeout_s, **extra)
 
 
 def _round(manager, workload: Workload, sync, timeout_s: float) -> dict:
