@@ -41,7 +41,9 @@ def _use_flashinfer(plan: SamplingPlan, device: torch.device, backend: str) -> b
             raise ValueError("backend='flashinfer' cannot serve rows with an explicit seed or min_p (FlashInfer "
                              "draws one random stream per call and has no min_p with top-k/top-p); use 'auto'")
         return True
-    return plan.flashinfer_eligible and flashinfer_sampling.available(device)
+    # 'auto': FlashInfer's rejection sampling only where the portable path would sort the whole vocabulary (top-p
+    # without top-k); over top-k candidates the portable kernels measured faster (benchmarks/bench_sampler.py).
+    return plan.top_p_without_top_k and plan.flashinfer_eligible and flashinfer_sampling.available(device)
 
 
 def sample(
@@ -63,7 +65,7 @@ def sample(
     seeds, position 0). ``plan`` tells which filters the batch uses (build it on the host with
     ``SamplingPlan.for_rows``); without one, it is read from the tensors with one host sync, and every row
     counts as seeded when ``seeds`` is given. The plan is trusted: a filter it says no row uses is not
-    applied. ``backend``: 'auto' (FlashInfer for eligible filtered rows where installed), 'portable' or
+    applied. ``backend``: 'auto' (FlashInfer for unseeded top-p-without-top-k rows where installed), 'portable' or
     'flashinfer'. ``compiled``: run the portable kernels through ``torch.compile``; by default only once
     ``warmup`` has compiled them for this device (so traffic never compiles), unless
     ``COMPILE_ATTN_SAMPLER_COMPILE`` is set to 1 or 0. Compiled graphs are keyed on the inputs' kind as well as their shapes:

@@ -189,7 +189,7 @@ def run_candidates(
     top_p = top_p if top_p is not None else torch.ones(rows, device=logits.device, dtype=torch.float32)
     min_p = min_p if min_p is not None else torch.zeros(rows, device=logits.device, dtype=torch.float32)
     args = (cand_logits, cand_ids, temperature, top_k, top_p, min_p, seeds, positions)
-    if not compiled:
+    if not compiled or k >= vocab:  # over the whole sorted vocabulary Inductor's kernel was slower than eager
         return candidate_tokens(*args)
     _mark_rows_dynamic(*args)
     torch._dynamo.mark_dynamic(cand_logits, 1)
