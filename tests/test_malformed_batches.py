@@ -51,9 +51,10 @@ class Setup:
 
 
 def make(backend: str = "torch_native", page_size: int = 1, num_tokens: int = 64, max_context: int = 32,
-         max_requests: int = 4) -> Setup:
+         max_requests: int = 4, device: str = "cpu") -> Setup:
     kv = KVCache(num_layers=1, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, max_requests=max_requests,
-                 max_context=max_context, num_tokens=num_tokens, page_size=page_size, dtype=torch.float32)
+                 max_context=max_context, num_tokens=num_tokens, page_size=page_size, dtype=torch.float32,
+                 device=device)
     layer = AttentionLayer(layer_id=0, num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM)
     return Setup(kv, layer, create_backend(backend, kv, [layer]))
 
@@ -307,18 +308,18 @@ def test_the_op_checks_a_batch_that_skipped_the_eager_entry() -> None:
     assert_unchanged(s.kv, before)
 
 
-def _issue_cases() -> dict[str, str]:
+def _issue_cases(device: str) -> dict[str, str]:
     """Run every CACHE_CASES case through the triton backend; 'ErrorName: message' (or 'ok') by case."""
     results = {}
     for case, (change, _) in CACHE_CASES.items():
-        s = make("triton")
+        s = make("triton", device=device)
         gen = torch.Generator().manual_seed(0)
         fill_pool(s.kv, gen)
         args = change(s, two_requests(s))
         before = snapshot(s.kv)
         try:
-            fb = ForwardBatch.build(**args)
-            run_op(s, fb, *new_tokens(fb.num_tokens, gen))
+            fb = ForwardBatch.build(**args, device=device)
+            run_op(s, fb, *(t.to(device) for t in new_tokens(fb.num_tokens, gen)))
             results[case] = "ok"
         except Exception as exc:  # noqa: BLE001 - reported to the parent
             results[case] = f"{type(exc).__name__}: {exc}"
@@ -329,14 +330,18 @@ def _issue_cases() -> dict[str, str]:
     return results
 
 
-@on_cpu_only
-def test_triton_refuses_malformed_batches_without_crashing() -> None:
-    """The batches that used to end the process (SIGSEGV, glibc abort) under the interpreter, in a child process."""
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=on_cpu_only), pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_triton_refuses_malformed_batches_without_crashing(device: str) -> None:
+    """The batches that used to end the process (SIGSEGV or a glibc abort interpreted on the CPU, an illegal
+    memory access compiled on a GPU), in a child process so that a crash fails this test."""
     here = os.path.dirname(os.path.abspath(__file__))
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([os.path.dirname(here), here, os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], capture_output=True, text=True, env=env,
-                          cwd=os.path.dirname(here), timeout=600)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(here), here, os.environ.get("PYTHONPATH", "")])}
+    if device == "cpu":
+        env["TRITON_INTERPRET"] = "1"
+    else:
+        env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), device], capture_output=True, text=True,
+                          env=env, cwd=os.path.dirname(here), timeout=600)
     assert proc.returncode == 0, f"the child process died (rc {proc.returncode}):\n{proc.stderr[-3000:]}"
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     for case, (_, message) in CACHE_CASES.items():
@@ -504,4 +509,4 @@ def test_fuzz_triton_interpreted(b: dict) -> None:
 
 
 if __name__ == "__main__":  # the child process of test_triton_refuses_malformed_batches_without_crashing
-    print(json.dumps(_issue_cases()))
+    print(json.dumps(_issue_cases(sys.argv[1] if len(sys.argv) > 1 else "cpu")))
