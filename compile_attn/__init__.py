@@ -15,7 +15,7 @@ from compile_attn.attention import (
 from compile_attn.batch import ForwardBatch, ForwardMode
 from compile_attn.config import GraphConfig
 from compile_attn.context import ForwardContext, forward_context, get_forward_context, has_forward_context
-from compile_attn.engine import LLM, RequestOutput, RequestTooLargeError, SamplingParams
+from compile_attn.engine import LLM, CompletionOutput, RequestOutput, RequestTooLargeError, SamplingParams
 from compile_attn.errors import (
     BackendUnavailableError,
     CompileAttnError,
@@ -60,6 +60,7 @@ __all__ = [
     "GraphMode",
     "GraphSupport",
     "LLM",
+    "CompletionOutput",
     "RequestOutput",
     "RequestTooLargeError",
     "SamplingParams",

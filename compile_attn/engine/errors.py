@@ -32,3 +32,7 @@ class EngineBusyError(CompileAttnError, RuntimeError):
 class EngineOptionError(CompileAttnError, ValueError):
     """An ``LLM(...)`` option with a bad type or value (a non-positive size, a CUDA device without CUDA); raised
     before the model loads."""
+
+
+class NoChatTemplateError(CompileAttnError, ValueError):
+    """``LLM.chat`` was called on an LLM whose tokenizer has no chat template (or that has no tokenizer)."""

@@ -23,14 +23,17 @@ from compile_attn.batch import ForwardBatch, ForwardMode
 from compile_attn.engine.kv_sizing import check_memory_utilization
 from compile_attn.engine.memory_profile import check_memory_after_capture, size_kv_cache
 from compile_attn.engine.admission import encode_prompt, find_vocab_size, split_params, split_prompts
-from compile_attn.engine.errors import EngineBusyError, EngineOptionError
+from compile_attn.engine.chat import render_chat, split_conversations
+from compile_attn.engine.errors import EngineBusyError, InvalidRequestError
 from compile_attn.engine.model_loading import LoadedModel, load_for_engine
-from compile_attn.engine.request import Request, RequestOutput, RequestStatus
+from compile_attn.engine.options import check_device, check_dtype, check_sizes
+from compile_attn.engine.request import CompletionOutput, Request, RequestOutput, RequestStatus
 from compile_attn.engine import sampler
 from compile_attn.engine.sampler import SamplingPlan, sample
 from compile_attn.engine.sampling_params import SamplingParams
 from compile_attn.engine.scheduler import ScheduledStep, Scheduler, SchedulerState
 from compile_attn.engine.step_runner import StepRunner
+from compile_attn.engine.stop_strings import StopStringMatcher, backend_tokenizer
 from compile_attn.graph_runner.mode import GraphMode
 from compile_attn.host_tensors import to_device, upload
 from compile_attn.kv_cache import KVCache
@@ -47,7 +50,8 @@ class LLM:
     ``graph_mode`` picks the graphs (see GraphMode; CUDA only, the logic also runs on CPU).
     ``kv_cache_tokens`` defaults, on CUDA, to what ``gpu_memory_utilization`` of the device's memory leaves after
     the weights, a profile run's activations and a CUDA graph reserve; on the CPU to ``max_batch_size *
-    max_context`` capped by host memory (see engine/kv_sizing.py).
+    max_context`` capped by host memory (see engine/kv_sizing.py). ``dtype``: a floating torch.dtype or one of
+    vLLM's names ("auto" = None: bfloat16 on CUDA, float32 on the CPU; "bfloat16", "float16", "float32").
     """
 
     def __init__(
@@ -64,7 +68,7 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         max_context: int | None = None,
         page_size: int = 1,
-        dtype: torch.dtype | None = None,
+        dtype: str | torch.dtype | None = None,
         device: str | torch.device | None = None,
         compile_options: dict | None = None,
         capture: bool = True,
@@ -72,10 +76,10 @@ class LLM:
         check_backend_name(attn_backend)  # a misspelt name or mode fails here, not after the model has loaded
         graphs = GraphMode.parse(graph_mode) is not GraphMode.NONE
         check_memory_utilization(gpu_memory_utilization)
-        _check_sizes(max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, page_size=page_size,
+        check_sizes(max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, page_size=page_size,
                      max_context=max_context, kv_cache_tokens=kv_cache_tokens)
-        device = _check_device(device)
-        dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        device = check_device(device)
+        dtype = check_dtype(dtype, device)
         loaded: LoadedModel = load_for_engine(model, tokenizer=tokenizer, dtype=dtype, device=device)
         self.model, self.tokenizer, self.eos_token_ids = loaded.model, loaded.tokenizer, loaded.eos_token_ids
         self.device, self.dtype = device, dtype
@@ -123,11 +127,12 @@ class LLM:
         sampling_params: SamplingParams | Mapping[str, Any] | Sequence[SamplingParams | Mapping[str, Any]]
         | None = None,
         *,
-        use_tqdm: bool = False,
+        use_tqdm: bool | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt. A prompt is a string (needs a tokenizer), a list or tuple of token ids, or a
-        1-D integer tensor / NumPy array; ``sampling_params`` is one SamplingParams (or dict of its fields) for
-        every prompt, or one per prompt.
+        """Generate for every prompt: one RequestOutput per prompt, in order, holding ``SamplingParams.n``
+        samples. A prompt is a string (needs a tokenizer), a list or tuple of token ids, or a 1-D integer tensor /
+        NumPy array; ``sampling_params`` is one SamplingParams (or dict of its fields) for every prompt, or one per
+        prompt. ``use_tqdm`` (a bar of finished requests) defaults to on for several prompts, off for one.
 
         The whole call is checked first: one malformed prompt or parameter raises an InvalidRequestError (a
         ValueError; RequestTypeError, also a TypeError, for a wrong type) naming it, and nothing is queued. If the
@@ -135,26 +140,53 @@ class LLM:
         LLM stays usable. Requests queued with ``add_request`` before the call run to completion in it too.
         """
         with self._exclusive("generate"):
-            requests = self._admit(split_prompts(prompts), sampling_params)
-            try:
-                start = time.perf_counter()
-                with tqdm(total=len(requests), desc="generate", disable=not use_tqdm) as bar:
-                    while self.scheduler.has_work():
-                        bar.update(len(self._step()))
-            except BaseException:
-                self.scheduler.abort(requests)  # leave nothing of this call queued
-                raise
+            return self._run(split_prompts(prompts), sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        sampling_params: SamplingParams | Mapping[str, Any] | Sequence[SamplingParams | Mapping[str, Any]]
+        | None = None,
+        *,
+        use_tqdm: bool | None = None,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """Generate the assistant's reply to one conversation (a list of ``{"role": ..., "content": ...}``
+        messages) or to each of a list of conversations: each is rendered with the tokenizer's chat template (or
+        ``chat_template``) and ``add_generation_prompt=True``, then generated like ``generate``'s prompts (the
+        RequestOutput's ``prompt`` is the rendered text). NoChatTemplateError without a tokenizer or a template.
+        """
+        with self._exclusive("chat"):
+            texts = [render_chat(self.tokenizer, conv, chat_template) for conv in split_conversations(messages)]
+            ids = [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+            return self._run(ids, sampling_params, use_tqdm, prompt_texts=texts)
+
+    def _run(self, prompts: list[Any], params: Any, use_tqdm: bool | None,
+             prompt_texts: list[str] | None = None) -> list[RequestOutput]:
+        """Admit, then step until every request of this call (and any queued before) finishes."""
+        groups = self._admit(prompts, params, prompt_texts=prompt_texts)
+        requests = [r for group in groups for r in group]
+        try:
+            start = time.perf_counter()
+            show = len(prompts) > 1 if use_tqdm is None else use_tqdm
+            with tqdm(total=len(requests), desc="generate", disable=not show) as bar:
+                while self.scheduler.has_work():
+                    bar.update(len(self._step()))
+        except BaseException:
+            self.scheduler.abort(requests)  # leave nothing of this call queued
+            raise
         elapsed = time.perf_counter() - start
         logger.info("generated %d tokens for %d requests in %.2f s", sum(r.num_output for r in requests),
                     len(requests), elapsed)
-        return [self._output(r) for r in requests]
+        return [self._output(group) for group in groups]
 
     def add_request(self, prompt: Any, params: SamplingParams | Mapping[str, Any] | None = None) -> Request:
         """Queue a request (a prompt as in ``generate``); it runs in the following ``step()`` calls. Checked like
-        ``generate``'s prompts; RequestTooLargeError if it can never fit the KV cache."""
+        ``generate``'s prompts; RequestTooLargeError if it can never fit the KV cache. One request is one sample:
+        ``SamplingParams.n`` > 1 is refused here (``generate`` takes it)."""
         with self._exclusive("add_request"):
-            (req,) = self._admit([prompt], params)
-        return req
+            (group,) = self._admit([prompt], params, one_sample=True)
+        return group[0]
 
     def abort_request(self, req: Request) -> None:
         """Drop a queued or running request: its KV is freed and it finishes with reason "abort"."""
@@ -172,19 +204,35 @@ class LLM:
         with self._exclusive("step"):
             return self._step()
 
-    def _admit(self, prompts: list[Any], params: Any) -> list[Request]:
-        """Check every prompt and parameter, then queue them all; on any error nothing is queued or changed."""
+    def _admit(self, prompts: list[Any], params: Any, *, prompt_texts: list[str] | None = None,
+               one_sample: bool = False) -> list[list[Request]]:
+        """Check every prompt and parameter, then queue them all: per prompt, one request per sample (``n``).
+        On any error nothing is queued or changed."""
         params_list = split_params(params, len(prompts))
         ids = [encode_prompt(p, i, tokenizer=self.tokenizer, vocab_size=self.vocab_size)
                for i, p in enumerate(prompts)]
-        requests = [Request(self._next_id + i, t, sp, seed=0) for i, (t, sp) in enumerate(zip(ids, params_list))]
+        texts = prompt_texts or [p if isinstance(p, str) else None for p in prompts]
+        groups: list[list[Request]] = []
+        next_id = self._next_id
+        for i, (t, sp, text) in enumerate(zip(ids, params_list, texts)):
+            if one_sample and sp.n != 1:
+                raise InvalidRequestError(f"add_request queues one sample but got n={sp.n}; call generate() for n "
+                                          f"samples, or add_request n times with different seeds")
+            if sp.stop:
+                backend_tokenizer(self.tokenizer)  # refused here, not at the first step, without a fast tokenizer
+            groups.append([Request(next_id + k, t, sp, seed=0, prompt=text) for k in range(sp.n)])
+            next_id += sp.n
+        requests = [r for group in groups for r in group]
         for req in requests:  # refuse the whole call before queueing anything
             self.scheduler.check_fits(req)
-        for req in requests:
-            req.seed = req.params.seed if req.params.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
-            self.scheduler.add(req)
-        self._next_id += len(requests)
-        return requests
+        for group in groups:
+            for k, req in enumerate(group):
+                req.seed = sample_seed(req.params.seed, k)
+                if req.params.stop:
+                    req.stop_matcher = StopStringMatcher(self.tokenizer, req.params.stop)
+                self.scheduler.add(req)
+        self._next_id = next_id
+        return groups
 
     @contextlib.contextmanager
     def _exclusive(self, call: str) -> Iterator[None]:
@@ -303,40 +351,38 @@ class LLM:
         return tokens.tolist()  # the step's one host sync
 
     def _stop_reason(self, r: Request, tok: int) -> str | None:
-        if tok in r.params.stop_token_ids or (not r.params.ignore_eos and tok in self.eos_token_ids):
+        if tok in r.params.stop_token_ids:
+            r.stop_reason = tok
             return "stop"
+        if not r.params.ignore_eos and tok in self.eos_token_ids:
+            return "stop"
+        if r.stop_matcher is not None:
+            hit = r.stop_matcher.update(r.token_ids, len(r.prompt_ids))
+            if hit is not None:
+                r.text, r.stop_reason = hit
+                return "stop"
         if r.num_output >= r.params.max_new_tokens or len(r.token_ids) >= self.kv_cache.max_context:
             return "length"
         return None
 
-    def _output(self, r: Request) -> RequestOutput:
-        text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True) if self.tokenizer else None
-        return RequestOutput(r.request_id, r.prompt_ids.tolist(), r.output_ids, r.finish_reason or "length", text)
+    def _output(self, group: list[Request]) -> RequestOutput:
+        """One prompt's RequestOutput: a CompletionOutput per sample, its text cut before a matched stop string."""
+        outputs = []
+        for k, r in enumerate(group):
+            text = r.text
+            if text is None and self.tokenizer is not None:
+                text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
+            outputs.append(CompletionOutput(k, text, r.output_ids, r.finish_reason or "length", r.stop_reason))
+        first = group[0]
+        return RequestOutput(first.request_id, first.prompt, first.prompt_ids.tolist(), outputs,
+                             finished=all(r.status is RequestStatus.FINISHED for r in group))
 
 
-
-def _check_sizes(**sizes: int | None) -> None:
-    """Each size a positive int (None: its default), refused by name before the model loads."""
-    for name, value in sizes.items():
-        if value is None and name in ("max_context", "kv_cache_tokens"):
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise EngineOptionError(f"LLM({name}=...) must be a positive int, got {value!r}")
-
-
-def _check_device(device: str | torch.device | None) -> torch.device:
-    """The engine's device: CUDA when present unless named; a CUDA device without CUDA is refused in one line."""
-    try:
-        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    except (RuntimeError, TypeError) as exc:
-        raise EngineOptionError(f"LLM(device={device!r}) is not a device ({exc}); pass 'cpu', 'cuda' or "
-                                f"'cuda:N'") from None
-    if device.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise EngineOptionError(f"LLM(device={str(device)!r}) but CUDA is not available here (torch "
-                                    f"{torch.__version__}); pass device='cpu', or install a CUDA build of torch")
-        if device.index is not None and device.index >= count:
-            raise EngineOptionError(f"LLM(device={str(device)!r}) but only {count} CUDA device(s) exist; "
-                                    f"pass device='cuda:0'..'cuda:{count - 1}'")
-    return device
+def sample_seed(seed: int | None, index: int) -> int:
+    """The seed of sample ``index`` of a request: the request's own seed for sample 0, for the others distinct
+    seeds derived from it (so a seeded call with n > 1 is reproducible), random when the request has no seed."""
+    if seed is None:
+        return int(torch.randint(0, 2**31 - 1, ()).item())
+    if index == 0:
+        return seed
+    return int(np.random.SeedSequence([seed % 2**64, index]).generate_state(1, np.uint64)[0] >> 1)

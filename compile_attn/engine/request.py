@@ -1,10 +1,12 @@
-"""Request: one prompt's life in the engine (waiting -> running -> finished), and RequestOutput."""
+"""Request: one prompt's life in the engine (waiting -> running -> finished); RequestOutput and CompletionOutput, what
+``LLM.generate`` returns, in vLLM's shape (one RequestOutput per prompt holding its ``n`` samples)."""
 
 from __future__ import annotations
 
 import array
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from compile_attn.engine.sampling_params import SamplingParams
 
@@ -37,6 +39,10 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
+    stop_reason: int | str | None = None  # the stop token id or stop string that finished it (None: EOS, length)
+    text: str | None = None  # the output text cut before a matched stop string (None: not cut)
+    stop_matcher: Any = None  # a StopStringMatcher when the request has stop strings (set on admission)
+    prompt: str | None = None  # the prompt as given, when it was a string
 
     def __post_init__(self) -> None:
         if not isinstance(self.prompt_ids, array.array):
@@ -65,12 +71,39 @@ class Request:
 
 
 @dataclass
+class CompletionOutput:
+    """One sample of a prompt: its generated token ids (prompt excluded), their text (None without a tokenizer; cut
+    before a matched stop string) and why it stopped: "length", "stop" (EOS, a stop token or a stop string; which
+    one is ``stop_reason``: the token id or string, None for EOS), "abort", or "error" when the request itself
+    failed (see ``LLM.step``)."""
+
+    index: int
+    text: str | None
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+@dataclass
 class RequestOutput:
-    """What ``LLM.generate`` returns per prompt: generated tokens only, their text, and why it stopped
-    ("length", "stop", or "error" when the request itself failed: see ``LLM.step``)."""
+    """What ``LLM.generate`` returns per prompt, as vLLM does: ``outputs`` holds its ``SamplingParams.n`` samples
+    (index 0 first). ``prompt`` is the prompt string (None when token ids were given). ``token_ids``, ``text`` and
+    ``finish_reason`` read the first sample, for code written against the single-output form."""
 
     request_id: int
+    prompt: str | None
     prompt_token_ids: list[int]
-    token_ids: list[int]
-    finish_reason: str
-    text: str | None = None
+    outputs: list[CompletionOutput]
+    finished: bool = True
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def text(self) -> str | None:
+        return self.outputs[0].text
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason

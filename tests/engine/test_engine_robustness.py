@@ -209,8 +209,8 @@ def test_generate_takes_a_dict_of_sampling_params(llm: LLM, reference: list[list
     while llm.scheduler.has_work():
         llm.step()
     assert req.output_ids == reference[2][:2]
-    with pytest.raises(InvalidRequestError, match="unknown sampling parameter.*'max_tokens'.*known: .*max_new_tokens"):
-        llm.generate(PROMPTS, {"max_tokens": 2})
+    with pytest.raises(InvalidRequestError, match="unknown sampling parameter.*'max_len'.*known: .*max_new_tokens"):
+        llm.generate(PROMPTS, {"max_len": 2})
     with pytest.raises(InvalidRequestError, match="got 1 SamplingParams for 6 prompts"):
         llm.generate(PROMPTS, [PARAMS])
     with pytest.raises(RequestTypeError, match="SamplingParams or a dict.*got int"):
