@@ -5,7 +5,7 @@ the page holding it. Page 0 and request row 0 are reserved scratch: padded token
 ``PAD_SLOT`` and padded requests use row ``PAD_REQUEST`` (all of whose entries point at the scratch
 slot), so padding never touches a live request's KV. Allocation is all-or-nothing: when it cannot be
 satisfied, a KVCacheExhaustedError is raised and nothing changed. The cache also answers whether a batch
-fits it (``issued``, ``check_rows``, ``check_slots``: see ``ForwardBatch.check``). Index formats built from
+fits it (``issued``, ``check_rows``, ``check_slots``, from ``kv_batch_checks``: see ``ForwardBatch.check``). Index formats built from
 the request table live in ``kv_index``.
 """
 
@@ -23,6 +23,7 @@ import torch
 from compile_attn.arg_checks import kv_dtype, positive_int
 from compile_attn.errors import InvalidBatchError, KVCacheExhaustedError
 from compile_attn.host_tensors import ragged_arange, repeat_each, to_device
+from compile_attn.kv_batch_checks import BatchChecks
 
 logger = logging.getLogger(__name__)
 
@@ -185,7 +186,7 @@ def _slots_of(pages: array.array, start: int, n: int, page_size: int) -> array.a
     return out
 
 
-class KVCache:
+class KVCache(BatchChecks):
     """Request table + paged K/V pool + page allocator, with per-request page bookkeeping on the host."""
 
     def __init__(
@@ -388,71 +389,3 @@ class KVCache:
         self.req_to_token[row, length:old].fill_(PAD_SLOT)
         self._issued.clear()  # as in free_requests: slots change hands, no issued batch is trusted any more
         self._generation += 1
-
-    # ------------------------------------------------------------------ batch checks (ForwardBatch.check)
-    def issued(self, out_cache_loc: torch.Tensor, rows: list[int], prefix_lens: list[int],
-               extend_lens: list[int]) -> bool:
-        """True if ``out_cache_loc`` is the very tensor a recent ``alloc_extend(rows, extend_lens)`` returned, with
-        ``prefix_lens`` the rows' lengths before it, and no request was freed since: such a batch is valid by
-        construction. List comparisons only (no device access): the engine's steps take this path."""
-        for ref, r, starts, lens in reversed(self._issued):
-            if ref() is out_cache_loc:
-                return r == rows and lens == extend_lens and starts == prefix_lens
-        return False
-
-    def check_rows(self, rows: Sequence[int], prefix_lens: Sequence[int], extend_lens: Sequence[int]) -> None:
-        """InvalidBatchError unless every row is an allocated request row, no row appears twice, and each request's
-        ``prefix_len + extend_len`` positions are allocated (so every slot it reads or writes is its own)."""
-        lens = self._lens
-        for b, (row, prefix, ext) in enumerate(zip(rows, prefix_lens, extend_lens)):
-            have = lens.get(row)
-            if have is None:
-                raise InvalidBatchError(
-                    f"request {b}: req_pool_indices value {row} is not an allocated request row (the table has rows "
-                    f"1..{self.req_to_token_pool.num_rows - 1}, {len(lens)} of them allocated); use rows from "
-                    f"kv.alloc_request()"
-                )
-            if prefix + ext > have:
-                raise InvalidBatchError(
-                    f"request {b} (row {row}): prefix_len {prefix} + extend_len {ext} = {prefix + ext} tokens but "
-                    f"the row has {have} allocated; call kv.alloc_extend([row], [extend_len]) for the new tokens "
-                    f"first, and pass the cached length as its prefix_len"
-                )
-        if len(set(rows)) != len(rows):
-            seen: set[int] = set()
-            twice = next(r for r in rows if r in seen or seen.add(r))  # type: ignore[func-returns-value]
-            raise InvalidBatchError(f"request row {twice} appears twice in one batch (req_pool_indices {list(rows)}); "
-                                    f"give each request its own row")
-
-    def check_slots(self, rows: Sequence[int], prefix_lens: Sequence[int], extend_lens: Sequence[int],
-                    out_cache_loc: torch.Tensor) -> None:
-        """InvalidBatchError unless each new token's ``out_cache_loc`` entry is the slot its request's row holds
-        for that position (what ``alloc_extend`` returned), so a step writes only its own tokens' KV. Run after
-        ``check_rows``. Reads the request table: on a GPU a device sync (hand-built batches only)."""
-        n = sum(extend_lens)
-        if out_cache_loc.device.type != self.req_to_token.device.type:
-            raise InvalidBatchError(
-                f"out_cache_loc is on {out_cache_loc.device} but the KV cache is on {self.device}; build the batch "
-                f"with ForwardBatch.build(..., device=kv.device)"
-            )
-        if not n:
-            return
-        token_rows, positions = to_device(
-            [repeat_each(rows, extend_lens), ragged_arange(prefix_lens, extend_lens)], torch.int64,
-            self.req_to_token.device)
-        expected = self.req_to_token[token_rows, positions].to(out_cache_loc.dtype)
-        given = out_cache_loc[:n]
-        if torch.equal(given, expected):
-            return
-        i = int((given != expected).nonzero()[0, 0])
-        slot, want = int(given[i]), int(expected[i])
-        where = "" if 0 <= slot < self.pool.num_slots else f", outside the KV pool's slots 0..{self.pool.num_slots - 1}"
-        raise InvalidBatchError(
-            f"out_cache_loc[{i}] is slot {slot}{where}, but token {i} (request row {int(token_rows[i])}, position "
-            f"{int(positions[i])}) has slot {want}; use the out_cache_loc that kv.alloc_extend() returned"
-        )
-
-    @property
-    def generation(self) -> int:
-        """Counts frees: a batch checked against the cache stays valid until a row's slots can change hands."""
-        return self._generation
