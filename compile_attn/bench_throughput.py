@@ -39,7 +39,8 @@ class ThroughputConfig:
     compile: bool = True
     max_batch_size: int = 256
     max_num_tokens: int = 8192
-    kv_cache_tokens: int | None = None  # None: the engine's default
+    kv_cache_tokens: int | None = None  # None: sized from gpu_memory_utilization
+    gpu_memory_utilization: float = 0.9
     page_size: int = 1
     max_context: int | None = None  # None: the workload's longest request
     rounds: int = 2
@@ -93,7 +94,7 @@ def _run_engine(model: object, workload: Workload, cfg: ThroughputConfig, dtype:
     start = time.perf_counter()
     llm = LLM(model, attn_backend=cfg.backend, graph_mode=cfg.graph_mode, compile=cfg.compile,
               max_batch_size=cfg.max_batch_size, max_num_tokens=cfg.max_num_tokens,
-              kv_cache_tokens=cfg.kv_cache_tokens, max_context=cfg.max_context or workload.longest,
+              kv_cache_tokens=cfg.kv_cache_tokens, gpu_memory_utilization=cfg.gpu_memory_utilization, max_context=cfg.max_context or workload.longest,
               page_size=cfg.page_size, device=cfg.device, dtype=dtype)
     _sync(cfg.device)
     engine = dict(system=f"compile_attn {llm.backend.name} {llm.step_runner.graph_mode.value}",

@@ -39,6 +39,9 @@ def add_parser(sub: argparse._SubParsersAction, formatter_class: type[argparse.H
     p.add_argument("--max-batch-size", type=int, default=256, help="requests per step at most")
     p.add_argument("--max-num-tokens", type=int, default=8192, help="tokens per step at most")
     p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV cache capacity (default: the engine's)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of the GPU the engine may use; the KV cache gets what weights, activations and "
+                        "graphs leave (ignored with --kv-cache-tokens)")
     p.add_argument("--page-size", type=int, default=1, help="KV cache page size in tokens")
     p.add_argument("--max-context", type=int, default=None,
                    help="tokens per request at most (default: the workload's longest request)")
@@ -71,6 +74,8 @@ def prepare(args: argparse.Namespace) -> None:
         raise ValueError(f"--profile-steps must be >= 0 (0: no profile), got {args.profile_steps}")
     if args.temperature is not None and args.temperature < 0:
         raise ValueError(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
     if not 0 < args.hf_max_memory_percent <= 1:
         raise ValueError(f"--hf-max-memory-percent must be in (0, 1], got {args.hf_max_memory_percent}")
     device = args.device or ("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
@@ -81,7 +86,7 @@ def prepare(args: argparse.Namespace) -> None:
         temperature=args.temperature, model=args.model, shape=dict(bench.TINY if args.tiny else bench.LLAMA_1B),
         device=device, backend=args.backend, graph_mode=args.graph_mode, compile=not args.no_compile,
         max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens, kv_cache_tokens=args.kv_cache_tokens,
-        page_size=args.page_size, max_context=args.max_context, rounds=args.rounds, profile_steps=args.profile_steps,
+        gpu_memory_utilization=args.gpu_memory_utilization, page_size=args.page_size, max_context=args.max_context, rounds=args.rounds, profile_steps=args.profile_steps,
         hf=not args.no_hf, hf_rounds=args.hf_rounds, hf_max_memory_percent=args.hf_max_memory_percent,
     )
     if device == "cpu" and not args.tiny and args.model is None:
