@@ -191,6 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
     from compile_attn.bench_throughput_cli import add_parser as add_throughput_parser
 
     add_throughput_parser(sub, _ShowDefaults)
+    from compile_attn.server.cli import add_parser as add_serve_parser
+
+    add_serve_parser(sub, _ShowDefaults)
     return parser
 
 

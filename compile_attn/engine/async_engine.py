@@ -1,0 +1,253 @@
+"""AsyncLLM: one ``LLM`` driven by a step loop in its own thread, fed from asyncio coroutines.
+
+Only the loop thread calls the LLM (add_request, step, abort_request); coroutines hand it work through a thread-safe
+queue and receive each request's new tokens and text after every step through an asyncio queue. A consumer that
+stops listening aborts its request at once (its KV is freed); past ``max_pending`` unfinished requests, new ones get
+EngineOverloadedError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from compile_attn.engine.llm import LLM
+from compile_attn.engine.request import Request, RequestStatus
+from compile_attn.engine.sampling_params import SamplingParams
+from compile_attn.errors import CompileAttnError
+
+logger = logging.getLogger(__name__)
+
+
+class EngineOverloadedError(CompileAttnError, RuntimeError):
+    """More requests are unfinished than the AsyncLLM's ``max_pending``; retry later (an HTTP server answers 503
+    with Retry-After)."""
+
+
+class EngineStoppedError(CompileAttnError, RuntimeError):
+    """The AsyncLLM was shut down (or its step loop failed), so it takes no more requests."""
+
+
+@dataclass
+class Delta:
+    """What one request produced since the last Delta: its new token ids and text, and, on the last one, why it
+    finished. ``num_prompt_tokens`` / ``num_output_tokens`` count the whole request so far."""
+
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+class _Stream:
+    """One request's state on the loop thread: what was sent to its consumer, and where to send more."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, out: asyncio.Queue) -> None:
+        self.loop, self.out = loop, out
+        self.req: Request | None = None
+        self.sent_tokens = 0
+        self.sent_text = ""
+
+    def put(self, item: Any) -> None:
+        self.loop.call_soon_threadsafe(self.out.put_nowait, item)
+
+
+class RequestStream:
+    """One submitted request's Deltas (an async iterator). ``abort()`` (or ``aclose()``) before the last Delta
+    drops the request and frees its KV; so does a stream dropped unfinished."""
+
+    def __init__(self, engine: AsyncLLM, stream: _Stream) -> None:
+        self._engine, self._stream = engine, stream
+        self.finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> Delta:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._stream.out.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    def abort(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self._engine._inbox.put(("abort", self._stream))
+
+    async def aclose(self) -> None:
+        self.abort()
+
+    def __del__(self) -> None:
+        self.abort()
+
+
+class AsyncLLM:
+    """Serve one LLM to many coroutines. ``generate(prompt, params)`` is an async iterator of Delta; ``submit``
+    admits a request first (raising the LLM's InvalidRequestError for a bad one) and returns that iterator."""
+
+    def __init__(self, llm: LLM, *, max_pending: int = 256) -> None:
+        if not isinstance(max_pending, int) or max_pending < 1:
+            raise ValueError(f"max_pending must be a positive int, got {max_pending!r}")
+        self.llm, self.max_pending = llm, max_pending
+        self._inbox: queue.Queue = queue.Queue()
+        self._active: dict[int, _Stream] = {}  # loop thread only: request_id -> stream
+        self._pending = 0
+        self._count_lock = threading.Lock()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="compile-attn-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ any coroutine
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopped
+
+    async def submit(self, prompt: Any, params: SamplingParams) -> RequestStream:
+        """Queue one request (one sample: ``params.n`` must be 1) and return its Delta iterator once the loop has
+        admitted it. Raises EngineOverloadedError past ``max_pending``, the LLM's errors for a bad request."""
+        if not self.alive:
+            raise EngineStoppedError("the engine is shut down; start a new AsyncLLM")
+        with self._count_lock:
+            if self._pending >= self.max_pending:
+                raise EngineOverloadedError(f"{self._pending} requests are unfinished, the limit (max_pending) is "
+                                            f"{self.max_pending}; retry later or raise max_pending")
+            self._pending += 1
+        out: asyncio.Queue = asyncio.Queue()
+        stream = _Stream(asyncio.get_running_loop(), out)
+        self._inbox.put(("add", prompt, params, stream))
+        first = await out.get()
+        if isinstance(first, BaseException):
+            raise first
+        return RequestStream(self, stream)
+
+    async def generate(self, prompt: Any, params: SamplingParams) -> AsyncIterator[Delta]:
+        """The request's Deltas as they are produced; the last has ``finished=True``. Closing or cancelling the
+        iteration early aborts the request."""
+        stream = await self.submit(prompt, params)
+        try:
+            async for delta in stream:
+                yield delta
+        finally:
+            stream.abort()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop: unfinished requests end with finish_reason "abort" and their KV is freed."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._inbox.put(("stop",))
+        self._thread.join(timeout)
+
+    @property
+    def num_pending(self) -> int:
+        """Requests submitted and not yet finished or aborted."""
+        return self._pending
+
+    def _release(self) -> None:
+        with self._count_lock:
+            self._pending -= 1
+
+    # ------------------------------------------------------------------ the loop thread
+    def _loop(self) -> None:
+        try:
+            while True:
+                busy = self.llm.scheduler.has_work()
+                try:
+                    cmd = self._inbox.get(block=not busy, timeout=None)
+                except queue.Empty:
+                    cmd = None
+                while cmd is not None:
+                    if cmd[0] == "stop":
+                        self._stop_all()
+                        return
+                    self._handle(cmd)
+                    try:
+                        cmd = self._inbox.get_nowait()
+                    except queue.Empty:
+                        cmd = None
+                if self.llm.scheduler.has_work():
+                    try:
+                        self.llm.step()
+                    except Exception as exc:  # a failed step: its requests get the error, the loop goes on
+                        logger.exception("engine step failed; aborting its requests")
+                        for stream in list(self._active.values()):
+                            self._abort(stream, exc)
+                        continue
+                    self._publish()
+        except BaseException:
+            logger.exception("the engine loop died")
+            self._stopped = True
+            raise
+
+    def _handle(self, cmd: tuple) -> None:
+        if cmd[0] == "add":
+            _, prompt, params, stream = cmd
+            try:
+                stream.req = self.llm.add_request(prompt, params)
+            except Exception as exc:
+                self._release()
+                stream.put(exc)
+                return
+            self._active[stream.req.request_id] = stream
+            stream.put(None)  # admitted
+        elif cmd[0] == "abort":
+            stream = cmd[1]
+            if stream.req is not None and stream.req.request_id in self._active:
+                self._abort(stream, None)
+
+    def _abort(self, stream: _Stream, exc: BaseException | None) -> None:
+        req = stream.req
+        if req.status is not RequestStatus.FINISHED:
+            self.llm.abort_request(req)
+        del self._active[req.request_id]
+        self._release()
+        if exc is not None:
+            stream.put(exc)
+
+    def _stop_all(self) -> None:
+        for stream in list(self._active.values()):
+            self._abort(stream, None)
+            stream.put(self._delta(stream, finished=True))
+
+    def _publish(self) -> None:
+        """After a step: each request's new tokens (and finished ones' last Delta) to its consumer."""
+        for rid, stream in list(self._active.items()):
+            req = stream.req
+            done = req.status is RequestStatus.FINISHED
+            if done or req.num_output > stream.sent_tokens:
+                stream.put(self._delta(stream, finished=done))
+            if done:
+                del self._active[rid]
+                self._release()
+
+    def _delta(self, stream: _Stream, *, finished: bool) -> Delta:
+        req = stream.req
+        out = req.output_ids
+        new = out[stream.sent_tokens:]
+        tok = self.llm.tokenizer
+        text = ""
+        if tok is not None:
+            full = req.text if finished and req.text is not None else tok.decode(out, skip_special_tokens=True)
+            if not finished:  # hold back a broken UTF-8 character and what could start a stop string
+                full = full.rstrip("\ufffd")
+                hold = max(map(len, req.params.stop), default=1) - 1
+                full = full[:max(len(stream.sent_text), len(full) - hold)]
+            if full.startswith(stream.sent_text):
+                text = full[len(stream.sent_text):]
+            else:  # a re-decode changed text already sent (rare): send nothing new rather than repeat it
+                logger.warning("request %d: decoded text changed after it was sent", req.request_id)
+            stream.sent_text += text
+        stream.sent_tokens = len(out)
+        reason = (req.finish_reason or "abort") if finished else None
+        return Delta(new, text, finished, reason, len(req.prompt_ids), len(out))

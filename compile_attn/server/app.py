@@ -1,0 +1,170 @@
+"""The OpenAI-compatible HTTP app: /v1/completions and /v1/chat/completions (whole or streamed as server-sent events in
+OpenAI's chunk format), /v1/models and /health, on an AsyncLLM. Refused requests get OpenAI's error body; a
+disconnecting client aborts its requests, freeing their KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from compile_attn.engine.async_engine import AsyncLLM, Delta, EngineOverloadedError, EngineStoppedError, RequestStream
+from compile_attn.engine.errors import InvalidRequestError
+from compile_attn.engine.llm import sample_seed
+from compile_attn.server.protocol import APIError, Parsed, parse
+
+
+def create_app(engine: AsyncLLM, model_name: str) -> FastAPI:
+    """The app serving ``engine`` under ``model_name`` (what clients pass as ``model``)."""
+    app = FastAPI(title="compile_attn")
+    llm = engine.llm
+    max_context = llm.kv_cache.max_context
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        headers = {"Retry-After": "1"} if exc.status == 503 else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok = engine.alive
+        return JSONResponse({"status": "ok" if ok else "stopped"}, status_code=200 if ok else 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
+                                             "owned_by": "compile_attn", "max_model_len": max_context}]}
+
+    async def handle(request: Request, chat: bool) -> Any:
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise APIError(f"the request body is not valid JSON: {exc}") from None
+        req = parse(body, chat=chat, tokenizer=llm.tokenizer, model_name=model_name, max_context=max_context)
+        streams = await _submit_all(engine, req)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        created = int(time.time())
+        if req.stream:
+            return StreamingResponse(_sse(streams, req, rid, created, model_name, chat),
+                                     media_type="text/event-stream")
+        return await _whole(streams, rid, created, model_name, chat)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        return await handle(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        return await handle(request, chat=True)
+
+    return app
+
+
+async def _submit_all(engine: AsyncLLM, req: Parsed) -> list[RequestStream]:
+    """Submit the request's ``n`` samples (seeded as LLM.generate seeds them); on any refusal abort those taken."""
+    streams: list[RequestStream] = []
+    try:
+        for k in range(req.n):
+            seed = req.params.seed if req.params.seed is None else sample_seed(req.params.seed, k)
+            streams.append(await engine.submit(req.prompt_ids, replace(req.params, seed=seed)))
+    except BaseException as exc:
+        for s in streams:
+            s.abort()
+        if isinstance(exc, EngineOverloadedError):
+            raise APIError(str(exc), status=503, type="server_busy") from None
+        if isinstance(exc, EngineStoppedError):
+            raise APIError(str(exc), status=503, type="server_error") from None
+        if isinstance(exc, InvalidRequestError):
+            field = "max_tokens" if "max_new_tokens" in str(exc) else "prompt"
+            raise APIError(str(exc), field) from None
+        raise
+    return streams
+
+
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _choice(chat: bool, index: int, text: str, finish: str | None, *, delta: bool) -> dict[str, Any]:
+    if not chat:
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+    key = "delta" if delta else "message"
+    msg = {"role": "assistant", "content": text} if not delta or text else {}
+    return {"index": index, key: msg, "logprobs": None, "finish_reason": finish}
+
+
+async def _whole(streams: list[RequestStream], rid: str, created: int, model: str, chat: bool) -> dict:
+    async def collect(s: RequestStream) -> tuple[str, Delta]:
+        text, last = "", None
+        async for d in s:
+            text, last = text + d.text, d
+        return text, last
+
+    results = await _gather_or_abort([collect(s) for s in streams], streams)
+    choices = [_choice(chat, k, text, last.finish_reason, delta=False) for k, (text, last) in enumerate(results)]
+    prompt = results[0][1].num_prompt_tokens
+    usage = _usage(prompt, sum(last.num_output_tokens for _, last in results))
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+            "model": model, "choices": choices, "usage": usage}
+
+
+async def _gather_or_abort(coros: list, streams: list[RequestStream]) -> list:
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:  # a cancelled handler (client gone): stop every sample, which aborts its request
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            s.abort()
+
+
+async def _sse(streams: list[RequestStream], req: Parsed, rid: str, created: int, model: str,
+               chat: bool) -> AsyncIterator[str]:
+    """Server-sent events: one chunk per Delta of any sample, the usage chunk if asked, then ``[DONE]``."""
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def pump(k: int, s: RequestStream) -> None:
+        async for d in s:
+            await merged.put((k, d))
+        await merged.put((k, None))
+
+    def chunk(choices: list, usage: dict | None = None) -> str:
+        body: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
+        if req.include_usage:
+            body["usage"] = usage
+        return f"data: {json.dumps(body)}\n\n"
+
+    tasks = [asyncio.ensure_future(pump(k, s)) for k, s in enumerate(streams)]
+    try:
+        if chat:
+            yield chunk([{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None} for k in range(req.n)])
+        open_, prompt, outputs = req.n, 0, [0] * req.n
+        while open_:
+            k, d = await merged.get()
+            if d is None:
+                open_ -= 1
+                continue
+            prompt, outputs[k] = d.num_prompt_tokens, d.num_output_tokens
+            if d.text or d.finished:
+                yield chunk([_choice(chat, k, d.text, d.finish_reason, delta=True)])
+        for t in tasks:
+            t.result()  # re-raise a sample's failure
+        if req.include_usage:
+            yield chunk([], _usage(prompt, sum(outputs)))
+        yield "data: [DONE]\n\n"
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            s.abort()

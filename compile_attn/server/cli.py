@@ -1,0 +1,59 @@
+"""The ``compile-attn serve MODEL`` subcommand: build an LLM from a few engine options, wrap it in an AsyncLLM and
+serve the OpenAI-compatible app with uvicorn until interrupted."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(sub: argparse._SubParsersAction, formatter_class: type[argparse.HelpFormatter]) -> None:
+    p = sub.add_parser("serve", formatter_class=formatter_class, help="an OpenAI-compatible HTTP server",
+                       description="Serve a local HF model over HTTP: /v1/completions, /v1/chat/completions "
+                                   "(streamed or not), /v1/models, /health.")
+    p.add_argument("model", help="a local HF model directory")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--served-model-name", default=None, help="the name clients pass as model (default: MODEL)")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if there is one)")
+    p.add_argument("--backend", default="auto", help="attention backend (see `compile-attn info`)")
+    p.add_argument("--graph-mode", default="full_and_piecewise", help="CUDA graphs (see GraphMode)")
+    p.add_argument("--no-compile", action="store_true", help="do not torch.compile the model")
+    p.add_argument("--max-batch-size", type=int, default=32, help="requests per step at most")
+    p.add_argument("--max-num-tokens", type=int, default=2048, help="tokens per step at most")
+    p.add_argument("--max-context", type=int, default=None, help="tokens per request at most (default: the model's)")
+    p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV cache capacity (default: the engine's)")
+    p.add_argument("--max-pending", type=int, default=256,
+                   help="unfinished requests at most; past it new ones get 503 with Retry-After")
+    p.set_defaults(func=cmd_serve, prepare=prepare, subparser=p)
+
+
+def prepare(args: argparse.Namespace) -> None:
+    """Refuse bad options before the model loads (ValueError naming the value)."""
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    if args.max_pending < 1:
+        raise ValueError(f"--max-pending must be >= 1, got {args.max_pending}")
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as exc:
+        raise ValueError(f"serve needs FastAPI and uvicorn ({exc}); pip install 'compile-attn[serve]'") from None
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from compile_attn.engine import LLM
+    from compile_attn.engine.async_engine import AsyncLLM
+    from compile_attn.server.app import create_app
+
+    llm = LLM(args.model, attn_backend=args.backend, graph_mode=args.graph_mode, compile=not args.no_compile,
+              max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
+              kv_cache_tokens=args.kv_cache_tokens, max_context=args.max_context, device=args.device)
+    engine = AsyncLLM(llm, max_pending=args.max_pending)
+    try:
+        uvicorn.run(create_app(engine, args.served_model_name or args.model), host=args.host, port=args.port,
+                    log_level="info" if args.verbose else "warning")
+    finally:
+        engine.shutdown()
+    return 0

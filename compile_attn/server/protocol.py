@@ -1,0 +1,117 @@
+"""OpenAI request bodies checked field by field: each bad value raises APIError naming its field, which the app
+turns into a 400 with OpenAI's error body; good ones become the prompt token ids and SamplingParams for the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from compile_attn.engine.chat import render_chat, split_conversations
+from compile_attn.engine.errors import InvalidRequestError, NoChatTemplateError
+from compile_attn.engine.sampling_params import SamplingParams
+
+# OpenAI name -> SamplingParams field
+SAMPLING_FIELDS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "temperature": "temperature",
+                   "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed", "stop": "stop",
+                   "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids"}
+IGNORED = {"model", "prompt", "messages", "stream", "stream_options", "n", "user"}
+UNSUPPORTED = {"logprobs", "top_logprobs", "echo", "best_of", "logit_bias", "presence_penalty", "frequency_penalty",
+               "repetition_penalty", "suffix", "tools", "tool_choice", "response_format", "functions",
+               "function_call", "parallel_tool_calls"}
+OPENAI_DEFAULTS = {"temperature": 1.0}  # OpenAI's default, not the engine's greedy 0.0
+
+
+class APIError(Exception):
+    """A request the server refuses: ``status`` (400, 404, 503), OpenAI's error ``type``, the ``param`` at fault."""
+
+    def __init__(self, message: str, param: str | None = None, *, status: int = 400,
+                 type: str = "invalid_request_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class Parsed:
+    prompt_ids: list[int]
+    params: SamplingParams
+    n: int
+    stream: bool
+    include_usage: bool
+
+
+def parse(body: Any, *, chat: bool, tokenizer: Any, model_name: str, max_context: int) -> Parsed:
+    """Check a /v1/completions (``chat=False``) or /v1/chat/completions body and encode its prompt."""
+    if not isinstance(body, dict):
+        raise APIError(f"the request body must be a JSON object, got {type(body).__name__}")
+    for key in body:
+        if key in UNSUPPORTED and body[key] not in (None, False, 0):
+            raise APIError(f"{key} is not supported by this server yet; leave it out", key)
+    if body.get("model") != model_name:
+        raise APIError(f"model {body.get('model')!r} is not served here; this server serves {model_name!r} "
+                       f"(see GET /v1/models)", "model", status=404, code="model_not_found")
+    ids = _chat_ids(body, tokenizer) if chat else _prompt_ids(body, tokenizer)
+    field = "messages" if chat else "prompt"
+    if len(ids) >= max_context:
+        raise APIError(f"the prompt is {len(ids)} tokens and the context is {max_context}; shorten it", field)
+    n = body.get("n", 1)
+    if n is None:
+        n = 1
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 16:
+        raise APIError(f"n must be an int in [1, 16], got {n!r}", "n")
+    stream = bool(body.get("stream", False))
+    opts = body.get("stream_options") or {}
+    if not isinstance(opts, dict):
+        raise APIError(f"stream_options must be an object, got {opts!r}", "stream_options")
+    values: dict[str, Any] = dict(OPENAI_DEFAULTS)
+    for key, value in body.items():
+        if key in SAMPLING_FIELDS and value is not None:
+            values[SAMPLING_FIELDS[key]] = value
+        elif key not in IGNORED and key not in SAMPLING_FIELDS and key not in UNSUPPORTED:
+            raise APIError(f"unknown parameter {key!r}", key)
+    room = max_context - len(ids)
+    values.setdefault("max_tokens", 16 if not chat else room)
+    for key, value in values.items():  # each field alone first, so the error names the one at fault
+        try:
+            SamplingParams(**{key: value})
+        except (InvalidRequestError, TypeError) as exc:
+            raise APIError(str(exc), _openai_name(key, body)) from None
+    if values["max_tokens"] > room:
+        raise APIError(f"max_tokens={values['max_tokens']} plus the prompt's {len(ids)} tokens exceed the context of "
+                       f"{max_context} tokens; ask for at most {room}", _openai_name("max_tokens", body))
+    if values.get("stop") and tokenizer is None:
+        raise APIError("stop strings need a tokenizer and this model has none", "stop")
+    return Parsed(ids, SamplingParams(**values), n, stream, bool(opts.get("include_usage", False)))
+
+
+def _openai_name(field: str, body: dict) -> str:
+    return next((k for k, v in SAMPLING_FIELDS.items() if v == field and k in body), field)
+
+
+def _prompt_ids(body: dict, tokenizer: Any) -> list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # one prompt in a list: the openai client's shape for a single prompt
+    if isinstance(prompt, str) and prompt:
+        if tokenizer is None:
+            raise APIError("this model has no tokenizer; send the prompt as a list of token ids", "prompt")
+        return list(tokenizer(prompt)["input_ids"])
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                   for t in prompt):
+        return list(prompt)
+    raise APIError(f"prompt must be a non-empty string or list of token ids (one prompt), got {prompt!r:.80}",
+                   "prompt")
+
+
+def _chat_ids(body: dict, tokenizer: Any) -> list[int]:
+    try:
+        (conv,) = split_conversations(body.get("messages"))
+        text = render_chat(tokenizer, conv)
+    except NoChatTemplateError as exc:
+        raise APIError(str(exc), "messages") from None
+    except (InvalidRequestError, ValueError) as exc:
+        raise APIError(str(exc), "messages") from None
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
