@@ -105,6 +105,7 @@ class AsyncLLM:
         self._pending = 0
         self._count_lock = threading.Lock()
         self._stopped = False
+        self.num_aborted = 0  # requests dropped unfinished (consumer gone, failed step, shutdown)
         self._thread = threading.Thread(target=self._loop, name="compile-attn-engine", daemon=True)
         self._thread.start()
 
@@ -210,6 +211,7 @@ class AsyncLLM:
         req = stream.req
         if req.status is not RequestStatus.FINISHED:
             self.llm.abort_request(req)
+            self.num_aborted += 1
         del self._active[req.request_id]
         self._release()
         if exc is not None:
