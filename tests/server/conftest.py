@@ -1,0 +1,85 @@
+"""A real uvicorn server on 127.0.0.1 (a free port, a background thread) serving a briefly trained tiny Llama on the
+CPU, the engine behind it, and a reference LLM on the same model to compare outputs with."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+
+import uvicorn  # noqa: E402
+
+from compile_attn.engine import LLM  # noqa: E402
+from compile_attn.engine.async_engine import AsyncLLM  # noqa: E402
+from compile_attn.models.tiny_llama import tiny_llama  # noqa: E402
+from compile_attn.server import create_app  # noqa: E402
+
+ENGINE = dict(max_batch_size=8, max_num_tokens=256, kv_cache_tokens=4096, max_context=512, page_size=4,
+              graph_mode="none", compile=False, device="cpu")
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+MODEL = "tiny"
+
+
+@dataclass
+class Served:
+    url: str
+    engine: AsyncLLM
+    llm: LLM
+    reference: LLM
+    fresh_kv_tokens: int
+
+    def client(self, **kw: object) -> "openai.OpenAI":
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", timeout=30, max_retries=0, **kw)
+
+    def wait_idle(self, timeout: float = 10.0) -> None:
+        """Until nothing is pending and the KV pool is back to fresh (AssertionError otherwise)."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if (self.engine.num_pending == 0 and self.llm.kv_cache.available_tokens == self.fresh_kv_tokens):
+                return
+            time.sleep(0.02)
+        raise AssertionError(f"not idle: {self.engine.num_pending} pending, "
+                             f"{self.llm.kv_cache.available_tokens} of {self.fresh_kv_tokens} KV tokens free")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _llm(path: str) -> LLM:
+    llm = LLM(path, **ENGINE)
+    llm.tokenizer.chat_template = TEMPLATE
+    return llm
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    path = str(tiny_llama(tmp_path_factory.mktemp("tiny") / "model", steps=60))
+    llm, reference = _llm(path), _llm(path)
+    engine = AsyncLLM(llm, max_pending=64)
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, MODEL), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    end = time.monotonic() + 20
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < end, "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield Served(f"http://127.0.0.1:{port}", engine, llm, reference, llm.kv_cache.available_tokens)
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        engine.shutdown()

@@ -1,0 +1,161 @@
+"""The OpenAI-compatible server driven by the official ``openai`` client over loopback: completions and chat, whole
+and streamed, against a separate LLM's ``generate`` / ``chat`` on the same model; stop strings, seeds, n, usage;
+every refused request (400 naming the field); aborted streams and a concurrent load leave the KV pool fresh."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from compile_attn.engine import SamplingParams
+from conftest import MODEL, Served
+
+PROMPT = "The function returns"
+MESSAGES = [{"role": "user", "content": "What does the list do?"}]
+
+
+def test_models_and_health(served: Served) -> None:
+    assert [m.id for m in served.client().models.list().data] == [MODEL]
+    with urllib.request.urlopen(served.url + "/health", timeout=5) as r:
+        assert r.status == 200
+
+
+@pytest.mark.parametrize("stop", [None, "x"], ids=["plain", "stop"])
+def test_completion_whole_and_streamed_match_generate(served: Served, stop: str | None) -> None:
+    client = served.client()
+    full = served.reference.generate(PROMPT, SamplingParams(max_tokens=24, ignore_eos=True))[0]
+    if stop is not None:  # a stop string spanning into the output's middle: the text after its 3rd character
+        stop = full.text[3:5]
+    ref = served.reference.generate(PROMPT, SamplingParams(max_tokens=24, ignore_eos=True, stop=stop))[0]
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}, stop=stop)
+    whole = client.completions.create(**kw)
+    assert whole.choices[0].text == ref.text
+    assert whole.choices[0].finish_reason == ref.finish_reason
+    assert whole.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert whole.usage.completion_tokens == len(ref.token_ids)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == ref.finish_reason
+    assert chunks[-1].usage.completion_tokens == len(ref.token_ids)
+    assert chunks[-1].usage.total_tokens == len(ref.prompt_token_ids) + len(ref.token_ids)
+    served.wait_idle()
+
+
+def test_chat_whole_and_streamed_match_llm_chat(served: Served) -> None:
+    client = served.client()
+    ref = served.reference.chat(MESSAGES, SamplingParams(max_tokens=20, ignore_eos=True))[0]
+    kw = dict(model=MODEL, messages=MESSAGES, max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kw)
+    assert whole.choices[0].message.content == ref.text
+    assert whole.choices[0].message.role == "assistant"
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(ref.prompt_token_ids), 20)
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    served.wait_idle()
+
+
+def test_seeded_sampling_reproducible_and_n(served: Served) -> None:
+    client = served.client()
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=1.0, seed=7, n=2,
+              extra_body={"ignore_eos": True})
+    a, b = client.completions.create(**kw), client.completions.create(**kw)
+    ref = served.reference.generate(PROMPT, SamplingParams(max_tokens=16, temperature=1.0, seed=7, n=2,
+                                                           ignore_eos=True))[0]
+    texts = [c.text for c in sorted(a.choices, key=lambda c: c.index)]
+    assert texts == [c.text for c in sorted(b.choices, key=lambda c: c.index)]
+    assert texts == [o.text for o in ref.outputs]
+    assert a.usage.completion_tokens == 32
+    streamed = list(client.completions.create(stream=True, **kw))
+    for k in range(2):
+        assert "".join(c.choices[0].text for c in streamed if c.choices and c.choices[0].index == k) == texts[k]
+    served.wait_idle()
+
+
+def _post(served: Served, path: str, body: bytes) -> tuple[int, dict]:
+    req = urllib.request.Request(served.url + path, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+BAD = [
+    ("/v1/completions", dict(prompt=PROMPT, max_tokens=600), "max_tokens"),
+    ("/v1/completions", dict(prompt="word " * 600), "prompt"),
+    ("/v1/completions", dict(prompt=PROMPT, temperature=-1), "temperature"),
+    ("/v1/completions", dict(prompt=PROMPT, logprobs=2), "logprobs"),
+    ("/v1/completions", dict(prompt=PROMPT, top_p=1.5), "top_p"),
+    ("/v1/completions", dict(prompt=""), "prompt"),
+    ("/v1/completions", dict(prompt=PROMPT, n=0), "n"),
+    ("/v1/completions", dict(prompt=PROMPT, frobnicate=1), "frobnicate"),
+    ("/v1/chat/completions", dict(messages=[]), "messages"),
+    ("/v1/chat/completions", dict(messages=[{"content": "hi"}]), "messages"),
+    ("/v1/chat/completions", dict(messages=MESSAGES, logprobs=True), "logprobs"),
+]
+
+
+@pytest.mark.parametrize("path,body,field", BAD, ids=[f for _, _, f in BAD])
+def test_bad_request_is_400_naming_the_field(served: Served, path: str, body: dict, field: str) -> None:
+    status, err = _post(served, path, json.dumps({"model": MODEL, **body}).encode())
+    assert status == 400, err
+    assert err["error"]["param"] == field and err["error"]["type"] == "invalid_request_error"
+    assert err["error"]["message"]
+    served.wait_idle()
+
+
+def test_malformed_json_and_unknown_model(served: Served) -> None:
+    status, err = _post(served, "/v1/completions", b'{"model": "tiny", "prompt": ')
+    assert status == 400 and "JSON" in err["error"]["message"]
+    with pytest.raises(openai.NotFoundError) as info:
+        served.client().completions.create(model="other", prompt=PROMPT, max_tokens=4)
+    assert info.value.body["param"] == "model"
+    assert served.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=4).usage.completion_tokens > 0
+    served.wait_idle()
+
+
+def test_closed_stream_aborts_and_frees_its_kv(served: Served) -> None:
+    client = served.client()
+    aborted, steps = served.engine.num_aborted, served.llm.num_steps
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=480, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    got = 0
+    for chunk in stream:
+        got += 1
+        if got == 3:
+            break
+    stream.close()
+    served.wait_idle()
+    assert served.llm.kv_cache.available_tokens == served.fresh_kv_tokens
+    assert served.engine.num_aborted == aborted + 1  # dropped, not run to its 480 tokens
+    assert served.llm.num_steps - steps < 480
+
+
+def test_concurrent_streaming_load(served: Served) -> None:
+    async def one_client(client: openai.AsyncOpenAI, k: int) -> int:
+        n = 0
+        for j in range(4):
+            stream = await client.completions.create(model=MODEL, prompt=f"{PROMPT} {k} {j}", max_tokens=8,
+                                                     temperature=0.8, seed=k * 4 + j, stream=True,
+                                                     extra_body={"ignore_eos": True},
+                                                     stream_options={"include_usage": True})
+            async for chunk in stream:
+                if chunk.usage is not None:
+                    n += chunk.usage.completion_tokens
+        return n
+
+    async def main() -> list[int]:
+        client = openai.AsyncOpenAI(base_url=served.url + "/v1", api_key="none", timeout=30, max_retries=0)
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(one_client(client, k) for k in range(16))), 60)
+        finally:
+            await client.close()
+
+    assert asyncio.run(main()) == [32] * 16
+    served.wait_idle()
