@@ -54,9 +54,13 @@ class _Stream:
         self.req: Request | None = None
         self.sent_tokens = 0
         self.sent_text = ""
+        self.gone = False  # the consumer's event loop is closed: nobody will read more
 
     def put(self, item: Any) -> None:
-        self.loop.call_soon_threadsafe(self.out.put_nowait, item)
+        try:
+            self.loop.call_soon_threadsafe(self.out.put_nowait, item)
+        except RuntimeError:  # its event loop has closed
+            self.gone = True
 
 
 class RequestStream:
@@ -202,6 +206,8 @@ class AsyncLLM:
                 return
             self._active[stream.req.request_id] = stream
             stream.put(None)  # admitted
+            if stream.gone:
+                self._abort(stream, None)
         elif cmd[0] == "abort":
             stream = cmd[1]
             if stream.req is not None and stream.req.request_id in self._active:
@@ -232,6 +238,8 @@ class AsyncLLM:
             if done:
                 del self._active[rid]
                 self._release()
+            elif stream.gone:
+                self._abort(stream, None)
 
     def _delta(self, stream: _Stream, *, finished: bool) -> Delta:
         req = stream.req
