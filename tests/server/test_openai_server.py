@@ -159,3 +159,30 @@ def test_concurrent_streaming_load(served: Served) -> None:
 
     assert asyncio.run(main()) == [32] * 16
     served.wait_idle()
+
+
+def test_overloaded_is_503_with_retry_after(served: Served) -> None:
+    limit = served.engine.max_pending
+    served.engine.max_pending = 0  # every new request is past the limit
+    try:
+        req = urllib.request.Request(served.url + "/v1/completions", headers={"Content-Type": "application/json"},
+                                     data=json.dumps({"model": MODEL, "prompt": PROMPT}).encode())
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(req, timeout=10)
+        assert info.value.code == 503 and info.value.headers["Retry-After"]
+        assert "max_pending" in json.loads(info.value.read())["error"]["message"]
+    finally:
+        served.engine.max_pending = limit
+    assert served.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).usage.completion_tokens
+    served.wait_idle()
+
+
+def test_serve_subcommand_checks_options() -> None:
+    from compile_attn.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "some/model", "--port", "70000"])
+    with pytest.raises(ValueError, match="--port"):
+        args.prepare(args)
+    args = build_parser().parse_args(["serve", "some/model", "--max-batch-size", "4", "--no-compile"])
+    args.prepare(args)
+    assert (args.host, args.port, args.max_batch_size, args.no_compile) == ("127.0.0.1", 8000, 4, True)
