@@ -4,6 +4,7 @@ serve the OpenAI-compatible app with uvicorn until interrupted."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 
 def add_parser(sub: argparse._SubParsersAction, formatter_class: type[argparse.HelpFormatter]) -> None:
@@ -22,6 +23,8 @@ def add_parser(sub: argparse._SubParsersAction, formatter_class: type[argparse.H
     p.add_argument("--max-num-tokens", type=int, default=2048, help="tokens per step at most")
     p.add_argument("--max-context", type=int, default=None, help="tokens per request at most (default: the model's)")
     p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV cache capacity (default: the engine's)")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template (a file or the template itself) for a tokenizer without one")
     p.add_argument("--max-pending", type=int, default=256,
                    help="unfinished requests at most; past it new ones get 503 with Retry-After")
     p.set_defaults(func=cmd_serve, prepare=prepare, subparser=p)
@@ -50,6 +53,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     llm = LLM(args.model, attn_backend=args.backend, graph_mode=args.graph_mode, compile=not args.no_compile,
               max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
               kv_cache_tokens=args.kv_cache_tokens, max_context=args.max_context, device=args.device)
+    if args.chat_template is not None and llm.tokenizer is not None:
+        path = Path(args.chat_template)
+        llm.tokenizer.chat_template = path.read_text() if path.is_file() else args.chat_template
     engine = AsyncLLM(llm, max_pending=args.max_pending)
     try:
         uvicorn.run(create_app(engine, args.served_model_name or args.model), host=args.host, port=args.port,
