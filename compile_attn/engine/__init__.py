@@ -1,5 +1,6 @@
 """The serving engine: LLM (generate), SamplingParams, the continuous-batching scheduler and the sampler."""
 
+from compile_attn.engine.async_engine import AsyncLLM, EngineOverloadedError, EngineStoppedError
 from compile_attn.engine.errors import (
     EngineBusyError,
     EngineOptionError,
@@ -14,6 +15,9 @@ from compile_attn.engine.sampling_params import SamplingParams
 
 __all__ = [
     "LLM",
+    "AsyncLLM",
+    "EngineOverloadedError",
+    "EngineStoppedError",
     "CompletionOutput",
     "EngineBusyError",
     "EngineOptionError",

@@ -140,9 +140,9 @@ def test_closed_stream_aborts_and_frees_its_kv(served: Served) -> None:
 def test_concurrent_streaming_load(served: Served) -> None:
     async def one_client(client: openai.AsyncOpenAI, k: int) -> int:
         n = 0
-        for j in range(4):
+        for j in range(6):
             stream = await client.completions.create(model=MODEL, prompt=f"{PROMPT} {k} {j}", max_tokens=8,
-                                                     temperature=0.8, seed=k * 4 + j, stream=True,
+                                                     temperature=0.8, seed=k * 6 + j, stream=True,
                                                      extra_body={"ignore_eos": True},
                                                      stream_options={"include_usage": True})
             async for chunk in stream:
@@ -153,11 +153,11 @@ def test_concurrent_streaming_load(served: Served) -> None:
     async def main() -> list[int]:
         client = openai.AsyncOpenAI(base_url=served.url + "/v1", api_key="none", timeout=30, max_retries=0)
         try:
-            return await asyncio.wait_for(asyncio.gather(*(one_client(client, k) for k in range(16))), 60)
+            return await asyncio.wait_for(asyncio.gather(*(one_client(client, k) for k in range(32))), 60)
         finally:
             await client.close()
 
-    assert asyncio.run(main()) == [32] * 16
+    assert asyncio.run(main()) == [48] * 32  # 32 clients x 6 streamed requests x 8 tokens, no error
     served.wait_idle()
 
 
