@@ -339,7 +339,7 @@ def _split_kernel_config(block_d: int, block_dv: int, use_dot: bool, small_batch
     (BLOCK_N=32: 394), D=256 BLOCK_N=32 740 us (BLOCK_N=64: 776). D=64 swept again over warps and
     stages at 1/16/64/256 x 512 and 64 x 4096 (``benchmarks/sweep_triton_decode.py``): 2 warps,
     2 stages is within 0-8% of the best at every shape, 4 warps / 3 stages up to 24% slower
-    (64 x 512: 43.2 vs 53.1 us; 256 x 512: 135 vs 167 us). Per launch (``--tiles-only``, thirteenth session),
+    (64 x 512: 43.2 vs 53.1 us; 256 x 512: 135 vs 167 us). Per launch (``--tiles-only``),
     D=64 with BLOCK_N=64 at 1/2/4/8/16/32 x 512 and 1/4 x 2048: 6.1/6.8/7.8/9.8/12.3/18.7/10.6/14.9 us against
     BLOCK_N=32's 7.0/7.5/8.5/10.3/13.7/19.9/12.2/16.3 (one launch); at 64 x 512 BLOCK_N=32 wins (32.6 vs 39.5).
     """
