@@ -16,6 +16,7 @@ import logging
 import weakref
 from collections import deque
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -24,6 +25,9 @@ from compile_attn.arg_checks import kv_dtype, positive_int
 from compile_attn.errors import InvalidBatchError, KVCacheExhaustedError
 from compile_attn.host_tensors import ragged_arange, repeat_each, to_device
 from compile_attn.kv_batch_checks import BatchChecks
+
+if TYPE_CHECKING:
+    from compile_attn.layer import AttentionLayer
 
 logger = logging.getLogger(__name__)
 
@@ -228,6 +232,14 @@ class KVCache(BatchChecks):
         # What the last few alloc_extend calls returned: (out_cache_loc, rows, starts, extend_lens), see issued().
         self._issued: deque[tuple[weakref.ref, list[int], list[int], list[int]]] = deque(maxlen=4)
         self._generation = 0  # see generation
+
+    @classmethod
+    def for_layers(cls, layers: Sequence[AttentionLayer], **sizes: Any) -> KVCache:
+        """A cache shaped for ``layers`` (one K/V buffer per layer; KV heads and head dims of the first, which every
+        layer of a model shares); ``sizes`` are the other constructor arguments."""
+        first = layers[0]
+        return cls(num_layers=len(layers), num_kv_heads=first.num_kv_heads, head_dim=first.head_dim,
+                   v_head_dim=first.v_head_dim, **sizes)
 
     @property
     def req_to_token(self) -> torch.Tensor:

@@ -91,12 +91,8 @@ class LLM:
             max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_context=max_context,
             page_size=page_size, dtype=dtype, device=device, graphs=graphs,
         ).num_tokens
-        first = layers[0]
-        self.kv_cache = KVCache(
-            num_layers=len(layers), num_kv_heads=first.num_kv_heads, head_dim=first.head_dim,
-            v_head_dim=first.v_head_dim, max_requests=max_batch_size, max_context=max_context,
-            num_tokens=kv_cache_tokens, page_size=page_size, dtype=dtype, device=device,
-        )
+        self.kv_cache = KVCache.for_layers(layers, max_requests=max_batch_size, max_context=max_context,
+                                           num_tokens=kv_cache_tokens, page_size=page_size, dtype=dtype, device=device)
         self.backend = create_backend(attn_backend, self.kv_cache, layers)
         self.scheduler = Scheduler(self.kv_cache, max_batch_size, max_num_tokens)
         self.step_runner = StepRunner(

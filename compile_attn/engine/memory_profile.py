@@ -73,13 +73,9 @@ def profile_batch(
     """A temporary KV cache (the engine's request table, KV room for the batch only), a backend over it (with its
     CUDA-graph buffers when ``graphs``) and the profile batch, with its slots allocated."""
     lengths = profile_lengths(max_num_tokens, max_context, max_batch_size)
-    first = layers[0]
-    kv = KVCache(
-        num_layers=len(layers), num_kv_heads=first.num_kv_heads, head_dim=first.head_dim,
-        v_head_dim=first.v_head_dim, max_requests=max_batch_size, max_context=max_context,
-        num_tokens=sum(-(-n // page_size) * page_size for n in lengths), page_size=page_size, dtype=dtype,
-        device=device,
-    )
+    kv = KVCache.for_layers(layers, max_requests=max_batch_size, max_context=max_context,
+                            num_tokens=sum(-(-n // page_size) * page_size for n in lengths), page_size=page_size,
+                            dtype=dtype, device=device)
     backend = create_backend(attn_backend, kv, layers)
     if graphs:
         backend.init_cuda_graph_state(max_batch_size, max_num_tokens)

@@ -96,12 +96,8 @@ class HFModelAdapter(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> KVCache:
         """A KVCache shaped for this model (layers, KV heads, head_dim), on its device and dtype."""
-        first = self._layers[0]
-        return KVCache(
-            num_layers=len(self._layers),
-            num_kv_heads=first.num_kv_heads,
-            head_dim=first.head_dim,
-            v_head_dim=first.v_head_dim,
+        return KVCache.for_layers(
+            self._layers,
             max_requests=max_requests,
             max_context=max_context,
             num_tokens=num_tokens,
