@@ -10,6 +10,7 @@ import logging
 import torch
 
 from compile_attn.bench_workloads import WORKLOADS
+from compile_attn.cli_options import add_engine_options
 
 
 def add_parser(sub: argparse._SubParsersAction, formatter_class: type[argparse.HelpFormatter]) -> None:
@@ -32,13 +33,8 @@ def add_parser(sub: argparse._SubParsersAction, formatter_class: type[argparse.H
     model.add_argument("--model", default=None, help="a local HF model directory (default: random weights of the "
                                                      "Llama-3.2-1B shape)")
     model.add_argument("--tiny", action="store_true", help="a small model with random weights, on the CPU")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if there is one; cpu with --tiny)")
-    p.add_argument("--backend", default="auto", help="attention backend (see `compile-attn info`)")
-    p.add_argument("--graph-mode", default="full_and_piecewise", help="CUDA graphs (see GraphMode)")
-    p.add_argument("--no-compile", action="store_true", help="do not torch.compile the model")
-    p.add_argument("--max-batch-size", type=int, default=256, help="requests per step at most")
-    p.add_argument("--max-num-tokens", type=int, default=8192, help="tokens per step at most")
-    p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV cache capacity (default: the engine's)")
+    add_engine_options(p, device_help="cuda or cpu (default: cuda if there is one; cpu with --tiny)",
+                       max_batch_size=256, max_num_tokens=8192)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of the GPU the engine may use; the KV cache gets what weights, activations and "
                         "graphs leave (ignored with --kv-cache-tokens)")

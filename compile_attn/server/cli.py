@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from compile_attn.cli_options import add_engine_options
+
 
 def add_parser(sub: argparse._SubParsersAction, formatter_class: type[argparse.HelpFormatter]) -> None:
     p = sub.add_parser("serve", formatter_class=formatter_class, help="an OpenAI-compatible HTTP server",
@@ -15,14 +17,9 @@ def add_parser(sub: argparse._SubParsersAction, formatter_class: type[argparse.H
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--served-model-name", default=None, help="the name clients pass as model (default: MODEL)")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if there is one)")
-    p.add_argument("--backend", default="auto", help="attention backend (see `compile-attn info`)")
-    p.add_argument("--graph-mode", default="full_and_piecewise", help="CUDA graphs (see GraphMode)")
-    p.add_argument("--no-compile", action="store_true", help="do not torch.compile the model")
-    p.add_argument("--max-batch-size", type=int, default=32, help="requests per step at most")
-    p.add_argument("--max-num-tokens", type=int, default=2048, help="tokens per step at most")
+    add_engine_options(p, device_help="cuda or cpu (default: cuda if there is one)", max_batch_size=32,
+                       max_num_tokens=2048)
     p.add_argument("--max-context", type=int, default=None, help="tokens per request at most (default: the model's)")
-    p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV cache capacity (default: the engine's)")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template (a file or the template itself) for a tokenizer without one")
     p.add_argument("--max-pending", type=int, default=256,
