@@ -91,7 +91,7 @@ def decode_host(bs: int, prompt_len: int, new_tokens: int = 40) -> None:
         llm.add_request(prompt, params)
     llm.step()  # the prefill
     host_ms = []
-    while llm.scheduler.has_work():
+    while llm.has_work():
         in_model[0] = 0.0
         t0 = time.perf_counter()
         llm.step()

@@ -138,7 +138,7 @@ def engine_round(llm, workload: Workload) -> dict:
     requests = [llm.add_request(p, sp) for p, sp in zip(workload.prompts, params)]
     steps: Counter[str] = Counter()
     seconds: Counter[str] = Counter()
-    while llm.scheduler.has_work():
+    while llm.has_work():
         t0 = time.perf_counter()
         kind = _step(llm)
         seconds[kind] += time.perf_counter() - t0
@@ -167,16 +167,16 @@ def gpu_busy(llm, workload: Workload, window: int, round_steps: int) -> list[dic
         llm.add_request(p, sp)
     done, windows = 0, []
     for first in starts:
-        while done < first and llm.scheduler.has_work():
+        while done < first and llm.has_work():
             _step(llm)
             done += 1
-        if not llm.scheduler.has_work():
+        if not llm.has_work():
             break
         kinds: Counter[str] = Counter()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            while done < first + window and llm.scheduler.has_work():
+            while done < first + window and llm.has_work():
                 kinds[_step(llm)] += 1
                 done += 1
             torch.cuda.synchronize()

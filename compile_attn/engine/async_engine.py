@@ -167,7 +167,7 @@ class AsyncLLM:
     def _loop(self) -> None:
         try:
             while True:
-                busy = self.llm.scheduler.has_work()
+                busy = self.llm.has_work()
                 try:
                     cmd = self._inbox.get(block=not busy, timeout=None)
                 except queue.Empty:
@@ -181,7 +181,7 @@ class AsyncLLM:
                         cmd = self._inbox.get_nowait()
                     except queue.Empty:
                         cmd = None
-                if self.llm.scheduler.has_work():
+                if self.llm.has_work():
                     try:
                         self.llm.step()
                     except Exception as exc:  # a failed step: its requests get the error, the loop goes on
@@ -233,7 +233,7 @@ class AsyncLLM:
         for rid, stream in list(self._active.items()):
             req = stream.req
             done = req.status is RequestStatus.FINISHED
-            if done or req.num_output > stream.sent_tokens:
+            if done or req.num_output_known > stream.sent_tokens:
                 stream.put(self._delta(stream, finished=done))
             if done:
                 del self._active[rid]

@@ -4,14 +4,13 @@
 
 from __future__ import annotations
 
-import array
 import contextlib
 import logging
 import threading
 import time
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
-from itertools import accumulate
+from collections import deque
 from typing import Any
 
 import numpy as np
@@ -25,17 +24,17 @@ from compile_attn.engine.memory_profile import check_memory_after_capture, size_
 from compile_attn.engine.admission import encode_prompt, find_vocab_size, split_params, split_prompts
 from compile_attn.engine.chat import render_chat, split_conversations
 from compile_attn.engine.errors import EngineBusyError, InvalidRequestError
+from compile_attn.engine.in_flight import InFlightStep, feed_tokens, has_placeholders
 from compile_attn.engine.model_loading import LoadedModel, load_for_engine
 from compile_attn.engine.options import check_device, check_dtype, check_sizes
 from compile_attn.engine.request import CompletionOutput, Request, RequestOutput, RequestStatus
 from compile_attn.engine import sampler
-from compile_attn.engine.sampler import SamplingPlan, sample
 from compile_attn.engine.sampling_params import SamplingParams
-from compile_attn.engine.scheduler import ScheduledStep, Scheduler, SchedulerState
+from compile_attn.engine.scheduler import ScheduledStep, Scheduler
 from compile_attn.engine.step_runner import StepRunner
+from compile_attn.engine.step_sampling import forward_and_sample
 from compile_attn.engine.stop_strings import StopStringMatcher, backend_tokenizer
 from compile_attn.graph_runner.mode import GraphMode
-from compile_attn.host_tensors import to_device, upload
 from compile_attn.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
@@ -72,6 +71,7 @@ class LLM:
         device: str | torch.device | None = None,
         compile_options: dict | None = None,
         capture: bool = True,
+        overlap: bool = True,
     ) -> None:
         check_backend_name(attn_backend)  # a misspelt name or mode fails here, not after the model has loaded
         graphs = GraphMode.parse(graph_mode) is not GraphMode.NONE
@@ -111,6 +111,8 @@ class LLM:
         self.vocab_size = find_vocab_size(self.model)  # None: prompts' token ids are only checked to be >= 0
         if capture and device.type == "cuda" and self.vocab_size:  # the sampler's kernels, built before traffic
             sampler.warmup(device, self.vocab_size, max_batch_size, dtype=dtype)
+        self.overlap = overlap
+        self._in_flight: deque[InFlightStep] = deque()  # launched steps whose tokens are not read yet (<= 1)
         self._lock = threading.Lock()  # held by each public call: one call at a time (see _exclusive)
         self._next_id = 0
         self.num_steps = 0
@@ -166,10 +168,13 @@ class LLM:
             start = time.perf_counter()
             show = len(prompts) > 1 if use_tqdm is None else use_tqdm
             with tqdm(total=len(requests), desc="generate", disable=not show) as bar:
-                while self.scheduler.has_work():
+                while self.has_work():
                     bar.update(len(self._step()))
         except BaseException:
             self.scheduler.abort(requests)  # leave nothing of this call queued
+            for r in requests:
+                r.drop_unresolved()
+            self._forget_finished_steps()
             raise
         elapsed = time.perf_counter() - start
         logger.info("generated %d tokens for %d requests in %.2f s", sum(r.num_output for r in requests),
@@ -188,9 +193,16 @@ class LLM:
         """Drop a queued or running request: its KV is freed and it finishes with reason "abort"."""
         with self._exclusive("abort_request"):
             self.scheduler.abort([req])
+            req.drop_unresolved()
+            self._forget_finished_steps()
 
     def step(self) -> list[Request]:
         """Run one scheduled step; return the requests that finished in it.
+
+        With ``overlap`` (the default) a step is launched before the tokens of the step before it are read, and
+        the returned requests are those the previous step's tokens finished: a request finishes one ``step()``
+        call later than without overlap, its tokens are the same, and a token computed for it after it stopped
+        is dropped. The last call, with nothing left to schedule, returns the last finished requests.
 
         A step is all-or-nothing: if it raises (including KeyboardInterrupt), its KV allocations are released and
         every request is back in the state it had before it, so the same step can run again. A request whose own
@@ -243,123 +255,110 @@ class LLM:
         finally:
             self._lock.release()
 
+    def has_work(self) -> bool:
+        """Whether requests are queued or running, or a launched step's tokens are still to be read."""
+        return self.scheduler.has_work() or bool(self._in_flight)
+
     def _step(self) -> list[Request]:
+        """Launch the next step; then read the tokens of the step before it (with overlap) or of this one
+        (without), write them into their requests and finish those that stop. Returns the finished requests."""
+        done: list[Request] = []
+        while len(self._in_flight) > 1:  # only after an interrupted read: settle the older step first
+            done += self._resolve(self._in_flight[0])
+        launched = self._launch()
+        keep = 1 if self.overlap and launched is not None else 0
+        while len(self._in_flight) > keep:
+            done += self._resolve(self._in_flight[0])
+        return done
+
+    def _forget_finished_steps(self) -> None:
+        """Drop launched steps whose requests have all finished (aborted): nothing waits for their tokens."""
+        self._in_flight = deque(s for s in self._in_flight
+                                if any(r.status is not RequestStatus.FINISHED for r in s.requests))
+
+    def _launch(self) -> InFlightStep | None:
+        """Schedule a step and launch its forward and sampling without waiting for the device. All or nothing:
+        if it raises, the scheduler and every request are as they were (see ``step``)."""
         state = self.scheduler.snapshot()
         step: ScheduledStep | None = None
-        sampled: list[int] = []
         try:
             step = self.scheduler.schedule()
             if step is None:
-                return []
+                return None
             fb = ForwardBatch.build(
                 req_pool_indices=[r.row for r in step.requests], prefix_lens=step.prefix_lens,
                 extend_lens=step.extend_lens, out_cache_loc=step.out_cache_loc,
-                input_ids=self._step_input_ids(step),
-                device=self.device,
+                input_ids=step.input_ids(), device=self.device,
             )
+            if self._in_flight and has_placeholders(step.requests, step.prefix_lens, step.extend_lens):
+                feed_tokens(fb.input_ids, self._in_flight[-1].tokens, self.vocab_size)
             sampled = [i for i, (r, p, n) in enumerate(zip(step.requests, step.prefix_lens, step.extend_lens))
                        if p + n == len(r.token_ids)]
-            next_ids = self._sample(step, fb, sampled)
-            done = self._commit(step, sampled, next_ids)
+            reqs = [step.requests[i] for i in sampled]
+            tokens = forward_and_sample(self.step_runner, fb, reqs, sampled, self.device)
         except BaseException:
             try:
-                self._undo(step, sampled, state)
+                self.scheduler.restore(state)
             except Exception:
                 logger.exception("undoing a failed step failed too; this LLM's state may be inconsistent")
             raise
-        self.num_steps += 1
-        self.steps_by_mode[fb.forward_mode] += 1
-        return done
-
-    def _commit(self, step: ScheduledStep, sampled: list[int], next_ids: list[int]) -> list[Request]:
-        """Advance the step's requests by its tokens and finish those that stop (their KV freed in one call)."""
-        vocab = self.vocab_size
-        outside = vocab is not None and bool(next_ids) and (min(next_ids) < 0 or max(next_ids) >= vocab)
-        done = []
         for r, n in zip(step.requests, step.extend_lens):
             r.num_cached += n
-        for i, tok in zip(sampled, next_ids):
-            r = step.requests[i]
-            if outside and not 0 <= tok < vocab:  # the next step's embedding would fail on it: this request's fault
+        launched = InFlightStep.launch(reqs, tokens)
+        self._in_flight.append(launched)
+        # A request at its length limit finishes with this token whatever it is: out of the next schedule now.
+        self.scheduler.retire([r for r in reqs if self._at_length_limit(r, len(r.token_ids))])
+        self.num_steps += 1
+        self.steps_by_mode[fb.forward_mode] += 1
+        return launched
+
+    def _resolve(self, launched: InFlightStep) -> list[Request]:
+        """Read a launched step's tokens, write them over their placeholders and finish the requests that stop
+        (their KV freed in one call; tokens computed for them by a later step are dropped)."""
+        tokens = launched.read()
+        self._in_flight.popleft()
+        vocab = self.vocab_size
+        done = []
+        for r, at, tok in zip(launched.requests, launched.at, tokens):
+            if r.status is RequestStatus.FINISHED:  # aborted, or stopped by an earlier token: nothing to write
+                continue
+            r.unresolved -= 1
+            if vocab is not None and not 0 <= tok < vocab:  # this request's fault: it alone finishes
                 logger.warning("request %d: the model sampled token %d, outside the vocabulary [0, %d); finishing "
                                "it with reason 'error'", r.request_id, tok, vocab)
+                r.drop_unresolved()
+                del r.token_ids[at:]
                 done.append((r, "error"))
                 continue
-            r.token_ids.append(tok)
-            reason = self._stop_reason(r, tok)
+            r.token_ids[at] = tok
+            reason = self._stop_reason(r, tok, at + 1)
             if reason:
+                r.drop_unresolved()
                 done.append((r, reason))
-        self.scheduler.finish_all(done)  # one free for the step's finished requests
+        self.scheduler.finish_all(done)
         return [r for r, _ in done]
 
-    def _undo(self, step: ScheduledStep | None, sampled: list[int], state: SchedulerState) -> None:
-        """Put every request back as it was before the failed step (see ``step``) and release the step's KV."""
-        if step is not None:
-            for r, p in zip(step.requests, step.prefix_lens):
-                if r.status is not RequestStatus.FINISHED:
-                    r.num_cached = p
-            for i in sampled:
-                r = step.requests[i]
-                if r.status is not RequestStatus.FINISHED:
-                    del r.token_ids[step.prefix_lens[i] + step.extend_lens[i]:]
-        self.scheduler.restore(state)
+    def _at_length_limit(self, r: Request, length: int) -> bool:
+        """Whether ``r`` with ``length`` tokens (prompt included) has reached max_new_tokens or max_context."""
+        return length - len(r.prompt_ids) >= r.params.max_new_tokens or length >= self.kv_cache.max_context
 
-    # ------------------------------------------------------------------ internals
-    @staticmethod
-    def _step_input_ids(step: ScheduledStep) -> array.array:
-        """The step's tokens, request after request: one memory copy per request (a prefill has thousands); a
-        decode step (one token each) reads each request's token at its prefix length in one comprehension."""
-        if step.extend_lens.count(1) == len(step.extend_lens):
-            return array.array("q", [r.token_ids[p] for r, p in zip(step.requests, step.prefix_lens)])
-        ids = array.array("q")
-        for r, p, n in zip(step.requests, step.prefix_lens, step.extend_lens):
-            ids.extend(r.token_ids[p : p + n])
-        return ids
-
-    def _sample(self, step: ScheduledStep, fb: ForwardBatch, sampled: list[int]) -> list[int]:
-        ends = list(accumulate(fb.extend_seq_lens_cpu))
-        keep = [ends[i] - 1 for i in sampled]
-        reqs = [step.requests[i] for i in sampled]
-        every_row = len(keep) == fb.num_tokens  # the LM head runs on every row (a decode step): no index tensor
-        temps = [r.params.temperature for r in reqs]
-        if all(t <= 0 for t in temps):  # all greedy: skip the noise kernels and their inputs (a greedy decode
-            # step uploads nothing here)
-            keep_t = None if every_row else to_device([keep], torch.int64, self.device)[0]
-            logits = self.step_runner.run(fb, keep_t)
-            return logits.argmax(dim=-1).tolist() if sampled else []
-        top_ks = [r.params.top_k for r in reqs]
-        top_ps = [r.params.top_p for r in reqs]
-        min_ps = [r.params.min_p for r in reqs]
-        plan = SamplingPlan.for_rows(temps, top_ks, top_ps, min_ps, [r.params.seed is not None for r in reqs])
-        # Two host-to-device copies for the step (one per dtype), not one per field; a filter that no row
-        # uses is not uploaded (a batch without filters sends temperatures, seeds and positions only).
-        ints = [[r.seed for r in reqs], [len(r.token_ids) for r in reqs]]
-        ints += ([top_ks] if plan.max_top_k else []) + ([] if every_row else [keep])
-        on_device = to_device(ints, torch.int64, self.device)
-        seeds, positions = on_device[0], on_device[1]
-        top_k = on_device[2] if plan.max_top_k else None
-        logits = self.step_runner.run(fb, None if every_row else on_device[-1])
-        floats = [temps] + ([top_ps] if plan.top_p_rows else []) + ([min_ps] if plan.min_p_rows else [])
-        temperature, *filters = upload(torch.tensor(floats, dtype=torch.float32), self.device).unbind(0)
-        top_p = filters.pop(0) if plan.top_p_rows else None
-        min_p = filters.pop(0) if plan.min_p_rows else None
-        tokens = sample(logits, temperature, top_k, top_p, seeds, positions, min_p=min_p, plan=plan)
-        return tokens.tolist()  # the step's one host sync
-
-    def _stop_reason(self, r: Request, tok: int) -> str | None:
+    def _stop_reason(self, r: Request, tok: int, length: int) -> str | None:
+        """Why ``r`` stops at its token ``tok``, the ``length``-th of its tokens (None: it goes on). Tokens past
+        ``length`` (a later step's, in flight) are not looked at."""
         if tok in r.params.stop_token_ids:
             r.stop_reason = tok
             return "stop"
         if not r.params.ignore_eos and tok in self.eos_token_ids:
             return "stop"
         if r.stop_matcher is not None:
+            later = r.token_ids[length:]
+            del r.token_ids[length:]
             hit = r.stop_matcher.update(r.token_ids, len(r.prompt_ids))
+            r.token_ids.extend(later)
             if hit is not None:
                 r.text, r.stop_reason = hit
                 return "stop"
-        if r.num_output >= r.params.max_new_tokens or len(r.token_ids) >= self.kv_cache.max_context:
-            return "length"
-        return None
+        return "length" if self._at_length_limit(r, length) else None
 
     def _output(self, group: list[Request]) -> RequestOutput:
         """One prompt's RequestOutput: a CompletionOutput per sample, its text cut before a matched stop string."""

@@ -26,7 +26,9 @@ class Request:
 
     The tokens still to run through the model are ``token_ids[num_cached:]``: the prompt (or the
     rest of it) while prefilling, exactly the last sampled token while decoding. A preempted request
-    drops its KV (``num_cached = 0``) and later recomputes prompt + outputs.
+    drops its KV (``num_cached = 0``) and later recomputes prompt + outputs. With overlap scheduling the last
+    ``unresolved`` entries are placeholders for tokens still on the device (see engine/in_flight.py); the
+    scheduler counts them, ``output_ids`` leaves them out.
     """
 
     request_id: int
@@ -43,6 +45,7 @@ class Request:
     text: str | None = None  # the output text cut before a matched stop string (None: not cut)
     stop_matcher: Any = None  # a StopStringMatcher when the request has stop strings (set on admission)
     prompt: str | None = None  # the prompt as given, when it was a string
+    unresolved: int = 0  # trailing placeholders in token_ids: tokens sampled by a step whose output is not read yet
 
     def __post_init__(self) -> None:
         if not isinstance(self.prompt_ids, array.array):
@@ -54,10 +57,23 @@ class Request:
 
     @property
     def output_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_ids) :].tolist()
+        """The generated tokens known on the host (placeholders of a step in flight left out)."""
+        return self.token_ids[len(self.prompt_ids) : len(self.token_ids) - self.unresolved].tolist()
+
+    @property
+    def num_output_known(self) -> int:
+        """``len(output_ids)``: generated tokens known on the host."""
+        return len(self.token_ids) - self.unresolved - len(self.prompt_ids)
+
+    def drop_unresolved(self) -> None:
+        """Forget the tokens of steps in flight (the request finished before them)."""
+        if self.unresolved:
+            del self.token_ids[len(self.token_ids) - self.unresolved:]
+            self.unresolved = 0
 
     @property
     def num_output(self) -> int:
+        """Generated tokens, those of a step in flight included (what the length limits count)."""
         return len(self.token_ids) - len(self.prompt_ids)
 
     @property

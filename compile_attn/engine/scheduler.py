@@ -10,6 +10,7 @@ freed, to be recomputed later). Requests that could never fit are refused when a
 
 from __future__ import annotations
 
+import array
 import logging
 from collections import deque
 from collections.abc import Sequence
@@ -36,6 +37,16 @@ class ScheduledStep:
     @property
     def num_tokens(self) -> int:
         return sum(self.extend_lens)
+
+    def input_ids(self) -> array.array:
+        """The step's tokens, request after request: one memory copy per request (a prefill has thousands); a
+        decode step (one token each) reads each request's token at its prefix length in one comprehension."""
+        if self.extend_lens.count(1) == len(self.extend_lens):
+            return array.array("q", [r.token_ids[p] for r, p in zip(self.requests, self.prefix_lens)])
+        ids = array.array("q")
+        for r, p, n in zip(self.requests, self.prefix_lens, self.extend_lens):
+            ids.extend(r.token_ids[p : p + n])
+        return ids
 
 
 @dataclass
@@ -168,18 +179,30 @@ class Scheduler:
         out_cache_loc = self.kv.alloc_extend([r.row for r in reqs], extend_lens)
         return ScheduledStep(reqs, [r.num_cached for r in reqs], extend_lens, out_cache_loc)
 
-    def finish(self, req: Request, reason: str) -> None:
-        self.finish_all([(req, reason)])
-
     def finish_all(self, done: Sequence[tuple[Request, str]]) -> None:
-        """Finish several requests at once: their KV is freed in one call (one device op for their rows)."""
+        """Finish several requests at once: their KV is freed in one call (one device op for their rows). A request
+        may be running, retired (see ``retire``), or waiting after a preemption."""
         if not done:
             return
-        self.kv.free_requests([req.row for req, _ in done])
+        self.kv.free_requests([req.row for req, _ in done if req.row is not None])
         ids = set()
         for req, reason in done:
+            if req.status is RequestStatus.WAITING:
+                self.waiting.remove(req)
             req.status, req.finish_reason, req.row = RequestStatus.FINISHED, reason, None
             ids.add(id(req))
+        self.running[:] = [r for r in self.running if id(r) not in ids]
+
+    def retire(self, reqs: Sequence[Request]) -> None:
+        """Take running requests out of scheduling and free their KV while their last token is still on the
+        device: they finish whatever it is (a length limit), and ``finish_all`` gives them their reason once it
+        is read. Safe on a GPU: a freed slot is reused only by a later step, which runs after this one."""
+        if not reqs:
+            return
+        self.kv.free_requests([r.row for r in reqs])
+        ids = {id(r) for r in reqs}
+        for r in reqs:
+            r.row = None
         self.running[:] = [r for r in self.running if id(r) not in ids]
 
     def abort(self, reqs: Sequence[Request]) -> None:

@@ -115,4 +115,4 @@ def test_shutdown_ends_streams_with_abort() -> None:
 
     rest = run(main())
     assert rest[-1].finished and rest[-1].finish_reason == "abort"
-    assert eng.llm.kv_cache.available_tokens == fresh and not eng.llm.scheduler.has_work()
+    assert eng.llm.kv_cache.available_tokens == fresh and not eng.llm.has_work()

@@ -63,7 +63,7 @@ def llm(model: ToyDecoder) -> LLM:
 def assert_idle_and_exact(llm: LLM) -> None:
     """Nothing queued, every page and request row free: the pool's accounting equals a fresh cache's."""
     kv = llm.kv_cache
-    assert not llm.scheduler.has_work()
+    assert not llm.has_work()
     assert kv.allocator.available == kv.allocator.num_pages
     assert kv.available_tokens == kv.allocator.num_pages * kv.page_size
     assert kv.req_to_token_pool.available == kv.req_to_token_pool.max_requests
@@ -206,7 +206,7 @@ def test_generate_takes_a_dict_of_sampling_params(llm: LLM, reference: list[list
     outs = llm.generate(PROMPTS[:2], [{"max_new_tokens": 1}, SamplingParams(max_new_tokens=3)])
     assert [o.token_ids for o in outs] == [reference[0][:1], reference[1][:3]]
     req = llm.add_request(PROMPTS[2], {"max_new_tokens": 2})
-    while llm.scheduler.has_work():
+    while llm.has_work():
         llm.step()
     assert req.output_ids == reference[2][:2]
     with pytest.raises(InvalidRequestError, match="unknown sampling parameter.*'max_len'.*known: .*max_new_tokens"):
@@ -286,14 +286,14 @@ def test_a_failed_step_is_undone_and_stepping_on_gives_the_right_tokens(llm: LLM
     for n in (1, 4, 7, 2, 9, 3):  # the Nth attention call from where the last failure left off
         restore = fail_on_attention_call(llm, n, make_exc())
         try:
-            while llm.scheduler.has_work():
+            while llm.has_work():
                 llm.step()
         except (BackendFailure, KeyboardInterrupt):
             failures += 1
         restore()
         assert_consistent(llm)
     assert failures >= 4
-    while llm.scheduler.has_work():
+    while llm.has_work():
         llm.step()
     assert [r.output_ids for r in reqs] == reference
     assert all(r.finish_reason == "length" for r in reqs)
@@ -319,7 +319,7 @@ def test_a_step_interrupted_while_scheduling_gives_back_its_rows(llm: LLM, refer
         assert llm.kv_cache.req_to_token_pool.available == rows_free
         assert_consistent(llm)
         llm.step()
-    while llm.scheduler.has_work():
+    while llm.has_work():
         llm.step()
     assert [r.output_ids for r in reqs] == reference
     assert_healthy(llm, reference)
@@ -336,7 +336,7 @@ def test_a_generate_that_raised_leaves_nothing_of_its_own_queued(llm: LLM, refer
     restore()
     assert_consistent(llm)
     assert list(llm.scheduler.waiting) + llm.scheduler.running == [other]
-    while llm.scheduler.has_work():
+    while llm.has_work():
         llm.step()
     assert other.output_ids == reference[4]
     assert_healthy(llm, reference)
@@ -449,7 +449,7 @@ def test_fuzz_requests_give_a_named_error_or_the_right_tokens(llm: LLM, model: T
                 for r in queued:
                     llm.abort_request(r)
                 raise
-            while llm.scheduler.has_work():
+            while llm.has_work():
                 llm.step()
             outs = [r.output_ids for r in queued]
     except (ValueError, TypeError) as exc:

@@ -95,7 +95,7 @@ def test_staggered_arrivals_give_the_same_tokens(model: ToyDecoder) -> None:
     for p in PROMPTS[1:]:
         llm.step(), llm.step()
         reqs.append(llm.add_request(p, params))  # arrives while the others decode
-    while llm.scheduler.has_work():
+    while llm.has_work():
         llm.step()
     assert llm.steps_by_mode[ForwardMode.MIXED] > 0, "no step mixed prefill with decode"
     for p, r in zip(PROMPTS, reqs):
@@ -115,7 +115,7 @@ def test_request_that_can_never_fit_is_rejected_before_anything_runs(model: ToyD
     llm = make_llm(model, kv_cache_tokens=32, max_context=64)
     with pytest.raises(RequestTooLargeError, match="needs up to 40 tokens .* KV cache holds 32 tokens"):
         llm.generate([[1, 2], list(range(30))], SamplingParams(max_new_tokens=10))
-    assert not llm.scheduler.has_work()  # the call was refused whole: nothing queued, nothing allocated
+    assert not llm.has_work()  # the call was refused whole: nothing queued, nothing allocated
     assert llm.kv_cache.available_tokens == 32
 
 
@@ -161,7 +161,7 @@ def test_hybrid_backend_greedy_equals_recompute(graph_mode: str) -> None:
     for p in PROMPTS[1:3]:
         llm.step()
         reqs.append(llm.add_request(p, params))
-    while llm.scheduler.has_work():
+    while llm.has_work():
         llm.step()
     for p, r in zip(PROMPTS, reqs):
         assert r.output_ids == greedy_by_recompute(model, p, 5)
@@ -174,6 +174,6 @@ def test_prompt_ids_that_are_not_int64_are_refused_by_name(model: ToyDecoder, pr
     llm = make_llm(model, graph_mode="none", compile=False)
     with pytest.raises(ValueError, match=f"prompt token ids must be integers.*got {re.escape(bad)}"):
         llm.generate([prompt], SamplingParams(max_new_tokens=1))
-    assert not llm.scheduler.has_work()  # nothing was queued
+    assert not llm.has_work()  # nothing was queued
     ids = [torch.tensor(3), 4, np.int64(1)]  # an integer with __index__ is taken as its integer (a bool is not)
     assert llm.generate([ids], SamplingParams(max_new_tokens=1, temperature=0))[0].prompt_token_ids == [3, 4, 1]

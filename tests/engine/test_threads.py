@@ -159,5 +159,5 @@ def test_one_llm_from_two_threads_refuses_the_second_call(models: tuple) -> None
         t.join(60)
     del llm.backend.forward
     assert out == [alone]  # the running call was not disturbed; the refused ones queued nothing
-    assert not llm.scheduler.has_work() and llm.kv_cache.available_tokens == 256
+    assert not llm.has_work() and llm.kv_cache.available_tokens == 256
     assert [o.token_ids for o in llm.generate(TOY_PROMPTS, PARAMS)] == alone

@@ -47,7 +47,7 @@ def toy_llm() -> LLM:
 
 
 def assert_kv_empty(llm: LLM) -> None:
-    assert not llm.scheduler.has_work()
+    assert not llm.has_work()
     assert llm.kv_cache.available_tokens == llm.fresh_kv_tokens
 
 

@@ -1,0 +1,82 @@
+"""A launched engine step whose sampled tokens the host has not read yet, and the device-side feedback of those
+tokens into the next step's input ids.
+
+With overlap scheduling the engine launches step N+1 before it reads step N's tokens. Each request that samples in
+step N gets a placeholder in its ``token_ids`` at launch: ``-(i + 1)`` where ``i`` is its row in step N's token
+tensor. The scheduler counts it like any token, so step N+1 is planned as if the token were known; its input ids
+carry the placeholder, and ``feed_tokens`` replaces every negative id with step N's token on the device before the
+forward runs. When the host reads step N's tokens (``InFlightStep.read``, the step's one wait on the device), the
+engine writes them over the placeholders and runs the finish checks one step late.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from compile_attn.engine.request import Request
+
+
+def placeholder(row: int) -> int:
+    """The placeholder token id of row ``row`` of the step in flight (negative: never a real token id)."""
+    return -1 - row
+
+
+@dataclass(eq=False)
+class InFlightStep:
+    """``requests[i]`` sampled ``tokens[i]`` (a device tensor) in this step, to be written at ``token_ids[at[i]]``
+    (where its placeholder is). ``host`` is the asynchronous copy of ``tokens`` that ``ready`` marks complete (on the
+    CPU, ``tokens`` itself and no event)."""
+
+    requests: list[Request]
+    at: list[int]
+    tokens: torch.Tensor
+    host: torch.Tensor
+    ready: torch.cuda.Event | None
+
+    @classmethod
+    def launch(cls, requests: list[Request], tokens: torch.Tensor) -> InFlightStep:
+        """Start copying ``tokens`` to the host and put a placeholder at the end of each request's ``token_ids``."""
+        ready = None
+        host = tokens
+        if tokens.is_cuda:
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        at = []
+        for i, r in enumerate(requests):
+            at.append(len(r.token_ids))
+            r.token_ids.append(placeholder(i))
+            r.unresolved += 1
+        return cls(requests, at, tokens, host, ready)
+
+    def read(self) -> list[int]:
+        """The sampled tokens on the host; waits for this step's device work (and only for it)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host.tolist()
+
+
+def has_placeholders(requests: list[Request], prefix_lens: list[int], extend_lens: list[int]) -> bool:
+    """Whether some request's tokens for this step include a placeholder (its newest token, not read yet)."""
+    for r, p, n in zip(requests, prefix_lens, extend_lens):
+        if r.unresolved and p + n > len(r.token_ids) - r.unresolved:
+            return True
+    return False
+
+
+def feed_tokens(input_ids: torch.Tensor, tokens: torch.Tensor, vocab_size: int | None) -> None:
+    """Replace, in place and on the device, each placeholder ``-(i + 1)`` in ``input_ids`` with ``tokens[i]``.
+
+    A token outside the vocabulary (the request finishes with an error once the host sees it) is clamped into it
+    here, so that the step computing the extra token does not index the embedding out of bounds.
+    """
+    if tokens.numel() == 0:
+        return
+    rows = input_ids.neg().sub_(1).clamp_(0, tokens.numel() - 1)
+    fed = tokens.index_select(0, rows)
+    if vocab_size:
+        fed.clamp_(0, vocab_size - 1)
+    torch.where(input_ids < 0, fed, input_ids, out=input_ids)
