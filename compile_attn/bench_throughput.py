@@ -37,6 +37,7 @@ class ThroughputConfig:
     backend: str = "auto"
     graph_mode: str = "full_and_piecewise"
     compile: bool = True
+    overlap: bool = True
     max_batch_size: int = 256
     max_num_tokens: int = 8192
     kv_cache_tokens: int | None = None  # None: sized from gpu_memory_utilization
@@ -95,9 +96,10 @@ def _run_engine(model: object, workload: Workload, cfg: ThroughputConfig, dtype:
     llm = LLM(model, attn_backend=cfg.backend, graph_mode=cfg.graph_mode, compile=cfg.compile,
               max_batch_size=cfg.max_batch_size, max_num_tokens=cfg.max_num_tokens,
               kv_cache_tokens=cfg.kv_cache_tokens, gpu_memory_utilization=cfg.gpu_memory_utilization, max_context=cfg.max_context or workload.longest,
-              page_size=cfg.page_size, device=cfg.device, dtype=dtype)
+              page_size=cfg.page_size, device=cfg.device, dtype=dtype, overlap=cfg.overlap)
     _sync(cfg.device)
-    engine = dict(system=f"compile_attn {llm.backend.name} {llm.step_runner.graph_mode.value}",
+    engine = dict(system=f"compile_attn {llm.backend.name} {llm.step_runner.graph_mode.value}"
+                         + ("" if cfg.overlap else " no-overlap"), overlap=cfg.overlap,
                   backend=llm.backend.name, graph_mode=llm.step_runner.graph_mode.value,
                   startup_s=time.perf_counter() - start,
                   kv_cache_tokens=llm.kv_cache.allocator.num_pages * llm.kv_cache.page_size,

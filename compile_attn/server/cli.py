@@ -49,7 +49,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     llm = LLM(args.model, attn_backend=args.backend, graph_mode=args.graph_mode, compile=not args.no_compile,
               max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
-              kv_cache_tokens=args.kv_cache_tokens, max_context=args.max_context, device=args.device)
+              kv_cache_tokens=args.kv_cache_tokens, max_context=args.max_context, device=args.device,
+              overlap=not args.no_overlap)
     if args.chat_template is not None and llm.tokenizer is not None:
         path = Path(args.chat_template)
         llm.tokenizer.chat_template = path.read_text() if path.is_file() else args.chat_template
