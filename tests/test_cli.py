@@ -181,3 +181,16 @@ def test_random_weights_say_so_once(capsys: pytest.CaptureFixture[str], caplog: 
     warnings = [r.getMessage() for r in caplog.records if r.name == "compile_attn.cli"]
     assert len(warnings) == 1 and warnings[0].startswith("random weights: the text is meaningless;")
     assert cli.TRAINED_MODEL in warnings[0]
+
+
+def test_cli_runs_without_the_server_stack() -> None:
+    """`compile-attn throughput` and the other commands must run where FastAPI / uvicorn are not installed."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['fastapi'] = None; sys.modules['uvicorn'] = None\n"
+            "from compile_attn.cli import build_parser\n"
+            "args = build_parser().parse_args(['throughput', 'fixed', '--tiny'])\n"
+            "print(args.command if hasattr(args, 'command') else 'parsed')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr

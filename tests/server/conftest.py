@@ -20,7 +20,7 @@ import uvicorn  # noqa: E402
 from compile_attn.engine import LLM  # noqa: E402
 from compile_attn.engine.async_engine import AsyncLLM  # noqa: E402
 from compile_attn.models.tiny_llama import tiny_llama  # noqa: E402
-from compile_attn.server import create_app  # noqa: E402
+from compile_attn.server.app import create_app  # noqa: E402
 
 ENGINE = dict(max_batch_size=8, max_num_tokens=256, kv_cache_tokens=4096, max_context=512, page_size=4,
               graph_mode="none", compile=False, device="cpu")
