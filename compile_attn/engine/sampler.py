@@ -18,6 +18,7 @@ import torch
 from compile_attn.engine.sampling import flashinfer_sampling
 from compile_attn.engine.sampling.noise import hashed_uniform
 from compile_attn.engine.sampling.plan import SamplingPlan
+from compile_attn.engine.sampling import portable
 from compile_attn.engine.sampling.portable import compile_default, compile_switch, run_candidates, run_plain
 
 __all__ = ["BACKENDS", "SamplingPlan", "hashed_uniform", "sample", "warmup"]
@@ -117,7 +118,8 @@ def warmup(
     compiled: bool | None = None,
 ) -> int:
     """Build every kernel ``sample`` can reach for ``[rows <= max_rows, vocab_size]`` logits of ``dtype``:
-    the compiled portable graphs (one row and any row count; plain, min_p, candidates) and FlashInfer's
+    the compiled portable graphs (one row, any row count below and from ``portable.WIDE_ROWS``; plain, min_p,
+    candidates) and FlashInfer's
     JIT modules where they would be used. Call it at start-up so that no traffic compiles; ``sample`` runs
     the compiled graphs on this device from then on (eagerly before). ``compiled`` defaults to
     ``portable.compile_default``. Returns the number of ``sample`` calls made."""
@@ -129,7 +131,7 @@ def warmup(
         raise ValueError(f"warmup needs vocab_size >= 1 and max_rows >= 1, got {vocab_size} and {max_rows}")
     calls = 0
     gen = torch.Generator(device="cpu").manual_seed(0)
-    for rows in sorted({1, min(2, max_rows), max_rows}):
+    for rows in sorted({1, min(2, max_rows), min(portable.WIDE_ROWS, max_rows), max_rows}):
         with torch.inference_mode():  # the logits of an inference-mode forward, as in the engine
             logits = torch.randn(rows, vocab_size, generator=gen).to(device=device, dtype=dtype)
         temps = [0.0] + [0.7] * (rows - 1) if rows > 1 else [0.7]

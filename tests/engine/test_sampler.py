@@ -112,6 +112,25 @@ def test_large_vocabulary_rows_across_argmax_blocks() -> None:
     sample_stats([(1.0, 0, 1.0, 0.0), (0.7, 0, 1.0, 0.3), (1.0, 4, 1.0, 0.0)], 4000, logits_row=row)
 
 
+def test_wide_batches_draw_what_each_row_draws_alone() -> None:
+    # from WIDE_ROWS rows on, the argmax runs in one stage: every seeded row must still draw the token it draws
+    # alone (one row: the two-stage argmax), across argmax blocks (vocab > 2048), ties to the first index included
+    from compile_attn.engine.sampling.portable import WIDE_ROWS
+
+    gen = torch.Generator().manual_seed(5)
+    rows, vocab = WIDE_ROWS + 3, 4500
+    logits = torch.randn(rows, vocab, generator=gen)
+    logits[:8, 4100] = logits[:8, 10] = 50.0  # greedy rows with a tie across blocks: the first index wins
+    temperature = torch.where(torch.arange(rows) < 8, 0.0, 0.8)
+    seeds, positions = torch.arange(rows) * 7 + 1, torch.arange(rows) % 5
+    together = sample(logits, temperature, seeds=seeds, positions=positions)
+    alone = torch.stack([sample(logits[i:i + 1], temperature[i:i + 1], seeds=seeds[i:i + 1],
+                                positions=positions[i:i + 1])[0] for i in range(rows)])
+    assert torch.equal(together, alone)
+    assert together[:8].tolist() == [10] * 8
+    assert len(set(together[8:].tolist())) > rows // 2  # sampled rows: spread, not one argmax
+
+
 def test_greedy_rows_take_the_argmax_next_to_sampled_rows() -> None:
     n = 64
     logits = torch.randn(n, 3000, generator=torch.Generator().manual_seed(0))

@@ -20,6 +20,7 @@ from compile_attn.engine.sampling.noise import hashed_gumbel, row_keys
 
 MIN_TEMPERATURE = 1e-5  # divisor for temperature-0 rows, whose result is replaced by the argmax
 _ARGMAX_CHUNK = 2048  # columns per first-stage argmax block (Inductor does not split argmax reductions)
+WIDE_ROWS = 128  # from this many rows on, one block per row fills the GPU: a one-stage argmax is cheaper
 COMPILE_ENV = "COMPILE_ATTN_SAMPLER_COMPILE"
 
 
@@ -56,6 +57,16 @@ def plain_tokens(
     an input tensor rather than an ``arange`` inside the graph, because Inductor folds ``arange * constant``
     into its int32 index arithmetic, which overflows for the hash's multiplier."""
     return _first_argmax(_plain_score(logits, temperature, seeds, positions, token_ids, None))
+
+
+def plain_tokens_wide(
+    logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+    token_ids: torch.Tensor,
+) -> torch.Tensor:
+    """``plain_tokens`` for ``WIDE_ROWS`` rows or more: the argmax in one stage (a block per row; the two-stage
+    split pays for itself only when rows are too few to occupy the GPU). A function of its own, so its compiled
+    graph is separate from the narrow one."""
+    return _plain_score(logits, temperature, seeds, positions, token_ids, None).argmax(-1)
 
 
 def plain_tokens_min_p(
@@ -152,10 +163,11 @@ def run_plain(
     min_p: torch.Tensor | None,
     compiled: bool,
 ) -> torch.Tensor:
-    """``plain_tokens`` (``plain_tokens_min_p`` with ``min_p``), compiled (one graph for one row, one for any
-    other count) or eager."""
+    """``plain_tokens`` (``plain_tokens_wide`` from ``WIDE_ROWS`` rows, ``plain_tokens_min_p`` with ``min_p``),
+    compiled (one graph for one row, one for any other count) or eager."""
     rows = (logits, temperature, seeds, positions) + (() if min_p is None else (min_p,))
-    fn = plain_tokens if min_p is None else plain_tokens_min_p
+    fn = plain_tokens_min_p if min_p is not None else (
+        plain_tokens_wide if logits.shape[0] >= WIDE_ROWS else plain_tokens)
     args = (*rows[:4], vocab_ids(logits.shape[-1], logits.device), *rows[4:])
     if not compiled:
         return fn(*args)
