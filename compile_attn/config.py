@@ -75,12 +75,12 @@ class GraphConfig:
     compile_attn's ``inductor_choices_class`` (``compile_attn.compiler.fusion_choices``); unknown names are a
     ValueError.
     skip_guards: once the graph runner has captured, it calls the compiled model with Dynamo's guard
-    evaluation off (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``), which saves the guard check on
-    every piecewise step. This holds because ``CompiledModel`` compiles one graph for every token
+    evaluation off (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``), which saves the guard check
+    on every piecewise step. This holds because ``CompiledModel`` compiles one graph for every token
     count and the runner passes only inputs of the kinds seen during capture. Off under ``verify``.
     direct_calls: once a piecewise step of a token-count bucket has run through Dynamo, later steps of that
     bucket call the compiled graph with the same arguments themselves, without Dynamo's frame (its bytecode,
-    guards and the Python around the graph, all host time before the first piece), when that step ran one graph
+    guards and the Python around the graph: host time before the first piece), when that step ran one graph
     and returned one of its output tensors. This holds under ``skip_guards``'s assumption, and when the model's
     ``forward`` has no Python side effects outside its graph (Dynamo would replay them; a direct call does
     not). Off under ``verify`` and with ``skip_guards`` off. See ``compile_attn.compiler.graph_calls``.

@@ -4,8 +4,8 @@ Every piece is compiled for a symbolic token count, so one artifact serves all s
 use what it would know about a fixed size: at one token a linear layer is a matrix-vector product, bound by
 reading its weight, which cuBLAS runs well below the memory bandwidth for small weights. For a static
 compile, ``linears_as_reductions`` writes every linear whose input has one row as a multiply-and-sum in fp32
-(what Inductor's own ``mm`` decomposition does, but only under ``coordinate_descent_tuning``, whose tuning runs
-again in every process and costs start time); Inductor turns it into one reduction kernel per linear
+(what Inductor's own ``mm`` decomposition does, but only under ``coordinate_descent_tuning``, whose tuning
+runs again in every process and costs start time); Inductor turns it into one reduction kernel per linear
 (benchmarks/bench_gemv.py). ``STATIC_PATCHES`` keeps a producer with more than a few ops (RMSNorm, SiLU * up)
 out of that kernel: inlined, it was recomputed by every program of the reduction (docs/performance.md);
 ``GraphConfig.static_inductor_config`` adds patches of the caller's for these compiles only. With

@@ -50,9 +50,9 @@ class ReplayViews:
     # ------------------------------------------------------------------ int64 fields
     def _targets(self, bs: int, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The copies' destinations for ``bs`` requests and ``n`` tokens: (the int64 fields, the int32 request
-        fields). Decode shapes (``n == bs``, at most ``max_batch_size`` of them) keep theirs: slicing them anew
-        every step is host time on the step's critical path. Extend shapes (any token count) are sliced per step, not
-        kept, so a long-running server's mix of prompt lengths does not grow a cache."""
+        fields). Decode shapes (``n == bs``, at most ``max_batch_size`` of them) keep theirs: slicing them
+        anew every step is host time on the step's critical path. Extend shapes (any token count) are sliced
+        per step, not kept, so a long-running server's mix of prompt lengths does not grow a cache."""
         targets = self._copy_targets.get((bs, n))
         if targets is None:
             b = self.buffers

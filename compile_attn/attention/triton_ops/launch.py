@@ -2,8 +2,8 @@
 
 ``kernel[grid](*args)`` runs Triton's ``JITFunction.run`` every time: binding and specialising each argument,
 hashing the specialisation, reading knobs, building launch metadata: several times an aten op's host cost.
-Piecewise decode launches our kernels between graph replays, so it is on the critical path. ``CachedLaunch`` keys a call by the exact argument
-values (tensor data pointers and dtypes, ints and floats with their types, constexprs, launch options). Same
+Piecewise decode launches our kernels between graph replays, so it is on the critical path. ``CachedLaunch``
+keys a call by the exact argument values (tensor data pointers and dtypes, ints and floats with their types, constexprs, launch options). Same
 key means Triton would specialise it identically, so the compiled kernel of the first call is launched
 directly through its launcher (``CompiledKernel.run``), the same call ``JITFunction.run`` ends with, tensors
 passed as their addresses (checked by the regular launch that made the entry). In
