@@ -3,12 +3,12 @@
 ``kernel[grid](*args)`` runs Triton's ``JITFunction.run`` every time: binding and specialising each argument,
 hashing the specialisation, reading knobs, building launch metadata: several times an aten op's host cost.
 Piecewise decode launches our kernels between graph replays, so it is on the critical path. ``CachedLaunch``
-keys a call by the exact argument values (tensor data pointers and dtypes, ints and floats with their types, constexprs, launch options). Same
-key means Triton would specialise it identically, so the compiled kernel of the first call is launched
-directly through its launcher (``CompiledKernel.run``), the same call ``JITFunction.run`` ends with, tensors
-passed as their addresses (checked by the regular launch that made the entry). In
-piecewise and graph-bucketed decode, every layer's arguments repeat step after step (static buffers), so
-after the first step every launch takes the short path.
+keys a call by the exact argument values (tensor data pointers and dtypes, ints and floats with their types,
+constexprs, launch options). Same key means Triton would specialise it identically, so the compiled kernel of
+the first call is launched directly through its launcher (``CompiledKernel.run``), the same call
+``JITFunction.run`` ends with, tensors passed as their addresses (checked by the regular launch that made the
+entry). In piecewise and graph-bucketed decode, every layer's arguments repeat step after step (static
+buffers), so after the first step every launch takes the short path.
 
 The short path is used only where it mirrors the installed Triton exactly: compiled (not interpreted)
 kernels, a ``JITFunction.run`` that launches with ``kernel.run(..., *bound_args.values())`` (every parameter,
