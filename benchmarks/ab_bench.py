@@ -1,9 +1,9 @@
 """A/B of ``compile-attn bench`` between two builds (or two environments), in alternating processes of one run.
 
-The host part of a decode step moves by up to ~0.2 ms between processes of one build on the lent H100, so a
-change is only compared against a baseline measured in the same call, process after process: A, B, A, B, ...
+The host part of a decode step moves between processes of one build by more than most changes, so a change is
+only compared against a baseline measured in the same run, process after process: A, B, A, B, ...
 A is the compile_attn tree at ``--base`` (a git revision, exported with ``git archive``) or ``--base-dir`` (an
-exported tree: the GPU machine gets no ``.git``), put first on ``PYTHONPATH``; B is this checkout. ``--env-b``
+exported tree, for a copy of the checkout without ``.git``), put first on ``PYTHONPATH``; B is this checkout. ``--env-b``
 instead runs this checkout twice, B with extra environment variables (e.g. ``TORCHINDUCTOR_ENABLE_PDL=1``).
 Every argument after ``--`` goes to ``compile-attn bench``. Prints one markdown row per process and system:
 ms per step, graph replay in brackets; with ``--engine`` / ``--engine-only``, then one row per process and

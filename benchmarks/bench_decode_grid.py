@@ -1,11 +1,11 @@
 """Decode attention of every available fast backend side by side, through compile_attn's backends, in one run.
 
-bf16, 32 query / 8 KV heads, head_dim 64, page size 1 (``--page-size`` to change), KV slots shuffled, batch
+bf16, the Llama-3.2-1B attention shape (``common``), page size 1 (``--page-size`` to change), KV slots shuffled, batch
 1/16/64/256 x context 512/4096. Per backend and shape: the decode metadata is built for a graph bucket
 (``init_forward_metadata_out_graph(in_capture=True)`` + ``_in_graph``), then the attention call
 (``backend.forward``, which also stores the step's K/V) is captured in a CUDA graph and replayed
 (``triton.testing.do_bench_cudagraph``, median). KV bandwidth = bytes of cached K and V read / time, as % of
-3.0 TB/s (the H100's measured bandwidth).
+``common.PEAK_TB_S``.
 
     python benchmarks/bench_decode_grid.py --backends fa3,flashinfer,triton --out grid.json
 """
@@ -18,10 +18,10 @@ import json
 import torch
 import triton.testing
 
+from common import HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, PEAK_TB_S, require_cuda
 from compile_attn import AttentionLayer, ForwardBatch, KVCache, create_backend, forward_context
 
-PEAK_TBPS = 3.0
-HQ, HKV, D = 32, 8, 64
+HQ, HKV, D = NUM_HEADS, NUM_KV_HEADS, HEAD_DIM
 BATCHES, CONTEXTS = (1, 16, 64, 256), (512, 4096)
 
 
@@ -55,7 +55,7 @@ def bench_backend(name: str, page_size: int) -> list[dict]:
             kv_bytes = 2 * bs * ctx * HKV * D * 2
             rows.append({"backend": backend.name, "bs": bs, "ctx": ctx, "us": ms * 1e3,
                          "kv_tbps": kv_bytes / (ms * 1e-3) / 1e12,
-                         "pct_peak": 100 * kv_bytes / (ms * 1e-3) / 1e12 / PEAK_TBPS})
+                         "pct_peak": 100 * kv_bytes / (ms * 1e-3) / 1e12 / PEAK_TB_S})
             for r in reqs:
                 kv.free_request(r)
     return rows
@@ -63,7 +63,7 @@ def bench_backend(name: str, page_size: int) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     names = list(dict.fromkeys(r["backend"] for r in rows))
-    head = "| bs x ctx | " + " | ".join(f"{n} us (% of {PEAK_TBPS} TB/s)" for n in names) + " |"
+    head = "| bs x ctx | " + " | ".join(f"{n} us (% of {PEAK_TB_S} TB/s)" for n in names) + " |"
     lines = [head, "|---" * (len(names) + 1) + "|"]
     for bs in BATCHES:
         for ctx in CONTEXTS:
@@ -79,6 +79,7 @@ def main() -> None:
     parser.add_argument("--page-size", type=int, default=1)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    require_cuda("bench_decode_grid.py")
     rows = []
     for name in args.backends.split(","):
         try:

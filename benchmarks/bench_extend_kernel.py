@@ -23,7 +23,9 @@ import torch
 import torch.nn.functional as F
 import triton
 
-PEAK_TFLOPS = 790.0  # measured dense bf16 GEMM peak on the H100 (benchmarks/RESULTS.md)
+from common import HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, PEAK_BF16_FLOPS, require_cuda
+
+PEAK_TFLOPS = PEAK_BF16_FLOPS / 1e12
 
 
 def load_kernel_module(path: str | None) -> ModuleType:
@@ -87,14 +89,15 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--extend", type=int, default=1024)
     parser.add_argument("--prefix", type=int, default=0)
-    parser.add_argument("--q-heads", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--q-heads", type=int, default=NUM_HEADS)
+    parser.add_argument("--kv-heads", type=int, default=NUM_KV_HEADS)
+    parser.add_argument("--head-dim", type=int, default=HEAD_DIM)
     parser.add_argument("--configs", default="[]",
                         help="JSON list of [BLOCK_M, BLOCK_N, num_warps, num_stages]; [] = the kernel's default")
     parser.add_argument("--kernel-file", default=None, help="another extend_attention.py to time instead")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     args = parser.parse_args()
+    require_cuda("bench_extend_kernel.py")
 
     module = load_kernel_module(args.kernel_file)
     inputs = make_inputs(args)

@@ -1,10 +1,10 @@
 """Benchmark the flashinfer backend on one GPU: decode attention, plan cost, extend paths, JIT warm-up, and
 the decode step of a Llama-3.2-1B-shaped model in full-graph mode. Prints a markdown table, writes JSON.
 
-Decode attention: bf16, 32 query / 8 KV heads, head_dim 64, page 1, batch 1/16/64/256 x context 512/4096,
+Decode attention: bf16, the Llama-3.2-1B attention shape (``common``), page 1, batch 1/16/64/256 x context 512/4096,
 through the backend (``decode_attention`` after the plan; the plan is not timed). "eager" times each
 call with triton's do_bench, "graph" replays it captured in a CUDA graph (do_bench_cudagraph), both
-medians. KV bandwidth = bytes of K and V read / graph time, as % of 3.0 TB/s (H100 measured peak).
+medians. KV bandwidth = bytes of K and V read / graph time, as % of ``common.PEAK_TB_S``.
 
     python benchmarks/bench_flashinfer_decode.py --out bench.json            # everything
     python benchmarks/bench_flashinfer_decode.py --only jit --jit-label cached  # JIT warm-up time only
@@ -21,10 +21,10 @@ from collections.abc import Callable
 import torch
 import triton.testing
 
+from common import HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, PEAK_TB_S, require_cuda, toy_decoder_config
 from compile_attn import AttentionLayer, ForwardBatch, KVCache, create_backend, forward_context
 
-PEAK_TBPS = 3.0
-HQ, HKV, D = 32, 8, 64
+HQ, HKV, D = NUM_HEADS, NUM_KV_HEADS, HEAD_DIM
 BATCHES, CONTEXTS = (1, 16, 64, 256), (512, 4096)
 
 
@@ -99,7 +99,7 @@ def bench_decode() -> list[dict]:
                     kv.free_request(r)
         backend = None  # noqa: F841 - free its buffers before the next variant
     for r in rows_out:
-        r["pct_peak"] = 100 * r["kv_tbps"] / PEAK_TBPS
+        r["pct_peak"] = 100 * r["kv_tbps"] / PEAK_TB_S
     return rows_out
 
 
@@ -176,10 +176,9 @@ def bench_model_step(batches: tuple[int, ...] = (1, 16, 64), ctx: int = 1024) ->
     """Decode step of a Llama-3.2-1B-shaped ToyDecoder (random weights) through full decode graphs."""
     from compile_attn.config import GraphConfig
     from compile_attn.graph_runner import GraphRunner
-    from compile_attn.models import ToyDecoder, ToyDecoderConfig
+    from compile_attn.models import ToyDecoder
 
-    cfg = ToyDecoderConfig(vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
-                           head_dim=64, intermediate_size=8192, rope_theta=500000.0)
+    cfg = toy_decoder_config()
     with torch.device("cuda"):
         model = ToyDecoder(cfg).to(dtype=torch.bfloat16).eval()
     kv = KVCache(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
@@ -203,7 +202,7 @@ def bench_model_step(batches: tuple[int, ...] = (1, 16, 64), ctx: int = 1024) ->
 
 
 def _table(decode: list[dict]) -> str:
-    lines = ["| bs x ctx | eager us | graph us | KV TB/s | % of 3.0 TB/s | forward us (with KV store) | "
+    lines = [f"| bs x ctx | eager us | graph us | KV TB/s | % of {PEAK_TB_S} TB/s | forward us (with KV store) | "
              "plan us: eager / graph / graph fast |", "|---|---|---|---|---|---|---|"]
     for r in decode:
         lines.append(f"| {r['bs']} x {r['ctx']} | {r['eager_us']:.1f} | {r['graph_us']:.1f} | {r['kv_tbps']:.2f} | "
@@ -219,6 +218,7 @@ def main() -> None:
                         help="run only these sections (repeatable); default: all")
     parser.add_argument("--jit-label", default="as found", help="what state the JIT cache is in (for the record)")
     args = parser.parse_args()
+    require_cuda("bench_flashinfer_decode.py")
     sections = args.only or ["jit", "decode", "plan", "extend", "model"]
     results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     if "jit" in sections:

@@ -5,7 +5,7 @@ shape, ``F.linear`` through cuBLAS (what the compiled pieces call today) and the
 Inductor for a static one-row input with ``coordinate_descent_tuning`` (Inductor then decomposes the ``mm`` into a
 fused reduction: what ``GraphConfig.compile_sizes=(1,)`` gives the pieces), and the same product written as a
 multiply-and-sum compiled with Inductor's default config (no runtime tuning), with the bandwidth each reaches
-for the weight bytes (3.0 TB/s measured on the H100). Each call reads a different copy of the weight inside one
+for the weight bytes (``common.BANDWIDTH``). Each call reads a different copy of the weight inside one
 CUDA graph, so neither launch gaps nor L2 hits flatter the small shapes. CUDA only.
 
 ``--rows N`` times an ``N``-row input instead (a decode step at batch ``N``); the multiply-and-sum variant is for
@@ -31,21 +31,15 @@ import json
 import torch
 import torch.nn.functional as F
 
-# (name, in_features, out_features) of the Llama-3.2-1B shape with fused q/k/v and gate/up
-SHAPES = [
-    ("qkv", 2048, 3072),
-    ("o", 2048, 2048),
-    ("gate_up", 2048, 16384),
-    ("down", 8192, 2048),
-    ("lm_head", 2048, 128256),
-]
-BANDWIDTH = 3.0e12
+from common import BANDWIDTH, linear_shapes
+
+SHAPES = linear_shapes()  # (name, in_features, out_features), q/k/v and gate/up fused
 # max-autotune (as mode="max-autotune-no-cudagraphs") with the decompose-K choice offered whatever the shape
 DECOMPOSE_K_OPTIONS = {"max_autotune": True, "triton.cudagraphs": False, "triton.decompose_k_threshold": 0}
 
 
 def rotating_weights(n: int, k: int, min_bytes: float = 256e6) -> list[torch.Tensor]:
-    """Enough copies of an ``n x k`` weight that one pass over them does not fit in L2 (50 MB on the H100)."""
+    """Enough copies of an ``n x k`` weight that one pass over them does not fit in L2."""
     copies = max(1, int(min_bytes // (n * k * 2)) + 1)
     return [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(copies)]
 

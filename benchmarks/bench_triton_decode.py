@@ -1,11 +1,11 @@
 """Decode attention time of the Triton kernels against torch SDPA (and FlashInfer when installed).
 
 Batch sizes x context lengths over a paged bf16 cache (page size 1, slots shuffled as after a while
-of serving), Hq=32, Hkv=8, D=64 by default. Each kernel is timed per launch inside a CUDA graph (how decode
-runs in serving; it hides Python launch cost), over copies of the case's q/K/V so that no launch reads from L2
-what the one before it loaded (``graph_us``), and, for Triton, also eagerly (one Python launch). Times are
-medians of triton.testing.do_bench. Bandwidth counts the K and V bytes each kernel must read once. Prints a
-markdown table and writes JSON to --out.
+of serving), the Llama-3.2-1B attention shape by default (``common``). Each kernel is timed per launch inside a
+CUDA graph (how decode runs in serving; it hides Python launch cost), over copies of the case's q/K/V so that no
+launch reads from L2 what the one before it loaded (``graph_us``), and, for Triton, also eagerly (one Python
+launch). Times are medians of triton.testing.do_bench. Bandwidth counts the K and V bytes each kernel must read
+once. Prints a markdown table and writes JSON to --out. Launch parameters are swept by ``sweep_triton_decode.py``.
 
     python benchmarks/bench_triton_decode.py --out decode.json
 """
@@ -20,37 +20,14 @@ import torch
 import triton
 import triton.testing
 
+from common import HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, PEAK_TB_S, graph_us, num_copies, require_cuda
 from compile_attn.attention.triton_ops import compute_num_kv_splits, decode_attention_fwd
-from compile_attn.attention.triton_ops import decode_attention as decode_mod
-
-PEAK_TB_S = 3.0  # measured HBM bandwidth of the H100 this was tuned on
-
 
 def eager_us(fn, rep: int = 200) -> float:
     """Median microseconds of fn() launched from Python (``graph_us`` for launches inside a CUDA graph)."""
     fn()  # compile / warm up
     torch.cuda.synchronize()
     return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median") * 1e3
-
-
-def graph_us(launches: list, rep: int = 100) -> float:
-    """Microseconds per launch: ``launches`` back to back in one CUDA graph, the median of its replays
-    (``do_bench``) over their number. One launch per graph also times the graph's launch and, it seems, the
-    write-back of the dirty lines that ``do_bench``'s L2 flush leaves (H100: 7.1 -> 3.4 us for a 1 MB read,
-    36.7 -> 28.4 us for 67 MB, benchmarks/RESULTS.md)."""
-    for launch in launches:
-        launch()  # compile / warm up outside any capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for launch in launches:
-            launch()
-    return triton.testing.do_bench(graph.replay, warmup=25, rep=rep, return_mode="median") * 1e3 / len(launches)
-
-
-def num_copies(nbytes: float, min_total: float = 256e6, cap: int = 256) -> int:
-    """Copies of ``nbytes`` of inputs that one pass over does not fit in L2 (50 MB on the H100), at most ``cap``."""
-    return max(2, min(cap, int(min_total // nbytes) + 1))
 
 
 def copies_of(case: dict) -> list[dict]:
@@ -162,65 +139,23 @@ def max_rel_diff(a, b):
     return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 
 
-def sweep(args, num_sms):
-    """Stage-1 tile configs (at the default split heuristic), then the heuristic's programs per SM."""
-    gen = torch.Generator().manual_seed(0)
-    shapes = [(1, 4096), (16, 4096), (64, 4096), (256, 4096), (64, 512)]
-    cases = {s: copies_of(make_case(*s, args.num_q_heads, args.num_kv_heads, args.head_dim, True, gen))
-             for s in shapes}
-    original_config, original_pps = decode_mod._split_kernel_config, decode_mod.PROGRAMS_PER_SM
-
-    def measure(config, pps):
-        decode_mod._split_kernel_config = lambda *a: config
-        decode_mod.PROGRAMS_PER_SM = pps
-        us = [bench_triton(cases[s], args.max_kv_splits, num_sms, rep=60)[0] for s in shapes]
-        return dict(**config, programs_per_sm=pps, us=us)
-
-    configs = [
-        {"BLOCK_N": n, "num_warps": w, "num_stages": st}
-        for n, w, st in (tuple(map(int, c.split(","))) for c in args.sweep_configs.split())
-    ]
-    rows = [measure(c, original_pps) for c in configs]
-    best = min(rows, key=lambda r: sum(r["us"]))
-    best_config = {k: best[k] for k in ("BLOCK_N", "num_warps", "num_stages")}
-    rows += [measure(best_config, pps) for pps in (1, 2, 8, 16)]
-    decode_mod._split_kernel_config, decode_mod.PROGRAMS_PER_SM = original_config, original_pps
-    rows.sort(key=lambda r: sum(r["us"]))
-    print("\nSweep (median us):")
-    print("| BLOCK_N | warps | stages | prog/SM | " + " | ".join(f"{b}x{c}" for b, c in shapes) + " |")
-    print("|---" * (4 + len(shapes)) + "|")
-    for r in rows:
-        print(
-            f"| {r['BLOCK_N']} | {r['num_warps']} | {r['num_stages']} | {r['programs_per_sm']} | "
-            + " | ".join(f"{t:.1f}" for t in r["us"])
-            + " |"
-        )
-    return rows
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="JSON file to write")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64, 256])
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 4096])
-    parser.add_argument("--num-q-heads", type=int, default=32)
-    parser.add_argument("--num-kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--num-q-heads", type=int, default=NUM_HEADS)
+    parser.add_argument("--num-kv-heads", type=int, default=NUM_KV_HEADS)
+    parser.add_argument("--head-dim", type=int, default=HEAD_DIM)
     parser.add_argument("--max-kv-splits", type=int, default=16)
     parser.add_argument("--contiguous", action="store_true", help="slots in order instead of shuffled")
-    parser.add_argument("--sweep", action="store_true", help="also sweep stage-1 configs")
-    parser.add_argument("--sweep-only", action="store_true", help="skip the comparison table")
-    parser.add_argument(
-        "--sweep-configs",
-        default=" ".join(f"{n},{w},{s}" for n in (16, 32, 64, 128) for w in (4, 8) for s in (2, 3, 4)),
-        help="space-separated BLOCK_N,num_warps,num_stages triples",
-    )
     args = parser.parse_args()
+    require_cuda("bench_triton_decode.py")
 
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     gen = torch.Generator().manual_seed(0)
     results = []
-    for bs in [] if args.sweep_only else args.batch_sizes:
+    for bs in args.batch_sizes:
         for ctx in args.contexts:
             kv_bytes = 2 * bs * ctx * args.num_kv_heads * args.head_dim * 2
             case = copies_of(make_case(bs, ctx, args.num_q_heads, args.num_kv_heads, args.head_dim,
@@ -254,7 +189,7 @@ def main():
         "median us per launch inside a CUDA graph (triton eager: one launch from Python)"
     )
     print(
-        "| bs | ctx | triton us | triton TB/s | % of 3.0 TB/s | triton eager us | SDPA (gathered KV) us "
+        f"| bs | ctx | triton us | triton TB/s | % of {PEAK_TB_S} TB/s | triton eager us | SDPA (gathered KV) us "
         "| FlashInfer us | rel diff vs SDPA | rel diff vs FlashInfer |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -265,8 +200,6 @@ def main():
             f"{fmt(r['flashinfer_us'])} | {fmt(r['diff_vs_sdpa'], '.1e')} | {fmt(r['diff_vs_flashinfer'], '.1e')} |"
         )
     report = {"device": torch.cuda.get_device_name(), "args": vars(args), "results": results}
-    if args.sweep:
-        report["sweep"] = sweep(args, num_sms)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
 

@@ -1,9 +1,9 @@
 """Sweep the Triton decode kernel's launch parameters at serving shapes: what the defaults should be.
 
-For each (batch x context) case (bf16, Hq 32 / Hkv 8 / D 64, page 1, shuffled slots) and each combination of
+For each (batch x context) case (bf16, the Llama-3.2-1B attention shape, page 1, shuffled slots) and each combination of
 programs per SM and minimum split size (how many KV splits stage 1 gets), BLOCK_N, num_warps and num_stages,
 the two-stage kernel is timed per launch over copies of the case's q/K/V (> 256 MB in all) back to back in one
-CUDA graph (``bench_triton_decode.graph_us``: ``triton.testing.do_bench`` median over the launches). Prints
+CUDA graph (``common.graph_us``: ``triton.testing.do_bench`` median over the launches). Prints
 the best combinations per case, the current default's time, and writes everything as JSON. ``--one-launch``
 times the kernel with the merge fused in (semaphores), as the triton backend runs it.
 
@@ -21,7 +21,8 @@ import math
 
 import torch
 
-from bench_triton_decode import PEAK_TB_S, copies_of, graph_us, make_case
+from bench_triton_decode import copies_of, make_case
+from common import HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, PEAK_TB_S, graph_us, require_cuda
 from compile_attn.attention.triton_ops import compute_num_kv_splits, decode_attention_fwd
 from compile_attn.attention.triton_ops.decode_attention import decode_semaphores
 from compile_attn.attention.triton_ops import decode_attention as decode_mod
@@ -68,6 +69,7 @@ def main() -> None:
                         help="the default split policy; only BLOCK_N 32/64, 2/4 warps, 2/3 stages (8 per case)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    require_cuda("sweep_triton_decode.py")
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     gen = torch.Generator().manual_seed(0)
     grid = list(itertools.product((2, 4, 8, 16), (32, 64, 128), (16, 32, 64), (2, 4), (2, 3, 4)))
@@ -79,8 +81,8 @@ def main() -> None:
     results = {}
     for name in args.cases.split(","):
         bs, ctx = (int(x) for x in name.split("x"))
-        kv_bytes = 2 * bs * ctx * 8 * 64 * 2
-        case = copies_of(make_case(bs, ctx, 32, 8, 64, True, gen))
+        kv_bytes = 2 * bs * ctx * NUM_KV_HEADS * HEAD_DIM * 2
+        case = copies_of(make_case(bs, ctx, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, True, gen))
         default = run_case(case, args.max_kv_splits, num_sms, decode_mod.PROGRAMS_PER_SM,
                            decode_mod.DEFAULT_SPLIT_SIZE, None, args.one_launch)
         rows = []

@@ -217,7 +217,7 @@ def bench_compile_attn(adapter: torch.nn.Module, setup: DecodeSetup, cfg: BenchC
             ms = _timed(lambda: runner.run(fb), cfg)
             graph = runner._graphs.get(route) if route and route[0].value == "full" else None
             replay = _timed(graph.replay, cfg) if graph is not None and cfg.device == "cuda" else None
-            # last: after a profiler session graph replays run ~0.1-0.2 ms slower in this process (H100, CUPTI)
+            # last: after a profiler session, graph replays in this process run slower (CUPTI stays attached)
             busy, top = kernel_ms(lambda: runner.run(fb)) if cfg.profile and cfg.device == "cuda" else (None, [])
             if cfg.profile and cfg.device == "cuda" and bs == min(cfg.batch_sizes):
                 logger.info("host profile of runner.run, %s bs %d:\n%s", name, bs, host_profile(lambda: runner.run(fb)))

@@ -2,17 +2,17 @@
 
 Each start runs in a fresh Python process (``python -m compile_attn.bench_engine --child ...``) so nothing is
 warm that a user's process would not have: cold = empty compile_attn, Inductor and Triton caches; warm = a
-second process over the caches the first one filled. Python's bytecode cache is one of them (``bytecode_cache``,
-default on): a pip install ships ``.pyc`` files, but where a process finds none it may not write (torch installed
-without them, or ``PYTHONDONTWRITEBYTECODE`` with a ``PYTHONPYCACHEPREFIX`` that holds none) it compiles ~2,000
-torch modules from source, seconds that no user's warm start pays (the H100 machine's warm-start profile showed
-~2 s of it). The children get their own ``PYTHONPYCACHEPREFIX`` in the benchmark's temporary folder and may
-write there, so the cold start compiles and writes the bytecode and the warm start reads it. Start time is ``LLM(...)`` construction with the default
-buckets (compile + capture); the model's random init is excluded. In the same process, prefill throughput:
-``requests x prompt_len`` prompt tokens in one step (``max_new_tokens=1``), timed after one warm-up, with the
-FLOPs it must do (linear layers per token, causal attention, the LM head on the sampled rows only) over the
-measured bf16 matmul peak, and (CUDA) the step's GPU busy time from the profiler, taken after the timed runs:
-prefill wall time minus it is the host time the GPU waited for.
+second process over the caches the first one filled. Python's bytecode cache is one of them
+(``bytecode_cache``, default on): a pip install ships ``.pyc`` files, but where a process finds none it may
+not write (torch installed without them, or ``PYTHONDONTWRITEBYTECODE`` with a ``PYTHONPYCACHEPREFIX`` that
+holds none) it compiles ~2,000 torch modules from source, seconds that no user's warm start pays. The children
+get their own ``PYTHONPYCACHEPREFIX`` in the benchmark's temporary folder and may write there, so the cold
+start compiles and writes the bytecode and the warm start reads it. Start time is ``LLM(...)`` construction
+with the default buckets (compile + capture); the model's random init is excluded. In the same process,
+prefill throughput: ``requests x prompt_len`` prompt tokens in one step (``max_new_tokens=1``), timed after
+one warm-up, with the FLOPs it must do (linear layers per token, causal attention, the LM head on the sampled
+rows only) over the measured bf16 matmul peak, and (CUDA) the step's GPU busy time from the profiler, taken
+after the timed runs: prefill wall time minus it is the host time the GPU waited for.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-PEAK_BF16_FLOPS = 790e12  # dense bf16 matmul measured on the H100 (spec sheet: 989e12)
+PEAK_BF16_FLOPS = 790e12  # the reference GPU's dense bf16 matmul peak as measured, not its spec sheet's
 
 
 @dataclass

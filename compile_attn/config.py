@@ -75,25 +75,23 @@ class GraphConfig:
     compile_attn's ``inductor_choices_class`` (``compile_attn.compiler.fusion_choices``); unknown names are a
     ValueError.
     skip_guards: once the graph runner has captured, it calls the compiled model with Dynamo's guard
-    evaluation off (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``), which saves ~0.15 ms per
-    piecewise step on the H100 host. This holds because ``CompiledModel`` compiles one graph for every token
+    evaluation off (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``), which saves the guard check
+    on every piecewise step. This holds because ``CompiledModel`` compiles one graph for every token
     count and the runner passes only inputs of the kinds seen during capture. Off under ``verify``.
     direct_calls: once a piecewise step of a token-count bucket has run through Dynamo, later steps of that
     bucket call the compiled graph with the same arguments themselves, without Dynamo's frame (its bytecode,
-    guards and the Python around the graph; ~0.2 ms per step on the H100 host), when that step ran one graph
+    guards and the Python around the graph: host time before the first piece), when that step ran one graph
     and returned one of its output tensors. This holds under ``skip_guards``'s assumption, and when the model's
     ``forward`` has no Python side effects outside its graph (Dynamo would replay them; a direct call does
     not). Off under ``verify`` and with ``skip_guards`` off. See ``compile_attn.compiler.graph_calls``.
     compile_sizes: token counts at which every piece is compiled once more with static shapes (at one
     token its linear layers become fused matrix-vector reductions); other sizes run the symbolic-shape
     compile. Each size adds one compile per unique piece to a cold start (cached like the others). None
-    (default): ``(1,)`` for a model on a GPU (bs-1 decode replay 1.51 -> 1.21 ms for the Llama-3.2-1B shape on
-    the H100), ``()`` elsewhere. See ``compile_attn.compiler.compile_sizes``.
+    (default): ``(1,)`` for a model on a GPU (a faster bs-1 decode graph: docs/performance.md), ``()``
+    elsewhere. See ``compile_attn.compiler.compile_sizes``.
     static_inductor_config: Inductor config patches for those static compiles only, over ``inductor_config``.
-    ``{"triton.enable_pdl": True}`` (programmatic dependent launches, Hopper and newer) made the bs-1 decode graph
-    replay of the Llama-3.2-1B shape 3-4.5% faster on the H100 and the warm start ~2 s longer on average (over
-    every piece it also made the 8 x 1024 prefill ~10% slower); with ``"compile_threads": 1`` next to it the warm
-    start was +0.5 s and the cold start +3.5 s (two pairs each): benchmarks/RESULTS.md.
+    ``{"triton.enable_pdl": True, "compile_threads": 1}`` (programmatic dependent launches, Hopper and newer)
+    is the opt-in for bs-1 decode latency, paid for in cold-start time (docs/performance.md).
     """
 
     mode: GraphMode = GraphMode.FULL_AND_PIECEWISE

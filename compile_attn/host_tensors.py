@@ -2,11 +2,11 @@
 
 A prefill step of thousands of tokens turns thousands of Python ints into tensors before the GPU has
 anything to do, so this is on the critical path of every step. ``torch.tensor(list)`` converts element by
-element (~70 ns each); going through ``array.array`` (one C loop) is about 4x faster. The ragged helpers
-replace per-token Python loops with a few NumPy ops on the host (~15 us for 8 runs of 1024), whose results
-go to the device in the step's one upload per dtype. Not torch ops: on the CPU ``torch.repeat_interleave``
-splits even an 8-row input over every OpenMP thread (~5 ms per call on a 16-core GPU host), and on the
-device each op is a kernel launch (~20-40 us of host time each) that the GPU waits for at the step's start.
+element; going through ``array.array`` (one C loop) is several times faster. The ragged helpers replace
+per-token Python loops with a few NumPy ops on the host, whose results go to the device in the step's one
+upload per dtype. Not torch ops: on the CPU ``torch.repeat_interleave`` splits even an 8-row input over every
+OpenMP thread (costly on a many-core host), and on the device each op is a kernel launch that the GPU waits
+for at the step's start (docs/performance.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""benchmarks/bench_norm_fold.py compares two forms of the same math: both (the model's o projection, add,
+"""benchmarks/experiments/bench_norm_fold.py compares two forms of the same math: both (the model's o projection, add,
 RMSNorm, gate/up; and the form with the norm's scale moved past the product) against float64, eager, on the CPU."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_norm_fold.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "experiments" / "bench_norm_fold.py"
 
 
 def test_both_forms_match_float64() -> None:

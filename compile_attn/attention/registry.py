@@ -92,10 +92,8 @@ def auto_backend_candidates(device: torch.device) -> list[str]:
     """Backends "auto" tries on ``device``, best first: CUDA -> triton, then fa3 (Hopper) and flashinfer
     (Ampere+) for models triton refuses, where installed, then torch_native; CPU -> torch_native.
 
-    triton leads on every GPU because it measured fastest: on the H100 its full-graph decode step of a
-    Llama-3.2-1B-shaped model took 1.34 / 1.95 ms at batch 1 / 64 against flashinfer's 1.59 / 2.53-2.57 and
-    fa3's 2.45 / 3.10 (benchmarks/RESULTS.md), and its kernels build in seconds, where flashinfer's JIT took ~45 s
-    on a fresh machine, more than the whole start-time budget."""
+    triton leads on every GPU because its full-graph decode step measured fastest and its kernels build in
+    seconds, where flashinfer's JIT build exceeds the start-time budget (docs/performance.md)."""
     if device.type != "cuda":
         return ["torch_native"]
     major, _ = torch.cuda.get_device_capability(device)

@@ -2,13 +2,12 @@
 
 Every piece is compiled for a symbolic token count, so one artifact serves all sizes. Inductor then cannot
 use what it would know about a fixed size: at one token a linear layer is a matrix-vector product, bound by
-reading its weight, which cuBLAS runs at 1.4-2.8 TB/s for the Llama-3.2-1B shapes on the H100. For a static
+reading its weight, which cuBLAS runs well below the memory bandwidth for small weights. For a static
 compile, ``linears_as_reductions`` writes every linear whose input has one row as a multiply-and-sum in fp32
-(what Inductor's own ``mm`` decomposition does, but only under ``coordinate_descent_tuning``, whose tuning ran
-again in every process on the H100: +30 s cold, +13 s warm start); Inductor turns it into one reduction
-kernel per linear, 1.6-2.8 TB/s with its default configs (benchmarks/bench_gemv.py). ``STATIC_PATCHES`` keeps
-a producer with more than a few ops (RMSNorm, SiLU * up) out of that kernel: inlined, it was recomputed by
-every program of the reduction (gate/up 29.5 -> 25.9 us, down 19.9 -> 13.6 us per layer on the H100);
+(what Inductor's own ``mm`` decomposition does, but only under ``coordinate_descent_tuning``, whose tuning
+runs again in every process and costs start time); Inductor turns it into one reduction kernel per linear
+(benchmarks/bench_gemv.py). ``STATIC_PATCHES`` keeps a producer with more than a few ops (RMSNorm, SiLU * up)
+out of that kernel: inlined, it was recomputed by every program of the reduction (docs/performance.md);
 ``GraphConfig.static_inductor_config`` adds patches of the caller's for these compiles only. With
 ``compile_sizes=(1,)`` a decoder's bs-1 decode pieces get such static artifacts; every other size keeps the
 symbolic one. Standalone artifacts check no guards, so ``SizeDispatch`` calls a static artifact only for
@@ -29,8 +28,8 @@ from compile_attn.passes.fuse_linears import LINEAR_TARGETS
 
 # Inductor config patches of the static compiles, over the piece's own. ``realize_opcount_threshold`` (default
 # 30): a pointwise producer with more ops than this is computed into a buffer instead of being inlined into its
-# consumers. Measured on the H100, Llama-3.2-1B shape, bs-1 decode graph replay: 1.35 ms at the default,
-# 1.24 at 2, 1.21 at 8 (the same as coordinate descent tuning's 1.23, without its start-time cost).
+# consumers. 8 gave the fastest bs-1 decode graph of the values tried, as fast as coordinate descent tuning
+# without its start-time cost (docs/performance.md).
 STATIC_PATCHES: dict[str, Any] = {"realize_opcount_threshold": 8}
 
 

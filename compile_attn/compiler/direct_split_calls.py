@@ -1,11 +1,11 @@
 """Eager split-op pieces that call their ops' Python bodies directly.
 
 A split-op piece (attention between two compiled pieces) runs once per layer per step, on the host's critical
-path in piecewise decode. Called as a submodule through ``torch.ops``, each call pays ``nn.Module.__call__`` and
-the dispatcher's argument parsing and Python re-entry (~5 us on the CI CPU, ~15 us on the H100 machine's host)
-before the body runs. For ops registered with a Python body (``register_split_op(op, python_impl=...)``, as the
-attention op is), the piece's copy made here calls that body itself, and the compiled model calls the copy's
-``forward``. Ops without a known body keep their ``torch.ops`` call.
+path in piecewise decode. Called as a submodule through ``torch.ops``, each call pays ``nn.Module.__call__``
+and the dispatcher's argument parsing and Python re-entry before the body runs. For ops registered with a
+Python body (``register_split_op(op, python_impl=...)``, as the attention op is), the piece's copy made here
+calls that body itself, and the compiled model calls the copy's ``forward``. Ops without a known body keep
+their ``torch.ops`` call.
 
 Behaviour is the same: the body is what the op's only kernel (CompositeExplicitAutograd) runs. What no longer
 sees the op is a ``TorchDispatchMode`` around the compiled model; compile_attn's own (the breakable runner's)

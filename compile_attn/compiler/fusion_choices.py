@@ -4,8 +4,7 @@ The pieces are compiled with the token count unbacked (``CompiledModel``: one gr
 scores a fusion by the bytes the two kernels share, and it sizes a buffer with an unbacked dimension as 0 bytes
 (torch 2.11; 2.13 only when the size has a ``hint_override``). A reduction with no shared bytes is never fused,
 so the residual add, the sum of squares and the scaling of an RMSNorm stay three kernels, and the two halves of a
-rotary embedding two kernels each, where static or backed shapes give one (on the H100 at 64 decode tokens:
-9 us of small kernels per Llama layer).
+rotary embedding two kernels each, where static or backed shapes give one (docs/performance.md).
 
 ``UnbackedFusionChoices`` is an ``InductorChoices`` (Inductor's hook for out-of-tree heuristics) that adds the
 shared bytes Inductor counted as 0, each unbacked size taken as ``unbacked_symint_fallback`` (8192), before the

@@ -2,9 +2,8 @@
 
 Dynamo runs a compiled model through its frame on every call: it evaluates the guards (or, under
 ``skip_guard_eval_unsafe``, skips them), runs the bytecode it generated (loading each parameter as a graph
-input, then any Python side effects around the graph) and calls the graph the backend compiled. For the
-Llama-3.2-1B shape that is ~0.2 ms of host time per call on the H100 machine, spent before the first piece
-runs, on every piecewise step.
+input, then any Python side effects around the graph) and calls the graph the backend compiled: host time
+spent before the first piece runs, on every piecewise step (docs/performance.md).
 
 The compile backend hands Dynamo a :class:`GraphEntry`. While :func:`record_graph_calls` is open, each call of
 an entry is noted with its arguments and outputs. :meth:`DirectCall.from_record` turns the record of one

@@ -50,9 +50,9 @@ class ReplayViews:
     # ------------------------------------------------------------------ int64 fields
     def _targets(self, bs: int, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The copies' destinations for ``bs`` requests and ``n`` tokens: (the int64 fields, the int32 request
-        fields). Decode shapes (``n == bs``, at most ``max_batch_size`` of them) keep theirs: the H100 machine's
-        host took ~10 us per step to slice them anew. Extend shapes (any token count) are sliced per step, not
-        kept, so a long-running server's mix of prompt lengths does not grow a cache."""
+        fields). Decode shapes (``n == bs``, at most ``max_batch_size`` of them) keep theirs: slicing them
+        anew every step is host time on the step's critical path. Extend shapes (any token count) are sliced
+        per step, not kept, so a long-running server's mix of prompt lengths does not grow a cache."""
         targets = self._copy_targets.get((bs, n))
         if targets is None:
             b = self.buffers
@@ -66,7 +66,7 @@ class ReplayViews:
 
     def _copy_int64_fields(self, fb: ForwardBatch, n: int, targets: list[torch.Tensor]) -> None:
         """The ``n`` token fields and the request rows into ``targets``, in one ``_foreach_copy_`` (a single kernel
-        on a GPU: each launch costs the host ~5-10 us on the critical path of a graph step); re-pads stale token
+        on a GPU: each launch costs the host time on the critical path of a graph step); re-pads stale token
         entries."""
         b = self.buffers
         torch._foreach_copy_(targets, [fb.input_ids, fb.positions, fb.out_cache_loc, fb.req_pool_indices])

@@ -76,7 +76,7 @@ class StaticBuffers:
         ``seq_lens_sum`` defaults to ``seq_lens_cpu.sum()``; callers that know it pass it.
         """
         sliced = self._slices.get((batch_size, num_tokens))
-        if sliced is None:  # slicing eight tensors costs ~15 us of host time: once per shape, not per step
+        if sliced is None:  # slicing eight tensors costs host time: once per shape, not per step
             sliced = self._slices[(batch_size, num_tokens)] = (
                 self.input_ids[:num_tokens], self.positions[:num_tokens], self.out_cache_loc[:num_tokens],
                 self.req_pool_indices[:batch_size], self.seq_lens[:batch_size], self.extend_prefix_lens[:batch_size],

@@ -16,9 +16,9 @@ from compile_attn.ops.split_registry import register_split_op
 
 # Registered through ``torch.library.Library`` (define + one CompositeExplicitAutograd kernel) rather than
 # ``torch.library.custom_op``: the latter wraps every eager call in Python layers (autograd wrapper, the
-# per-backend ``backend_impl`` with its aliasing checks) that cost tens to hundreds of microseconds per call
-# on the H100 machine; eager attention runs once per layer between piecewise graphs, so that overhead is
-# on the critical path of piecewise and breakable decode steps.
+# per-backend ``backend_impl`` with its aliasing checks) on every call; eager attention runs once per layer
+# between piecewise graphs, so that overhead is on the critical path of piecewise and breakable decode steps
+# (docs/performance.md).
 _LIB = torch.library.Library("compile_attn", "FRAGMENT")  # noqa: TOR901 - kept alive for the process
 _LIB.define(
     "attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, int layer_id, bool save_kv_cache=True) -> ()"

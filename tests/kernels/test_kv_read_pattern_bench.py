@@ -1,5 +1,5 @@
-"""benchmarks/bench_kv_read_pattern.py reads what it claims to: both read kernels' sums against float64 torch
-sums over the gathered slots (contiguous and shuffled, one and three splits). Interpreted on the CPU."""
+"""benchmarks/experiments/bench_kv_read_pattern.py reads what it claims to: both read kernels' sums against
+float64 torch sums over the gathered slots (contiguous and shuffled, one and three splits). Interpreted on the CPU."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_kv_read_pattern.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "experiments" / "bench_kv_read_pattern.py"
 
 
 def test_read_kernels_sum_the_gathered_kv(capsys):

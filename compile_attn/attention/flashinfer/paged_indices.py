@@ -55,9 +55,8 @@ class PageCSR:
 def page_csr(lens_cpu: torch.Tensor | Sequence[int], page_size: int) -> PageCSR:
     """``indptr`` (pages per request, prefix-summed) and ``last_page_len`` of requests of ``lens_cpu`` tokens.
 
-    Plain Python into one ``array.array``: at decode batch sizes that is cheaper than NumPy or torch ops (each
-    a dispatch of a few microseconds; measured on the H100 host: 2 us at 1 request and 10 us at 64, against
-    20 us with six NumPy ops). A total that overflows int32 raises OverflowError.
+    Plain Python into one ``array.array``: at decode batch sizes that is cheaper than NumPy or torch ops, each
+    a dispatch of its own (docs/performance.md). A total that overflows int32 raises OverflowError.
     """
     lens = lens_cpu.tolist() if isinstance(lens_cpu, torch.Tensor) else list(lens_cpu)
     if lens and min(lens) < 0:

@@ -1,7 +1,7 @@
 """Build (or load) FlashInfer's JIT kernels up front, one log line per kernel, several at once.
 
 FlashInfer compiles a module per (kernel family, dtypes, head dim, sliding window on/off, softcap
-on/off) the first time a plan needs it: ~30 s for decode and ~60 s for prefill on an H100 host. A
+on/off) the first time a plan needs it, tens of seconds per module (docs/performance.md). A
 warm-up plans and runs each needed kernel once on a one-token problem (reading only the scratch
 page), so the first real step does not stall. Builds of different modules run in parallel threads
 (each is an external ninja/nvcc process).

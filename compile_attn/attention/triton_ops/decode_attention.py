@@ -49,7 +49,7 @@ from compile_attn.attention.triton_ops.launch import BoundLaunch, CachedLaunch
 
 # Split boundaries are multiples of this many tokens; every stage-1 BLOCK_N divides it.
 SPLIT_ALIGN = 64
-DEFAULT_SPLIT_SIZE = 64  # swept with benchmarks/sweep_triton_decode.py (128: 15.3 vs 12.4 us at 1 x 512)
+DEFAULT_SPLIT_SIZE = 64  # swept with benchmarks/sweep_triton_decode.py: faster than 128 at small batches
 DEFAULT_MAX_KV_SPLITS = 16
 # compute_num_kv_splits aims for about this many stage-1 programs per SM.
 PROGRAMS_PER_SM = 4
@@ -334,14 +334,8 @@ def _split_kernel_config(block_d: int, block_dv: int, use_dot: bool, small_batch
     tiles (deterministic mode: a request's result must not change with batch composition), whether the batch
     has at most ``SMALL_BATCH`` requests.
 
-    Swept on an H100 (bf16, Hq=32, Hkv=8, shuffled page-1 slots, 64 x 4096 tokens), three pipeline
-    stages throughout: D=64 BLOCK_N=32 213 us (BLOCK_N=64: 234), D=128 BLOCK_N=64 384 us
-    (BLOCK_N=32: 394), D=256 BLOCK_N=32 740 us (BLOCK_N=64: 776). D=64 swept again over warps and
-    stages at 1/16/64/256 x 512 and 64 x 4096 (``benchmarks/sweep_triton_decode.py``): 2 warps,
-    2 stages is within 0-8% of the best at every shape, 4 warps / 3 stages up to 24% slower
-    (64 x 512: 43.2 vs 53.1 us; 256 x 512: 135 vs 167 us). Per launch (``--tiles-only``),
-    D=64 with BLOCK_N=64 at 1/2/4/8/16/32 x 512 and 1/4 x 2048: 6.1/6.8/7.8/9.8/12.3/18.7/10.6/14.9 us against
-    BLOCK_N=32's 7.0/7.5/8.5/10.3/13.7/19.9/12.2/16.3 (one launch); at 64 x 512 BLOCK_N=32 wins (32.6 vs 39.5).
+    The values are the winners of ``benchmarks/sweep_triton_decode.py`` per head dim, warps and stages, and of
+    its ``--tiles-only`` sweep per batch size (numbers in benchmarks/RESULTS.md and docs/performance.md).
     """
     if is_interpreted(_decode_split_kernel):
         return {"BLOCK_N": 32}  # the interpreter's per-op cost favours few, large tiles

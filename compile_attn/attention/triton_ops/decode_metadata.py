@@ -30,8 +30,8 @@ MIN_BLOCK_B = 256  # every batch up to this size shares one compiled kernel
 
 def batch_block(bs: int) -> int:
     """The kernel's block over requests: one size for every batch up to ``MIN_BLOCK_B`` (the default decode
-    buckets), so capturing them compiles the kernel once; each Triton compile costs ~0.2 s of start time on
-    the H100 machine, and one per bucket size added ~4 s to a cold start."""
+    buckets), so capturing them compiles the kernel once instead of once per bucket size, each compile adding
+    to the cold start."""
     return max(MIN_BLOCK_B, next_pow2(bs))
 
 

@@ -1,15 +1,14 @@
 """Triton kernel launches that skip the per-call argument binding when the exact arguments were seen before.
 
 ``kernel[grid](*args)`` runs Triton's ``JITFunction.run`` every time: binding and specialising each argument,
-hashing the specialisation, reading knobs, building launch metadata. On the H100 machine's host that is
-~45 us per launch, against ~10 us for an aten op; piecewise decode launches three of our kernels per layer
-between graph replays, so it is on the critical path. ``CachedLaunch`` keys a call by the exact argument
-values (tensor data pointers and dtypes, ints and floats with their types, constexprs, launch options). Same
-key means Triton would specialise it identically, so the compiled kernel of the first call is launched
-directly through its launcher (``CompiledKernel.run``), the same call ``JITFunction.run`` ends with, tensors
-passed as their addresses (checked by the regular launch that made the entry). In
-piecewise and graph-bucketed decode, every layer's arguments repeat step after step (static buffers), so
-after the first step every launch takes the short path.
+hashing the specialisation, reading knobs, building launch metadata: several times an aten op's host cost.
+Piecewise decode launches our kernels between graph replays, so it is on the critical path. ``CachedLaunch``
+keys a call by the exact argument values (tensor data pointers and dtypes, ints and floats with their types,
+constexprs, launch options). Same key means Triton would specialise it identically, so the compiled kernel of
+the first call is launched directly through its launcher (``CompiledKernel.run``), the same call
+``JITFunction.run`` ends with, tensors passed as their addresses (checked by the regular launch that made the
+entry). In piecewise and graph-bucketed decode, every layer's arguments repeat step after step (static
+buffers), so after the first step every launch takes the short path.
 
 The short path is used only where it mirrors the installed Triton exactly: compiled (not interpreted)
 kernels, a ``JITFunction.run`` that launches with ``kernel.run(..., *bound_args.values())`` (every parameter,
@@ -81,8 +80,8 @@ _SCALARS = frozenset({int, float, bool, str, type(None)})
 def _call_key(args: tuple, kwargs: dict) -> tuple | None:
     """The cache key of a launch: argument types, then scalars by value and tensors by address, the tensors'
     dtypes, then the keyword arguments. None for an argument that is neither (it is launched the regular way,
-    uncached). Built with comprehensions, not a function call per argument: this runs on every launch (~5 vs
-    ~10 us for 30 arguments on the CI CPU). ``key[1]`` is also what the short path passes to the launcher."""
+    uncached). Built with comprehensions, not a function call per argument: this runs on every launch, and
+    comprehensions halve its cost. ``key[1]`` is also what the short path passes to the launcher."""
     try:
         values = tuple([a if type(a) in _SCALARS else a.data_ptr() for a in args])
     except AttributeError:

@@ -5,7 +5,7 @@ decode steps, one with Dynamo's frame on every call, one calling the compiled gr
 first step. Prints the outputs' equality and the median step time of each (alternating rounds). Runs on the CPU
 (torch_native attention, no CUDA graphs) or a GPU:
 
-    python benchmarks/bench_direct_calls.py [--device cuda --backend triton]
+    python benchmarks/experiments/bench_direct_calls.py [--device cuda --backend triton]
 """
 
 from __future__ import annotations

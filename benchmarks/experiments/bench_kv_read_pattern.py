@@ -6,12 +6,13 @@ reads 64 MB per layer in ~32 us, 2.0 TB/s. Each of its programs handles one (req
 only read and sum the same bytes, no attention math: ``per_head`` (the decode kernel's access pattern) and
 ``per_token`` (a program per (request, split) reading each token's 1 KB row of all heads at once), over a grid of
 tile sizes, warps and split counts, each as launches over copies of the KV (> 256 MB in all, at most 256)
-back to back in one CUDA graph (``bench_triton_decode.graph_us``: ``do_bench`` median, per launch). If the
+back to back in one CUDA graph (``common.graph_us``: ``do_bench`` median, per launch). If the
 token-row pattern reads at a clearly higher rate, a decode kernel that handles all KV heads of a request in one
 program is worth writing; if both top out near the same rate, the gap is elsewhere (latency, tail, the merge).
+Answered: both read at the same rate (docs/performance.md).
 
-    python benchmarks/bench_kv_read_pattern.py --cases 64x512,256x512,16x512 --slots contiguous,shuffled
-    TRITON_INTERPRET=1 python benchmarks/bench_kv_read_pattern.py --check   # the sums against torch, on the CPU
+    python benchmarks/experiments/bench_kv_read_pattern.py --cases 64x512,256x512,16x512 --slots contiguous,shuffled
+    TRITON_INTERPRET=1 python benchmarks/experiments/bench_kv_read_pattern.py --check   # the sums, on the CPU
 """
 
 from __future__ import annotations
@@ -20,12 +21,15 @@ import argparse
 import itertools
 import json
 import os
+import sys
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
-PEAK_TB_S = 3.0
+from compile_attn.bench import LLAMA_1B
+
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -145,15 +149,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default="64x512,256x512,16x512,64x4096")
     parser.add_argument("--slots", default="contiguous,shuffled")
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--heads", type=int, default=LLAMA_1B["num_key_value_heads"])
+    parser.add_argument("--head-dim", type=int, default=LLAMA_1B["head_dim"])
     parser.add_argument("--check", action="store_true", help="only check the sums against torch (tiny sizes)")
     parser.add_argument("--out", default="kv_read_pattern.json")
     args = parser.parse_args()
     if args.check:
         check()
         return
-    from bench_triton_decode import graph_us, num_copies  # benchmarks/ is on the path of a script run
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for common
+    from common import PEAK_TB_S, graph_us, num_copies
 
     grid = {
         "per_head": list(itertools.product((1, 2, 4, 8, 16), (16, 32, 64), (1, 2, 4))),

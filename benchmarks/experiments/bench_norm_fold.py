@@ -1,31 +1,33 @@
 """Is RMSNorm worth folding into the one-token linear after it? A bs-1 decode question, before writing the pass.
 
 At one token a decoder layer runs, between attention and the MLP, the o projection (a matrix-vector reduction),
-the residual add + RMSNorm (one ~1.6 us reduction kernel that writes the new residual and the normalised row) and
+the residual add + RMSNorm (one small reduction kernel that writes the new residual and the normalised row) and
 the gate/up projection (a reduction reading the normalised row). RMSNorm's scale is one number per row, so it can
 move past the product: ``W (g * h * r) = r * (W (g * h))`` with ``r = rsqrt(mean(h^2) + eps)``, and ``sum(h^2)``
 can be summed in the same loop as the product (every program of the reduction reads all of ``h`` anyway). Then the
 residual add can ride on the o projection's reduction as its epilogue (Inductor already does that for the down
-projection) and the norm kernel disappears: two per layer (before attention and before the MLP), ~3.3 us of
-the ~65 us of a layer on the H100 (benchmarks/RESULTS.md, twelfth session).
+projection) and the norm kernel disappears: two per layer (before attention and before the MLP), ~5% of a
+layer's kernel time at bs 1 (docs/performance.md).
 
 This times both forms of "o projection -> add + RMSNorm -> gate/up projection" at one token, each compiled by
 Inductor with static shapes and the static compiles' patches (``compile_sizes.STATIC_PATCHES``), every call
-reading another copy of the weights inside one CUDA graph (``bench_triton_decode.graph_us``), and checks both
-against float64.
+reading another copy of the weights inside one CUDA graph (``common.graph_us``), and checks both against float64.
 If the folded form is not clearly faster (Inductor may not put the two sums in one kernel), the pass is not worth
-writing.
+writing. Answered: it is not (docs/performance.md).
 
-    python benchmarks/bench_norm_fold.py
-    python benchmarks/bench_norm_fold.py --check   # both forms against float64, eager, CPU or GPU, tiny sizes
+    python benchmarks/experiments/bench_norm_fold.py
+    python benchmarks/experiments/bench_norm_fold.py --check   # both forms against float64, eager, tiny sizes
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 
+from compile_attn.bench import LLAMA_1B
 from compile_attn.compiler.compile_sizes import STATIC_PATCHES, linear_as_reduction
 
 EPS = 1e-5
@@ -84,8 +86,9 @@ def check(device: str, hidden: int = 64, inter2: int = 96) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--intermediate", type=int, default=8192, help="gate/up has twice this many rows")
+    parser.add_argument("--hidden", type=int, default=LLAMA_1B["hidden_size"])
+    parser.add_argument("--intermediate", type=int, default=LLAMA_1B["intermediate_size"],
+                        help="gate/up has twice this many rows")
     parser.add_argument("--check", action="store_true", help="only check both forms against float64 (tiny sizes)")
     args = parser.parse_args()
     if args.check:
@@ -96,7 +99,8 @@ def main() -> None:
         return
     if not torch.cuda.is_available():
         raise SystemExit("timing needs a CUDA GPU (use --check on the CPU)")
-    from bench_triton_decode import graph_us, num_copies  # benchmarks/ is on the path of a script run
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for common
+    from common import BANDWIDTH, graph_us, num_copies
     from torch._inductor.utils import run_and_get_code
 
     gen = torch.Generator().manual_seed(0)
@@ -106,7 +110,7 @@ def main() -> None:
     calls = [make_inputs(hidden, inter2, "cuda", torch.bfloat16, gen) for _ in range(num_copies(weight_bytes))]
     ref_out, _ = reference(*calls[0])
     print(f"one token, hidden {hidden}, gate/up {inter2} x {hidden}; weights {weight_bytes / 1e6:.1f} MB, "
-          f"floor {weight_bytes / 3.0e12 * 1e6:.1f} us at 3.0 TB/s")
+          f"floor {weight_bytes / BANDWIDTH * 1e6:.1f} us at {BANDWIDTH / 1e12} TB/s")
     print("| form | us per call | kernels | max rel. error vs float64 |\n|---|---|---|---|")
     for name, fn in (("unfolded (o, add + RMSNorm, gate/up)", unfolded), ("folded", folded)):
         torch._dynamo.reset()

@@ -1,0 +1,74 @@
+"""What the benchmark scripts share: the model shape they measure, the GPU limits they compare against, and
+per-launch timing inside a CUDA graph. The shape is the library's ``compile_attn.bench.LLAMA_1B`` (what
+``compile-attn bench`` and ``compile-attn throughput`` run), so every script measures the same model.
+
+Scripts in this folder import it as ``from common import ...`` (Python puts a script's folder first on its path).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from compile_attn.bench import LLAMA_1B, TINY, BenchConfig
+from compile_attn.bench_engine import PEAK_BF16_FLOPS
+from compile_attn.models import ToyDecoderConfig
+
+__all__ = ["BANDWIDTH", "HEAD_DIM", "LLAMA_1B", "NUM_HEADS", "NUM_KV_HEADS", "PEAK_BF16_FLOPS", "PEAK_TB_S",
+           "TINY", "graph_us", "linear_shapes", "num_copies", "require_cuda", "toy_decoder_config"]
+
+BANDWIDTH = BenchConfig.bandwidth  # bytes/s a step's floor is computed with (measured: benchmarks/RESULTS.md)
+PEAK_TB_S = BANDWIDTH / 1e12
+NUM_HEADS = LLAMA_1B["num_attention_heads"]
+NUM_KV_HEADS = LLAMA_1B["num_key_value_heads"]
+HEAD_DIM = LLAMA_1B["head_dim"]
+ROPE_THETA = 500000.0  # Llama 3's
+
+
+def toy_decoder_config(shape: dict | None = None, **overrides) -> ToyDecoderConfig:
+    """The ``ToyDecoder`` of an HF-style ``shape`` (default ``LLAMA_1B``), with ``overrides`` on top."""
+    shape = LLAMA_1B if shape is None else shape
+    fields = dict(vocab_size=shape["vocab_size"], hidden_size=shape["hidden_size"],
+                  num_layers=shape["num_hidden_layers"], num_heads=shape["num_attention_heads"],
+                  num_kv_heads=shape["num_key_value_heads"], head_dim=shape["head_dim"],
+                  intermediate_size=shape["intermediate_size"], rope_theta=ROPE_THETA)
+    return ToyDecoderConfig(**(fields | overrides))
+
+
+def linear_shapes(shape: dict | None = None) -> list[tuple[str, int, int]]:
+    """(name, in features K, out features N) of one decoder layer's linear layers after q/k/v and gate/up are
+    fused, and of the LM head, for ``shape`` (default ``LLAMA_1B``)."""
+    shape = LLAMA_1B if shape is None else shape
+    hidden, inter, head_dim = shape["hidden_size"], shape["intermediate_size"], shape["head_dim"]
+    q_out = shape["num_attention_heads"] * head_dim
+    kv_out = shape["num_key_value_heads"] * head_dim
+    return [("qkv", hidden, q_out + 2 * kv_out), ("o", q_out, hidden), ("gate_up", hidden, 2 * inter),
+            ("down", inter, hidden), ("lm_head", hidden, shape["vocab_size"])]
+
+
+def require_cuda(script: str) -> None:
+    """Exit with a one-line message when there is no GPU: ``script`` times CUDA kernels."""
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{script} needs a CUDA GPU (torch.cuda.is_available() is False)")
+
+
+def num_copies(nbytes: float, min_total: float = 256e6, cap: int = 256) -> int:
+    """Copies of ``nbytes`` of inputs that one pass over does not fit in L2, at most ``cap``."""
+    return max(2, min(cap, int(min_total // nbytes) + 1))
+
+
+def graph_us(launches: list[Callable[[], object]], rep: int = 100) -> float:
+    """Microseconds per launch: ``launches`` back to back in one CUDA graph, the median of its replays
+    (``do_bench``) over their number. One launch per graph would also time the graph's launch and the write-back
+    of the dirty lines ``do_bench``'s L2 flush leaves (docs/performance.md, "Measuring")."""
+    import triton.testing
+
+    for launch in launches:
+        launch()  # compile / warm up outside any capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for launch in launches:
+            launch()
+    return triton.testing.do_bench(graph.replay, warmup=25, rep=rep, return_mode="median") * 1e3 / len(launches)
