@@ -106,6 +106,7 @@ class FlashInferBackend(AttentionBackend):
         self._eager = EagerWrappers(self._fi, self.groups, self.tensor_cores, self.workspace, prefill_backend)
         self._graph: DecodeGraphState | None = None
         self._step: _StepPlan | None = None
+        self._planned: torch.cuda.Event | None = None  # recorded after the last plan's host-to-device copies
         ps = self.page_size
         self._pages = {  # NHD paged views [num_pages + 1, page_size, Hkv, D] of the pool's slot buffers
             lid: tuple(buf.view(-1, ps, *buf.shape[1:]) for buf in pool.get_kv(lid)) for lid in self.layers
@@ -153,12 +154,21 @@ class FlashInferBackend(AttentionBackend):
         return 1  # a padded request reads one token of the scratch page
 
     def init_forward_metadata_out_graph(self, fb: ForwardBatch, in_capture: bool = False) -> None:
+        # plan() stages its metadata in pinned host buffers and copies them without waiting; with the engine's
+        # step in flight the host plans the next step while the previous one is queued, so it first waits for
+        # the previous plan's copies (issued at that step's start: normally done long before).
+        if self._planned is not None:
+            self._planned.synchronize()
+            self._planned = None
         if fb.forward_mode.is_idle() or fb.batch_size == 0:
             self._step = None
         elif fb.forward_mode.is_decode():
             self._step = self._plan_decode(fb)
         else:
             self._step = self._plan_extend(fb)
+        if self._step is not None and fb.input_ids.is_cuda and not in_capture:
+            self._planned = torch.cuda.Event()
+            self._planned.record()
 
     def init_forward_metadata_in_graph(self, fb: ForwardBatch) -> None:
         """Gather a graph bucket's page ids from ``req_to_token``: one launch, static shapes, no host sync."""
