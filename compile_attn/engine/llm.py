@@ -51,6 +51,9 @@ class LLM:
     the weights, a profile run's activations and a CUDA graph reserve; on the CPU to ``max_batch_size *
     max_context`` capped by host memory (see engine/kv_sizing.py). ``dtype``: a floating torch.dtype or one of
     vLLM's names ("auto" = None: bfloat16 on CUDA, float32 on the CPU; "bfloat16", "float16", "float32").
+    ``overlap`` (on by default) keeps one step in flight: the host schedules and launches step N+1 while the device
+    runs step N, and reads step N's tokens after (see ``step`` and engine/in_flight.py); ``overlap=False`` reads
+    each step's tokens before scheduling the next. Both give the same tokens.
     """
 
     def __init__(
