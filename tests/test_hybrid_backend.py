@@ -41,8 +41,8 @@ HEAD_DIM = 64
 
 def _kv(num_kv_heads: int = 2, page_size: int = 1, device: str = "cpu", dtype: torch.dtype = torch.float32,
         head_dim: int = HEAD_DIM) -> KVCache:
-    return KVCache(num_layers=1, num_kv_heads=num_kv_heads, head_dim=head_dim, max_requests=8, max_context=96,
-                   num_tokens=1024, page_size=page_size, dtype=dtype, device=device)
+    return KVCache(num_layers=1, num_kv_heads=num_kv_heads, head_dim=head_dim, max_batch_size=8, max_context=96,
+                   kv_cache_tokens=1024, page_size=page_size, dtype=dtype, device=device)
 
 
 def _spy(backend: HybridBackend, calls: list[str], monkeypatch: pytest.MonkeyPatch) -> None:

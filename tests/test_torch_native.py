@@ -36,8 +36,8 @@ def attention_cases(draw: st.DrawFn) -> dict:
 
 def run_backend(case: dict, device: str = "cpu", dtype: torch.dtype = torch.float32, use_graph_buffers: bool = False):
     kv = KVCache(
-        num_layers=1, num_kv_heads=case["num_kv_heads"], head_dim=HEAD_DIM, max_requests=8, max_context=128,
-        num_tokens=1024, page_size=case["page_size"], dtype=dtype, device=device,
+        num_layers=1, num_kv_heads=case["num_kv_heads"], head_dim=HEAD_DIM, max_batch_size=8, max_context=128,
+        kv_cache_tokens=1024, page_size=case["page_size"], dtype=dtype, device=device,
     )
     layer = AttentionLayer(0, case["num_heads"], case["num_kv_heads"], HEAD_DIM,
                            sliding_window=case["window"], logit_cap=case["logit_cap"])
@@ -87,7 +87,7 @@ def test_mixed_batch_decode_and_prefill_in_one_step() -> None:
 def test_without_saving_kv_uses_the_new_tokens_and_leaves_the_pool_alone() -> None:
     case = dict(num_kv_heads=1, num_heads=4, prefix=[5, 3], extend=[1, 1], page_size=1, window=None,
                 logit_cap=0.0, seed=0)
-    kv = KVCache(num_layers=1, num_kv_heads=1, head_dim=HEAD_DIM, max_requests=4, max_context=32, num_tokens=64,
+    kv = KVCache(num_layers=1, num_kv_heads=1, head_dim=HEAD_DIM, max_batch_size=4, max_context=32, kv_cache_tokens=64,
                  dtype=torch.float32)
     layer = AttentionLayer(0, 4, 1, HEAD_DIM)
     step = random_step(kv, case["prefix"], case["extend"], 4, torch.Generator().manual_seed(1))
@@ -116,8 +116,8 @@ def test_full_decode_cuda_graph_replays_new_batches() -> None:
     """Capture the three-method decode path once; replay it for fresh batches of the same bucket."""
     torch.manual_seed(0)
     bucket, layer = 4, AttentionLayer(0, 8, 2, HEAD_DIM, sliding_window=9)
-    kv = KVCache(num_layers=1, num_kv_heads=2, head_dim=HEAD_DIM, max_requests=64, max_context=128,
-                 num_tokens=8192, page_size=16, dtype=torch.float16, device="cuda")
+    kv = KVCache(num_layers=1, num_kv_heads=2, head_dim=HEAD_DIM, max_batch_size=64, max_context=128,
+                 kv_cache_tokens=8192, page_size=16, dtype=torch.float16, device="cuda")
     backend = create_backend("torch_native", kv, [layer])
     backend.init_cuda_graph_state(max_bs=bucket, max_num_tokens=bucket)
     gen = torch.Generator().manual_seed(0)

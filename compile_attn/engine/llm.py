@@ -90,9 +90,9 @@ class LLM:
             self.model, layers, attn_backend=attn_backend, gpu_memory_utilization=gpu_memory_utilization,
             max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_context=max_context,
             page_size=page_size, dtype=dtype, device=device, graphs=graphs,
-        ).num_tokens
-        self.kv_cache = KVCache.for_layers(layers, max_requests=max_batch_size, max_context=max_context,
-                                           num_tokens=kv_cache_tokens, page_size=page_size, dtype=dtype, device=device)
+        ).kv_cache_tokens
+        self.kv_cache = KVCache.for_layers(layers, max_batch_size=max_batch_size, max_context=max_context,
+                                           kv_cache_tokens=kv_cache_tokens, page_size=page_size, dtype=dtype, device=device)
         self.backend = create_backend(attn_backend, self.kv_cache, layers)
         self.scheduler = Scheduler(self.kv_cache, max_batch_size, max_num_tokens)
         self.step_runner = StepRunner(

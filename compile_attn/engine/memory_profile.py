@@ -73,8 +73,8 @@ def profile_batch(
     """A temporary KV cache (the engine's request table, KV room for the batch only), a backend over it (with its
     CUDA-graph buffers when ``graphs``) and the profile batch, with its slots allocated."""
     lengths = profile_lengths(max_num_tokens, max_context, max_batch_size)
-    kv = KVCache.for_layers(layers, max_requests=max_batch_size, max_context=max_context,
-                            num_tokens=sum(-(-n // page_size) * page_size for n in lengths), page_size=page_size,
+    kv = KVCache.for_layers(layers, max_batch_size=max_batch_size, max_context=max_context,
+                            kv_cache_tokens=sum(-(-n // page_size) * page_size for n in lengths), page_size=page_size,
                             dtype=dtype, device=device)
     backend = create_backend(attn_backend, kv, layers)
     if graphs:

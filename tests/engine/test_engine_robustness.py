@@ -66,7 +66,7 @@ def assert_idle_and_exact(llm: LLM) -> None:
     assert not llm.scheduler.has_work()
     assert kv.allocator.available == kv.allocator.num_pages
     assert kv.available_tokens == kv.allocator.num_pages * kv.page_size
-    assert kv.req_to_token_pool.available == kv.req_to_token_pool.max_requests
+    assert kv.req_to_token_pool.available == kv.req_to_token_pool.max_batch_size
     assert not kv._pages and not kv._lens
     assert int(kv.req_to_token.abs().sum()) == 0  # every entry back at the scratch slot
 

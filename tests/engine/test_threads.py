@@ -28,7 +28,7 @@ ENGINE = dict(max_batch_size=4, max_num_tokens=16, kv_cache_tokens=256, max_cont
 
 
 def _batch_and_backend(num_tokens: int) -> tuple[ForwardBatch, object]:
-    kv = KVCache(num_layers=1, num_kv_heads=2, head_dim=16, max_requests=1, max_context=8, num_tokens=8)
+    kv = KVCache(num_layers=1, num_kv_heads=2, head_dim=16, max_batch_size=1, max_context=8, kv_cache_tokens=8)
     backend = create_backend("torch_native", kv, ToyDecoder(ToyDecoderConfig(num_layers=1)).attention_layers())
     row = kv.alloc_request()
     fb = ForwardBatch.build(req_pool_indices=[row], prefix_lens=[0], extend_lens=[num_tokens],

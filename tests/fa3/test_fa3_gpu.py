@@ -89,11 +89,11 @@ def test_decode_cuda_graphs_replay_new_batches_per_bucket(page_size: int) -> Non
 
 
 def test_unsupported_head_dim_and_dtype_are_refused() -> None:
-    kv = KVCache(num_layers=1, num_kv_heads=2, head_dim=96, max_requests=2, max_context=32, num_tokens=64,
+    kv = KVCache(num_layers=1, num_kv_heads=2, head_dim=96, max_batch_size=2, max_context=32, kv_cache_tokens=64,
                  dtype=BF16, device="cuda")
     with pytest.raises(UnsupportedConfigError, match="head_dim 96"):
         create_backend("fa3", kv, [AttentionLayer(0, 8, 2, 96)])
-    kv = KVCache(num_layers=1, num_kv_heads=2, head_dim=64, max_requests=2, max_context=32, num_tokens=64,
+    kv = KVCache(num_layers=1, num_kv_heads=2, head_dim=64, max_batch_size=2, max_context=32, kv_cache_tokens=64,
                  dtype=torch.float32, device="cuda")
     with pytest.raises(UnsupportedConfigError, match="float32"):
         create_backend("fa3", kv, [AttentionLayer(0, 8, 2, 64)])
@@ -104,7 +104,7 @@ def test_unsupported_head_dim_and_dtype_are_refused() -> None:
 def test_auto_tries_fa3_right_after_triton_on_hopper() -> None:
     from compile_attn.attention.registry import auto_backend_candidates
 
-    kv = KVCache(num_layers=1, num_kv_heads=2, head_dim=64, max_requests=2, max_context=32, num_tokens=64,
+    kv = KVCache(num_layers=1, num_kv_heads=2, head_dim=64, max_batch_size=2, max_context=32, kv_cache_tokens=64,
                  dtype=BF16, device="cuda")
     assert auto_backend_candidates(kv.device)[:2] == ["triton", "fa3"]
     assert create_backend("auto", kv, [AttentionLayer(0, 8, 2, 64)]).name == "triton"
@@ -125,7 +125,7 @@ def test_toy_decoder_through_graph_runner_matches_eager_torch_native() -> None:
                            intermediate_size=512)
     decode, extend = (1, 2, 4, 8, 16), (16, 32, 64, 128)
     model = make_model(cfg, "cuda", BF16, seed=0)
-    twin = Twin(cfg, "cuda", BF16, seed=0, max_requests=40, max_context=320, num_tokens=16384)
+    twin = Twin(cfg, "cuda", BF16, seed=0, max_batch_size=40, max_context=320, kv_cache_tokens=16384)
     layers = model.attention_layers()
     config = GraphConfig(mode="full_and_piecewise", decode_batch_sizes=decode, prefill_token_sizes=extend,
                          cache_dir=None)

@@ -67,8 +67,8 @@ def run_case(case: Case, make_backend: MakeBackend, device: str, dtype: torch.dt
     """
     layers = case.layers()
     prefix, extend = LENGTHS[case.mode]
-    kv = KVCache(num_layers=len(layers), num_kv_heads=case.num_kv_heads, head_dim=case.head_dim, max_requests=8,
-                 max_context=160, num_tokens=2048, page_size=case.page_size, dtype=dtype, device=device)
+    kv = KVCache(num_layers=len(layers), num_kv_heads=case.num_kv_heads, head_dim=case.head_dim, max_batch_size=8,
+                 max_context=160, kv_cache_tokens=2048, page_size=case.page_size, dtype=dtype, device=device)
     gen = torch.Generator().manual_seed(seed)
     hq = case.num_kv_heads * case.group
     step = random_step(kv, prefix, extend, hq, gen, dtype=dtype)
@@ -110,7 +110,7 @@ def decode_replays(make_backend: MakeBackend, device: str, dtype: torch.dtype, *
     """Capture (or, without CUDA, just bind) decode once per bucket over static buffers, then run several
     new batches per bucket — some with padded requests — re-planning in between. Returns the errors."""
     layers = [AttentionLayer(0, 8, 2, 64, sliding_window=9, logit_cap=30.0), AttentionLayer(1, 8, 2, 64)]
-    kv = KVCache(num_layers=2, num_kv_heads=2, head_dim=64, max_requests=64, max_context=160, num_tokens=8192,
+    kv = KVCache(num_layers=2, num_kv_heads=2, head_dim=64, max_batch_size=64, max_context=160, kv_cache_tokens=8192,
                  page_size=page_size, dtype=dtype, device=device)
     backend = make_backend(kv, layers, fast_decode_plan=fast_decode_plan)
     backend.init_cuda_graph_state(max_bs=max(buckets), max_num_tokens=max(buckets))

@@ -112,7 +112,7 @@ def test_graph_bucket_replan_never_waits_and_needs_the_in_graph_gather() -> None
     from compile_attn import AttentionLayer, KVCache, ForwardBatch
 
     layer = AttentionLayer(0, 8, 2, 64)
-    kv = KVCache(num_layers=1, num_kv_heads=2, head_dim=64, max_requests=4, max_context=64, num_tokens=512,
+    kv = KVCache(num_layers=1, num_kv_heads=2, head_dim=64, max_batch_size=4, max_context=64, kv_cache_tokens=512,
                  page_size=16, dtype=BF16, device="cuda")
     backend = make_backend(kv, [layer])
     backend.init_cuda_graph_state(max_bs=4, max_num_tokens=4)
@@ -146,7 +146,7 @@ def test_graph_bucket_replan_never_waits_and_needs_the_in_graph_gather() -> None
 def test_warmup_loads_built_kernels_with_a_log_line_each(caplog: pytest.LogCaptureFixture) -> None:
     from compile_attn import AttentionLayer, KVCache
 
-    kv = KVCache(num_layers=1, num_kv_heads=2, head_dim=64, max_requests=2, max_context=32, num_tokens=64,
+    kv = KVCache(num_layers=1, num_kv_heads=2, head_dim=64, max_batch_size=2, max_context=32, kv_cache_tokens=64,
                  dtype=BF16, device="cuda")
     backend = make_backend(kv, [AttentionLayer(0, 8, 2, 64)])
     with caplog.at_level("INFO", logger="compile_attn.attention.flashinfer.warmup"):
@@ -170,7 +170,7 @@ def test_toy_decoder_through_graph_runner_matches_eager_torch_native() -> None:
                            intermediate_size=512)
     decode, extend = (1, 2, 4, 8, 16), (16, 32, 64, 128)
     model = make_model(cfg, "cuda", BF16, seed=0)
-    twin = Twin(cfg, "cuda", BF16, seed=0, max_requests=40, max_context=320, num_tokens=16384)
+    twin = Twin(cfg, "cuda", BF16, seed=0, max_batch_size=40, max_context=320, kv_cache_tokens=16384)
     layers = model.attention_layers()
     config = GraphConfig(mode="full_and_piecewise", decode_batch_sizes=decode, prefill_token_sizes=extend,
                          cache_dir=None)

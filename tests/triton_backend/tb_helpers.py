@@ -121,8 +121,8 @@ class Case:
         seq = [p + e for p, e in zip(self.prefix, self.extend)]
         ps = self.page_size
         return KVCache(num_layers=len(self.layers()), num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                       v_head_dim=self.dv, max_requests=len(seq) + 2, max_context=max(seq) + 1,
-                       num_tokens=sum(seq) + len(seq) * ps + 4 * ps, page_size=ps, dtype=dtype, device=device)
+                       v_head_dim=self.dv, max_batch_size=len(seq) + 2, max_context=max(seq) + 1,
+                       kv_cache_tokens=sum(seq) + len(seq) * ps + 4 * ps, page_size=ps, dtype=dtype, device=device)
 
 
 @dataclass
@@ -271,8 +271,8 @@ def decode_replays(device: str, dtype: torch.dtype, *, buckets: tuple[int, ...],
     and full attention. Checks per trial: padded outputs finite, only the step's slots (and the scratch
     slot) written, metadata bound to the static buffers. Returns the live outputs' errors."""
     layers = [AttentionLayer(0, 8, 2, head_dim, sliding_window=9, logit_cap=30.0), AttentionLayer(1, 8, 2, head_dim)]
-    kv = KVCache(num_layers=2, num_kv_heads=2, head_dim=head_dim, max_requests=2 * max(buckets) + 2,
-                 max_context=max_len + 1, num_tokens=max(buckets) * (max_len + 2 * page_size), page_size=page_size,
+    kv = KVCache(num_layers=2, num_kv_heads=2, head_dim=head_dim, max_batch_size=2 * max(buckets) + 2,
+                 max_context=max_len + 1, kv_cache_tokens=max(buckets) * (max_len + 2 * page_size), page_size=page_size,
                  dtype=dtype, device=device)
     backend = create_backend("triton", kv, layers, **(backend_kwargs or {}))
     backend.init_cuda_graph_state(max_bs=max(buckets), max_num_tokens=max(buckets))

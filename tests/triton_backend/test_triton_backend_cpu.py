@@ -143,7 +143,7 @@ def test_in_graph_work_is_static_shaped_and_reuses_the_static_buffers() -> None:
     the attention forward) runs the same ops on the same shapes, reads nothing on the host, and writes the
     same buffers."""
     layers = [AttentionLayer(0, 8, 2, 64, sliding_window=7), AttentionLayer(1, 8, 2, 64)]
-    kv = KVCache(num_layers=2, num_kv_heads=2, head_dim=64, max_requests=12, max_context=128, num_tokens=2048,
+    kv = KVCache(num_layers=2, num_kv_heads=2, head_dim=64, max_batch_size=12, max_context=128, kv_cache_tokens=2048,
                  page_size=16, dtype=F32)
     backend = create_backend("triton", kv, layers, max_kv_splits=4)
     backend.init_cuda_graph_state(max_bs=8, max_num_tokens=8)
@@ -178,7 +178,7 @@ def test_in_graph_work_is_static_shaped_and_reuses_the_static_buffers() -> None:
 
 
 def test_graph_view_without_static_buffers_is_a_clear_error() -> None:
-    kv = KVCache(num_layers=1, num_kv_heads=2, head_dim=64, max_requests=4, max_context=64, num_tokens=256, dtype=F32)
+    kv = KVCache(num_layers=1, num_kv_heads=2, head_dim=64, max_batch_size=4, max_context=64, kv_cache_tokens=256, dtype=F32)
     backend = create_backend("triton", kv, [AttentionLayer(0, 8, 2, 64)])
     step = random_step(kv, [4], [1], 8, torch.Generator().manual_seed(0))
     with pytest.raises(RuntimeError, match="init_cuda_graph_state"):
@@ -191,7 +191,7 @@ def test_graph_view_without_static_buffers_is_a_clear_error() -> None:
 # ------------------------------------------------------------------ deterministic mode
 def test_deterministic_decode_is_bitwise_independent_of_the_batch() -> None:
     """One request's decode output, alone and inside batches with other requests (at other positions)."""
-    kv = KVCache(num_layers=1, num_kv_heads=1, head_dim=64, max_requests=8, max_context=512, num_tokens=2048,
+    kv = KVCache(num_layers=1, num_kv_heads=1, head_dim=64, max_batch_size=8, max_context=512, kv_cache_tokens=2048,
                  dtype=F32)
     layer = AttentionLayer(0, 4, 1, 64)
     step = random_step(kv, [200, 300, 301, 302, 7], [1] * 5, 4, torch.Generator().manual_seed(0))
@@ -220,7 +220,7 @@ def sub_batch(step, members: list[int]) -> ForwardBatch:
 
 # ------------------------------------------------------------------ configuration
 def _kv(**kw) -> KVCache:
-    args = {"num_layers": 1, "num_kv_heads": 2, "head_dim": 64, "max_requests": 4, "max_context": 64, "num_tokens": 256, "dtype": F32}
+    args = {"num_layers": 1, "num_kv_heads": 2, "head_dim": 64, "max_batch_size": 4, "max_context": 64, "kv_cache_tokens": 256, "dtype": F32}
     return KVCache(**(args | kw))
 
 

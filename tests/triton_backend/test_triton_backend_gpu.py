@@ -160,7 +160,7 @@ def test_toy_decoder_through_graph_runner_matches_eager_torch_native(mode: str, 
 def test_deterministic_decode_is_bitwise_independent_of_the_batch() -> None:
     """A 5000-token request's decode output alone, and at different positions in batches of 4 and 32 requests
     whose lengths would make the default heuristic choose other split counts for it."""
-    kv = KVCache(num_layers=1, num_kv_heads=2, head_dim=128, max_requests=40, max_context=8192, num_tokens=40 * 8192,
+    kv = KVCache(num_layers=1, num_kv_heads=2, head_dim=128, max_batch_size=40, max_context=8192, kv_cache_tokens=40 * 8192,
                  page_size=16, dtype=BF16, device="cuda")
     layer = AttentionLayer(0, 16, 2, 128)
     gen = torch.Generator().manual_seed(0)
