@@ -43,6 +43,7 @@ class ThroughputConfig:
     gpu_memory_utilization: float = 0.9
     page_size: int = 1
     max_context: int | None = None  # None: the workload's longest request
+    overlap: bool = True  # the engine keeps one step in flight
     rounds: int = 2
     profile_steps: int = 32  # steps per profiled window (CUDA only); 0: no profile
     hf: bool = True
@@ -95,7 +96,7 @@ def _run_engine(model: object, workload: Workload, cfg: ThroughputConfig, dtype:
     llm = LLM(model, attn_backend=cfg.backend, graph_mode=cfg.graph_mode, compile=cfg.compile,
               max_batch_size=cfg.max_batch_size, max_num_tokens=cfg.max_num_tokens,
               kv_cache_tokens=cfg.kv_cache_tokens, gpu_memory_utilization=cfg.gpu_memory_utilization, max_context=cfg.max_context or workload.longest,
-              page_size=cfg.page_size, device=cfg.device, dtype=dtype)
+              page_size=cfg.page_size, device=cfg.device, dtype=dtype, overlap=cfg.overlap)
     _sync(cfg.device)
     engine = dict(system=f"compile_attn {llm.backend.name} {llm.step_runner.graph_mode.value}",
                   backend=llm.backend.name, graph_mode=llm.step_runner.graph_mode.value,

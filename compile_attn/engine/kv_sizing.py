@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from compile_attn.errors import InvalidConfigError, KVCacheTooSmallError
+from compile_attn.errors import KVCacheTooSmallError
 from compile_attn.layer import AttentionLayer
 
 GiB = 2**30
@@ -66,15 +66,6 @@ class KVSizing:
         )
 
 
-def check_memory_utilization(utilization: float) -> None:
-    """InvalidConfigError unless ``0 < utilization <= 1`` (a float: the share of device memory the engine uses)."""
-    if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
-        raise InvalidConfigError(
-            f"gpu_memory_utilization must be a number in (0, 1], the share of the device's memory the engine may "
-            f"use, got {utilization!r}; e.g. 0.9, or pass kv_cache_tokens to size the KV cache yourself"
-        )
-
-
 def kv_bytes_per_token(layers: Sequence[AttentionLayer], dtype: torch.dtype) -> int:
     """Bytes one token's K and V take over all layers (the pool gives every layer the first layer's shapes)."""
     first = layers[0]
@@ -116,7 +107,6 @@ def size_from_device_memory(
     so the engine's memory, KV included, stays within ``limit``. Raises KVCacheTooSmallError when ``tokens <
     max_context``, naming the figures and the ways out.
     """
-    check_memory_utilization(utilization)
     limit = int(utilization * total_bytes)
     used = total_bytes - free_bytes
     budget = limit - used - peak_activation_bytes - graph_reserve_bytes

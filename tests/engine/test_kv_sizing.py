@@ -15,8 +15,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "hf"))
 from hf_tiny_models import tiny_config  # noqa: E402
 
 from compile_attn.engine import LLM  # noqa: E402
+from compile_attn.engine.config import check_memory_utilization  # noqa: E402
 from compile_attn.engine.kv_sizing import (  # noqa: E402
-    check_memory_utilization,
     kv_bytes_per_token,
     size_for_host_memory,
     size_from_device_memory,
