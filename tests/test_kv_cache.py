@@ -9,7 +9,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from compile_attn import PAD_SLOT, InvalidBatchError, KVCache, KVCacheExhaustedError
+from compile_attn import InvalidBatchError, KVCache, KVCacheExhaustedError
+from compile_attn.kv_cache import PAD_SLOT
 from compile_attn.attention.fa3_backend import build_page_table
 
 

@@ -23,18 +23,16 @@ from reference import max_rel_error, reference_attention
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from compile_attn import (
-    PAD_SLOT,
     AttentionLayer,
     CompileAttnError,
     ForwardBatch,
     InvalidBatchError,
     InvalidConfigError,
     KVCache,
-    PagedKVPool,
-    ReqToTokenPool,
     create_backend,
     forward_context,
 )
+from compile_attn.kv_cache import PAD_SLOT, PagedKVPool, ReqToTokenPool
 
 HEAD_DIM = 64  # the smallest head dim the triton kernels take
 NUM_HEADS, NUM_KV_HEADS = 2, 1

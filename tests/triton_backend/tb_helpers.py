@@ -16,8 +16,6 @@ from batch_factory import RandomStep, random_step
 from reference import max_rel_error, reference_attention
 
 from compile_attn import (
-    PAD_REQUEST,
-    PAD_SLOT,
     AttentionLayer,
     ForwardBatch,
     ForwardMode,
@@ -25,6 +23,7 @@ from compile_attn import (
     create_backend,
     forward_context,
 )
+from compile_attn.kv_cache import PAD_REQUEST, PAD_SLOT
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
 Reference = Callable[..., torch.Tensor]
