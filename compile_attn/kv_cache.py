@@ -18,13 +18,13 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from compile_attn.arg_checks import kv_dtype, positive_int, renamed_keywords
 from compile_attn.errors import InvalidBatchError, KVCacheExhaustedError
 from compile_attn.host_tensors import ragged_arange, repeat_each, to_device
 from compile_attn.kv_batch_checks import BatchChecks
+from compile_attn.page_allocator import PageAllocator
 
 if TYPE_CHECKING:
     from compile_attn.layer import AttentionLayer
@@ -122,60 +122,6 @@ class PagedKVPool:
         return sum(b.numel() * b.element_size() for b in (*self.k_buffers, *self.v_buffers))
 
 
-class PageAllocator:
-    """Free list of pages ``1..num_pages`` (page 0 is scratch). All-or-nothing ``alloc``.
-
-    Pages go in and out as int64 ``array.array``s: a prefill of thousands of tokens allocates and frees
-    thousands of pages per step, and the stack's slices, the request's page lists and the step's upload buffer
-    are then memory copies, not per-int conversions. Which pages are allocated is a NumPy bool array, so
-    checking a free (every page allocated, none twice) is vectorised too.
-    """
-
-    def __init__(self, num_pages: int) -> None:
-        self.num_pages = num_pages
-        self._free = array.array("q", range(num_pages, 0, -1))  # stack: low page ids are handed out first
-        self._allocated = np.zeros(num_pages + 1, dtype=bool)  # by page id; always num_pages - available True
-
-    @property
-    def available(self) -> int:
-        return len(self._free)
-
-    def alloc(self, n: int) -> array.array:
-        if n > len(self._free):
-            raise KVCacheExhaustedError(
-                f"KV cache full: asked for {n} pages, {len(self._free)} free of {self.num_pages}; "
-                f"nothing was allocated. Free finished requests or create the cache with more tokens"
-            )
-        if n <= 0:
-            return array.array("q")
-        pages = self._free[-n:]
-        pages.reverse()  # the top n of the stack, top first
-        del self._free[-n:]
-        self._allocated[np.asarray(pages, dtype=np.int64)] = True
-        return pages
-
-    def free(self, pages: Sequence[int] | array.array) -> None:
-        """Return ``pages`` to the free list; ValueError (nothing freed) naming a page that is not allocated or
-        appears twice."""
-        p = np.asarray(pages, dtype=np.int64)
-        if not p.size:
-            return
-        inside = (p >= 1) & (p <= self.num_pages)
-        if not inside.all():
-            raise ValueError(f"cannot free page {int(p[~inside][0])}: it is not an allocated page")
-        held = self._allocated[p]
-        if not held.all():
-            raise ValueError(f"cannot free page {int(p[~held][0])}: it is not an allocated page")
-        self._allocated[p] = False
-        expected_left = self.num_pages - len(self._free) - p.size
-        if int(np.count_nonzero(self._allocated)) != expected_left:  # a page appears twice: undo, and name it
-            self._allocated[p] = True
-            values, counts = np.unique(p, return_counts=True)
-            raise ValueError(f"cannot free page {int(values[counts > 1][0])}: it is not an allocated page "
-                             f"(it appears twice in one free)")
-        self._free.frombytes(p.tobytes())
-
-
 def _slots_of(pages: array.array, start: int, n: int, page_size: int) -> array.array:
     """Slots of positions ``start .. start + n - 1`` of a request holding ``pages``: one run per page."""
     if page_size == 1:
@@ -255,9 +201,6 @@ class KVCache(BatchChecks):
     @property
     def available_tokens(self) -> int:
         return self.allocator.available * self.page_size
-
-    def num_allocated_tokens(self, row: int) -> int:
-        return self._lens[row]
 
     def alloc_request(self) -> int:
         """Reserve a request row; its KV grows with ``alloc_extend``."""
@@ -394,12 +337,15 @@ class KVCache(BatchChecks):
 
     def truncate(self, row: int, length: int) -> None:
         """Cut request ``row`` back to its first ``length`` tokens (undoing an allocation whose step failed): pages
-        past them go back to the allocator and the table's entries past them point at the scratch slot again."""
+        past them go back to the allocator and the table's entries past them point at the scratch slot again. A
+        row that holds exactly ``length`` tokens is left as it is."""
         if row not in self._pages:
             raise ValueError(f"request row {row} is not allocated")
         old = self._lens[row]
         if not 0 <= length <= old:
             raise ValueError(f"cannot truncate request row {row} to {length} tokens: it holds {old}")
+        if length == old:  # nothing to undo: no slot changes hands, issued batches stay trusted
+            return
         keep = -(-length // self.page_size)
         pages = self._pages[row]
         self.allocator.free(pages[keep:])

@@ -210,3 +210,25 @@ def test_former_keyword_names_still_build_the_same_cache() -> None:
     assert (old.req_to_token_pool.num_rows, old.allocator.num_pages) == (4, 5)
     with pytest.raises(TypeError, match="max_reqs"):
         KVCache(num_layers=1, num_kv_heads=1, head_dim=4, max_reqs=3, max_context=8, kv_cache_tokens=20)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_truncate_gives_back_the_pages_past_the_length_and_is_a_no_op_at_it(page_size: int) -> None:
+    """Cutting a row back to an earlier length equals never having allocated the rest; cutting it to the length
+    it holds changes nothing, and a batch issued before stays trusted."""
+    kv, fresh = _cache(page_size, kv_cache_tokens=64), _cache(page_size, kv_cache_tokens=64)
+    (row,), (fresh_row,) = [kv.alloc_request()], [fresh.alloc_request()]
+    kv.alloc_extend([row], [5])
+    fresh.alloc_extend([fresh_row], [5])
+    kv.alloc_extend([row], [7])
+    kv.truncate(row, 5)
+    (table, free, lens, pages), (fresh_table, fresh_free, fresh_lens, fresh_pages) = (
+        (c.req_to_token, sorted(c.allocator._free), c._lens, c._pages) for c in (kv, fresh))
+    assert torch.equal(table, fresh_table) and (free, lens, pages) == (fresh_free, fresh_lens, fresh_pages)
+    out = kv.alloc_extend([row], [3])
+    before, generation = _state(kv), kv.generation
+    kv.truncate(row, 8)
+    _assert_same_state(_state(kv), before)
+    assert kv.generation == generation and kv.issued(out, [row], [5], [3])
+    with pytest.raises(ValueError, match="cannot truncate request row .* to 9 tokens: it holds 8"):
+        kv.truncate(row, 9)

@@ -168,9 +168,6 @@ class Scheduler:
         out_cache_loc = self.kv.alloc_extend([r.row for r in reqs], extend_lens)
         return ScheduledStep(reqs, [r.num_cached for r in reqs], extend_lens, out_cache_loc)
 
-    def finish(self, req: Request, reason: str) -> None:
-        self.finish_all([(req, reason)])
-
     def finish_all(self, done: Sequence[tuple[Request, str]]) -> None:
         """Finish several requests at once: their KV is freed in one call (one device op for their rows)."""
         if not done:
@@ -217,8 +214,7 @@ class Scheduler:
                 r.row, r.num_cached, r.status = None, 0, RequestStatus.WAITING
         running = [r for r in state.running if r.row is not None and r.status is RequestStatus.RUNNING]
         for r in running:
-            if self.kv.num_allocated_tokens(r.row) != r.num_cached:
-                self.kv.truncate(r.row, r.num_cached)
+            self.kv.truncate(r.row, r.num_cached)  # a no-op for a row the step did not grow
         preempted = [r for r in self.waiting if id(r) in before_running]
         self.running[:] = running
         self.waiting = deque(preempted + [r for r in state.waiting if r.status is RequestStatus.WAITING])

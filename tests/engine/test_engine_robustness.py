@@ -76,7 +76,7 @@ def assert_consistent(llm: LLM) -> None:
     the pages held plus the free ones are every page."""
     kv = llm.kv_cache
     for r in llm.scheduler.running:
-        assert r.row is not None and kv.num_allocated_tokens(r.row) == r.num_cached, r
+        assert r.row is not None and kv._lens[r.row] == r.num_cached, r
     for r in llm.scheduler.waiting:
         assert r.row is None and r.num_cached == 0, r
     held = sum(len(p) for p in kv._pages.values())
