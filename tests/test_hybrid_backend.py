@@ -8,15 +8,13 @@ reference and through decode CUDA graphs (skipped where a part is not installed)
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from batch_factory import random_step
+from tests.batch_factory import random_step
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference import max_rel_error, reference_attention
+from tests.reference import max_rel_error, reference_attention
 
 from compile_attn import (
     AttentionLayer,
@@ -171,7 +169,7 @@ def test_graph_state_goes_to_the_captured_part_only() -> None:
 
 # ---------------------------------------------------------------------------------------------------- GPU
 def _have(module: str) -> bool:
-    return module_available(module)  # a tests/flashinfer/ folder on sys.path is not the package
+    return module_available(module)
 
 
 GPU_PAIRS = [
@@ -185,8 +183,7 @@ GPU_PAIRS = [
 
 
 def _fi_cases():
-    sys.path.insert(0, str(Path(__file__).resolve().parent / "flashinfer"))
-    import fi_cases
+    import tests.flashinfer.fi_cases as fi_cases
 
     return fi_cases
 

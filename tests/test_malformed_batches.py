@@ -19,7 +19,7 @@ import pytest
 import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
-from reference import max_rel_error, reference_attention
+from tests.reference import max_rel_error, reference_attention
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from compile_attn import (

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batch_factory import random_step
+from tests.batch_factory import random_step
 from compile_attn import (
     AttentionLayer, ForwardBatch, KVCache, NoForwardContextError, create_backend, forward_context, register_split_op,
 )

@@ -8,16 +8,13 @@ against the float64 reference on decode and mixed batches, with the pool writes 
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from compile_attn import ForwardMode
 
-sys.path.insert(0, str(Path(__file__).parent / "triton_backend"))
-from tb_helpers import TOL, Case, run_case  # noqa: E402
+from tests.triton_backend.tb_helpers import TOL, Case, run_case  # noqa: E402
 
 DECODE = Case((5, 33, 70, 17), (1, 1, 1, 1), group=4, page_size=16)
 MIXED = Case((9, 0, 31, 16), (1, 13, 1, 6), group=4, page_size=16, mode=ForwardMode.MIXED)

@@ -7,9 +7,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batch_factory import random_step
+from tests.batch_factory import random_step
 from compile_attn import AttentionLayer, ForwardMode, KVCache, create_backend, forward_context
-from reference import max_rel_error, reference_attention
+from tests.reference import max_rel_error, reference_attention
 
 HEAD_DIM = 16
 

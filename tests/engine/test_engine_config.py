@@ -14,7 +14,7 @@ from compile_attn.cli_options import engine_config
 from compile_attn.engine import LLM, EngineConfig, EngineOptionError, SamplingParams, UnknownEngineOptionError
 from compile_attn.errors import CompileAttnError, InvalidConfigError, UnknownBackendError
 from compile_attn.models import ToyDecoder, ToyDecoderConfig
-from greedy_reference import greedy_by_recompute
+from tests.greedy_reference import greedy_by_recompute
 
 CFG = ToyDecoderConfig(vocab_size=128, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
                        intermediate_size=64)

@@ -5,14 +5,11 @@ and LLM's CPU default (``max_batch_size * max_context``)."""
 from __future__ import annotations
 
 import math
-import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "hf"))
-from hf_tiny_models import tiny_config  # noqa: E402
+from tests.hf.hf_tiny_models import tiny_config  # noqa: E402
 
 from compile_attn.engine import LLM  # noqa: E402
 from compile_attn.engine.config import check_memory_utilization  # noqa: E402

@@ -4,8 +4,6 @@ two threads at once refuses the second call with EngineBusyError instead of mixi
 
 from __future__ import annotations
 
-import os
-import sys
 import threading
 
 import pytest
@@ -16,8 +14,7 @@ from compile_attn.engine import LLM, EngineBusyError, SamplingParams
 from compile_attn.errors import NoForwardContextError
 from compile_attn.models import ToyDecoder, ToyDecoderConfig
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "hf"))
-from hf_tiny_models import build_pair  # noqa: E402
+from tests.hf.hf_tiny_models import build_pair  # noqa: E402
 
 CFG = ToyDecoderConfig(vocab_size=256, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
                        intermediate_size=64)

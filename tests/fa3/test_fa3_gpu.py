@@ -9,8 +9,6 @@ Scenarios are the flashinfer tests' (tests/flashinfer/fi_cases.py), with the fa3
 from __future__ import annotations
 
 import random
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,11 +16,9 @@ import torch
 pytestmark = pytest.mark.gpu
 pytest.importorskip("sgl_kernel")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "flashinfer"))
-from fi_cases import Case, decode_replays, run_case  # noqa: E402 - needs the path above
-
 from compile_attn import AttentionLayer, KVCache, create_backend  # noqa: E402
 from compile_attn.errors import UnsupportedConfigError  # noqa: E402
+from tests.flashinfer.fi_cases import Case, decode_replays, run_case  # noqa: E402
 
 BF16 = torch.bfloat16
 
@@ -113,8 +109,7 @@ def test_auto_tries_fa3_right_after_triton_on_hopper() -> None:
 def test_toy_decoder_through_graph_runner_matches_eager_torch_native() -> None:
     """Full decode graphs (every bucket) and breakable extend graphs with fa3 attention, against the same
     random steps run eagerly with torch_native on a twin KV cache."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "graph_runner"))
-    from gr_helpers import Twin, make_model, run_scenario
+    from tests.graph_runner.gr_helpers import Twin, make_model, run_scenario
 
     from compile_attn.attention.torch_native import TorchNativeBackend
     from compile_attn.config import GraphConfig

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-from batch_factory import random_step
+from tests.batch_factory import random_step
 from compile_attn import AttentionLayer, KVCache, forward_context
 from compile_attn.kv_cache import PAD_REQUEST, PAD_SLOT
-from reference import max_rel_error, reference_attention
+from tests.reference import max_rel_error, reference_attention
 
 # (prefix_lens, extend_lens) per batch kind; "mixed" has decode-like and prefill requests in one step.
 LENGTHS: dict[str, tuple[list[int], list[int]]] = {

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ import torch
 from compile_attn import create_backend
 from compile_attn.attention.flashinfer.library import flashinfer_installed, load_flashinfer
 from compile_attn.attention.flashinfer.warmup import KernelSpec, build_kernels
-from fi_cases import Case, decode_replays, run_case
+from tests.flashinfer.fi_cases import Case, decode_replays, run_case
 
 pytestmark = [
     pytest.mark.gpu,
@@ -158,8 +157,7 @@ def test_warmup_loads_built_kernels_with_a_log_line_each(caplog: pytest.LogCaptu
 def test_toy_decoder_through_graph_runner_matches_eager_torch_native() -> None:
     """Full decode graphs (every bucket) and breakable extend graphs with flashinfer attention, against the
     same random steps run eagerly with torch_native on a twin KV cache."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "graph_runner"))
-    from gr_helpers import Twin, make_model, run_scenario
+    from tests.graph_runner.gr_helpers import Twin, make_model, run_scenario
 
     from compile_attn.attention.torch_native import TorchNativeBackend
     from compile_attn.config import GraphConfig

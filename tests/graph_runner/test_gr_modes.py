@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from gr_helpers import CountingBackend, Twin, make_model, run_scenario
+from tests.graph_runner.gr_helpers import CountingBackend, Twin, make_model, run_scenario
 
 from compile_attn.config import GraphConfig
 from compile_attn.graph_runner import GraphRunner

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gr_helpers import CountingBackend, Twin, make_model
+from tests.graph_runner.gr_helpers import CountingBackend, Twin, make_model
 
 from compile_attn.kv_cache import PAD_REQUEST, PAD_SLOT
 from compile_attn.config import GraphConfig

@@ -11,9 +11,9 @@ import importlib
 
 import pytest
 import torch
-from hf_steps import random_sequences, run_scenario
-from hf_tiny_models import FAMILIES, build_pair
-from reference import max_rel_error
+from tests.hf.hf_steps import random_sequences, run_scenario
+from tests.hf.hf_tiny_models import FAMILIES, build_pair
+from tests.reference import max_rel_error
 from torch._dynamo.testing import CompileCounter
 
 from compile_attn.hf import HFModelAdapter

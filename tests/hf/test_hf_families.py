@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_tiny_models import WINDOW, build_pair, tiny_config
+from tests.hf.hf_tiny_models import WINDOW, build_pair, tiny_config
 from transformers import AutoModelForCausalLM, Gemma3Config, GPT2Config, LlamaConfig
 
 import compile_attn.hf as hf

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_steps import random_sequences, run_scenario
-from reference import max_rel_error
+from tests.hf.hf_steps import random_sequences, run_scenario
+from tests.reference import max_rel_error
 from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig
 
 from compile_attn import installed_backends

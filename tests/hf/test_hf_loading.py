@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_steps import random_sequences, run_scenario
-from hf_tiny_models import build_pair, tiny_config
-from reference import max_rel_error
+from tests.hf.hf_steps import random_sequences, run_scenario
+from tests.hf.hf_tiny_models import build_pair, tiny_config
+from tests.reference import max_rel_error
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from batch_factory import RandomStep, random_step
-from reference import max_rel_error, reference_attention
+from tests.batch_factory import RandomStep, random_step
+from tests.reference import max_rel_error, reference_attention
 
 from compile_attn import (
     AttentionLayer,

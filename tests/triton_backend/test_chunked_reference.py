@@ -6,11 +6,11 @@ sizes smaller than a request's new tokens. Plain torch on the CPU."""
 from __future__ import annotations
 
 import torch
-from batch_factory import random_step
+from tests.batch_factory import random_step
 from hypothesis import given
 from hypothesis import strategies as st
-from reference import reference_attention
-from tb_helpers import Case, chunked_reference
+from tests.reference import reference_attention
+from tests.triton_backend.tb_helpers import Case, chunked_reference
 
 
 @st.composite

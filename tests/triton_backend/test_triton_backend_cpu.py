@@ -8,10 +8,10 @@ import sys
 
 import pytest
 import torch
-from batch_factory import random_step
-from reference import max_rel_error, reference_attention
-from tb_helpers import TOL, Case, decode_replays, padded_decode_batch, run_case
-from tb_runner import make_runner, run_random_steps
+from tests.batch_factory import random_step
+from tests.reference import max_rel_error, reference_attention
+from tests.triton_backend.tb_helpers import TOL, Case, decode_replays, padded_decode_batch, run_case
+from tests.triton_backend.tb_runner import make_runner, run_random_steps
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from compile_attn import (
