@@ -1,6 +1,8 @@
 """compile_attn: LLM attention as a first-class citizen of PyTorch's compiler stack.
 
-Public API only; see the submodules for the pieces (ops, attention backends, KV cache, batches).
+Public API only: what the README and docs tell users to call (the engine, the graph runner, the compile backend,
+the HF integration, backends, the KV cache and batches). Internals (the pool, the allocator, the scratch slot) are
+reached through their modules (``compile_attn.kv_cache``, ...).
 """
 
 from compile_attn import ops  # noqa: F401  (registers torch.ops.compile_attn.*)
@@ -13,9 +15,19 @@ from compile_attn.attention import (
     register_backend,
 )
 from compile_attn.batch import ForwardBatch, ForwardMode
+from compile_attn.compiler import clear_cache, compile_attn_backend, compile_counters
+from compile_attn.compiler.compiled_model import compile_model
 from compile_attn.config import GraphConfig
-from compile_attn.context import ForwardContext, forward_context, get_forward_context, has_forward_context
-from compile_attn.engine import LLM, CompletionOutput, RequestOutput, RequestTooLargeError, SamplingParams
+from compile_attn.context import forward_context, get_forward_context, has_forward_context
+from compile_attn.engine import (
+    LLM,
+    AsyncLLM,
+    CompletionOutput,
+    EngineConfig,
+    RequestOutput,
+    RequestTooLargeError,
+    SamplingParams,
+)
 from compile_attn.errors import (
     BackendUnavailableError,
     CompileAttnError,
@@ -27,59 +39,66 @@ from compile_attn.errors import (
     UnknownBackendError,
     UnsupportedConfigError,
 )
-from compile_attn.kv_cache import PAD_REQUEST, PAD_SLOT, KVCache, PagedKVPool, PageAllocator, ReqToTokenPool
-from compile_attn.graph_runner.mode import GraphMode
+from compile_attn.graph_runner import GraphMode, GraphRunner
+from compile_attn.kv_cache import KVCache
 from compile_attn.layer import AttentionLayer
 from compile_attn.ops import register_split_op
 
 __version__ = "0.1.0"
 
-# The compile backend pulls in torch._dynamo: load it only when one of its names is used.
-_COMPILER_NAMES = {"compile_counters", "clear_cache", "compile_attn_backend"}
+# The HF integration needs transformers (an optional dependency): its names load on first use.
+_HF_NAMES = {"HFModelAdapter", "load_model"}
 
 
 def __getattr__(name: str):  # noqa: ANN202
-    if name in _COMPILER_NAMES:
-        import compile_attn.compiler as _compiler
-
-        return getattr(_compiler, name)
+    if name in _HF_NAMES:
+        try:
+            import compile_attn.hf as _hf
+        except ImportError as exc:
+            raise ImportError(f"compile_attn.{name} needs transformers>=5 ({exc}); pip install 'compile-attn[hf]'") \
+                from None
+        return getattr(_hf, name)
     raise AttributeError(f"module 'compile_attn' has no attribute {name!r}")
 
+
 __all__ = [
-    "PAD_REQUEST",
-    "PAD_SLOT",
+    "LLM",
+    "AsyncLLM",
     "AttentionBackend",
     "AttentionLayer",
     "BackendUnavailableError",
     "CompileAttnError",
+    "CompletionOutput",
+    "EngineConfig",
     "ForwardBatch",
-    "ForwardContext",
     "ForwardMode",
-    "GraphReplayError",
     "GraphConfig",
     "GraphMode",
+    "GraphReplayError",
+    "GraphRunner",
     "GraphSupport",
-    "LLM",
-    "CompletionOutput",
-    "RequestOutput",
-    "RequestTooLargeError",
-    "SamplingParams",
+    "HFModelAdapter",
     "InvalidBatchError",
     "InvalidConfigError",
     "KVCache",
     "KVCacheExhaustedError",
     "NoForwardContextError",
-    "PageAllocator",
-    "PagedKVPool",
-    "ReqToTokenPool",
+    "RequestOutput",
+    "RequestTooLargeError",
+    "SamplingParams",
     "UnknownBackendError",
     "UnsupportedConfigError",
     "available_backends",
+    "clear_cache",
+    "compile_attn_backend",
+    "compile_counters",
+    "compile_model",
     "create_backend",
     "forward_context",
     "get_forward_context",
     "has_forward_context",
     "installed_backends",
+    "load_model",
     "register_backend",
     "register_split_op",
 ]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 
 import torch
 
@@ -57,3 +58,16 @@ def kv_dtype(owner: str, dtype: object) -> torch.dtype:
             f"{owner}: KV cache dtype {dtype} is not supported; supported: {names} (quantised integer KV is not)"
         )
     return dtype  # type: ignore[return-value]
+
+
+def renamed_keywords(owner: str, given: dict[str, object], renames: dict[str, str]) -> dict[str, object]:
+    """``given`` (old keyword -> value) mapped to the new names of ``renames`` (old -> new), with one
+    DeprecationWarning per old name used; TypeError for a keyword that is neither."""
+    out: dict[str, object] = {}
+    for old, value in given.items():
+        if old not in renames:
+            raise TypeError(f"{owner}() got an unexpected keyword argument {old!r}")
+        new = renames[old]
+        warnings.warn(f"{owner}({old}=...) is deprecated; pass {new}=...", DeprecationWarning, stacklevel=3)
+        out[new] = value
+    return out

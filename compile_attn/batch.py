@@ -76,10 +76,6 @@ class ForwardMode(enum.IntEnum):
     def is_decode(self) -> bool:
         return self is ForwardMode.DECODE
 
-    def is_extend(self) -> bool:
-        """EXTEND and MIXED both run the extend (variable-length) attention path."""
-        return self in (ForwardMode.EXTEND, ForwardMode.MIXED)
-
     def is_idle(self) -> bool:
         return self is ForwardMode.IDLE
 

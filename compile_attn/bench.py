@@ -169,7 +169,7 @@ class DecodeSetup:
         layers = adapter.attention_layers()
         max_bs = max(cfg.batch_sizes)
         self.kv = KVCache(num_layers=len(layers), num_kv_heads=layers[0].num_kv_heads, head_dim=layers[0].head_dim,
-                          max_requests=max_bs, max_context=cfg.context + 8, num_tokens=max_bs * (cfg.context + 1),
+                          max_batch_size=max_bs, max_context=cfg.context + 8, kv_cache_tokens=max_bs * (cfg.context + 1),
                           dtype=dtype, device=cfg.device)
         self.backend = create_backend(backend_name, self.kv, layers)
         self.rows = [self.kv.alloc_request() for _ in range(max_bs)]

@@ -44,6 +44,7 @@ class ThroughputConfig:
     gpu_memory_utilization: float = 0.9
     page_size: int = 1
     max_context: int | None = None  # None: the workload's longest request
+    overlap: bool = True  # the engine keeps one step in flight
     rounds: int = 2
     profile_steps: int = 32  # steps per profiled window (CUDA only); 0: no profile
     hf: bool = True

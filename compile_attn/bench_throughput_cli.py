@@ -10,7 +10,7 @@ import logging
 import torch
 
 from compile_attn.bench_workloads import WORKLOADS
-from compile_attn.cli_options import add_engine_options
+from compile_attn.cli_options import add_engine_options, check_engine_options
 
 
 def add_parser(sub: argparse._SubParsersAction, formatter_class: type[argparse.HelpFormatter]) -> None:
@@ -34,13 +34,8 @@ def add_parser(sub: argparse._SubParsersAction, formatter_class: type[argparse.H
                                                      "Llama-3.2-1B shape)")
     model.add_argument("--tiny", action="store_true", help="a small model with random weights, on the CPU")
     add_engine_options(p, device_help="cuda or cpu (default: cuda if there is one; cpu with --tiny)",
-                       max_batch_size=256, max_num_tokens=8192)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="fraction of the GPU the engine may use; the KV cache gets what weights, activations and "
-                        "graphs leave (ignored with --kv-cache-tokens)")
-    p.add_argument("--page-size", type=int, default=1, help="KV cache page size in tokens")
-    p.add_argument("--max-context", type=int, default=None,
-                   help="tokens per request at most (default: the workload's longest request)")
+                       max_batch_size=256, max_num_tokens=8192,
+                       max_context_help="tokens per request at most (default: the workload's longest request)")
     p.add_argument("--rounds", type=int, default=2, help="times the workload runs on the same LLM (>= 1)")
     p.add_argument("--profile-steps", type=int, default=32,
                    help="steps per GPU-busy window (CUDA; 0: no profile round)")
@@ -55,14 +50,10 @@ def add_parser(sub: argparse._SubParsersAction, formatter_class: type[argparse.H
 def prepare(args: argparse.Namespace) -> None:
     """Refuse bad options (ValueError naming the value) and set ``args.cfg``, the ThroughputConfig."""
     from compile_attn import bench
-    from compile_attn.attention.registry import check_backend_name
     from compile_attn.bench_throughput import ThroughputConfig
-    from compile_attn.graph_runner.mode import GraphMode
 
-    check_backend_name(args.backend)
-    GraphMode.parse(args.graph_mode)
-    for name in ("num_seqs", "prompt_len", "output_len", "max_batch_size", "max_num_tokens", "kv_cache_tokens",
-                 "page_size", "max_context", "rounds", "hf_rounds"):
+    check_engine_options(args)
+    for name in ("num_seqs", "prompt_len", "output_len", "rounds", "hf_rounds"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -70,8 +61,6 @@ def prepare(args: argparse.Namespace) -> None:
         raise ValueError(f"--profile-steps must be >= 0 (0: no profile), got {args.profile_steps}")
     if args.temperature is not None and args.temperature < 0:
         raise ValueError(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
-    if not 0 < args.gpu_memory_utilization <= 1:
-        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
     if not 0 < args.hf_max_memory_percent <= 1:
         raise ValueError(f"--hf-max-memory-percent must be in (0, 1], got {args.hf_max_memory_percent}")
     device = args.device or ("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
@@ -81,8 +70,9 @@ def prepare(args: argparse.Namespace) -> None:
         workload=args.workload, num_seqs=args.num_seqs, prompt_len=args.prompt_len, output_len=args.output_len,
         temperature=args.temperature, model=args.model, shape=dict(bench.TINY if args.tiny else bench.LLAMA_1B),
         device=device, backend=args.backend, graph_mode=args.graph_mode, compile=not args.no_compile,
-        overlap=not args.no_overlap, max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens, kv_cache_tokens=args.kv_cache_tokens,
-        gpu_memory_utilization=args.gpu_memory_utilization, page_size=args.page_size, max_context=args.max_context, rounds=args.rounds, profile_steps=args.profile_steps,
+        max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens, kv_cache_tokens=args.kv_cache_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization, page_size=args.page_size, max_context=args.max_context,
+        overlap=not args.no_overlap, rounds=args.rounds, profile_steps=args.profile_steps,
         hf=not args.no_hf, hf_rounds=args.hf_rounds, hf_max_memory_percent=args.hf_max_memory_percent,
     )
     if device == "cpu" and not args.tiny and args.model is None:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from compile_attn.cli_options import add_engine_options, check_engine_options, engine_config
 from compile_attn.config import parse_compile_sizes
 from compile_attn.errors import CompileAttnError
 from compile_attn.run_info import package_versions, run_info
@@ -67,9 +68,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         model = str(tiny_llama())
     else:
         model = args.model
-    llm = LLM(model, attn_backend=args.backend, graph_mode=args.graph_mode, compile=not args.no_compile,
-              max_batch_size=args.max_batch_size, page_size=args.page_size, max_context=args.max_context,
-              device=args.device)
+    llm = LLM(model, config=engine_config(args))
     params = args.params
     prompts: list = args.prompt
     if llm.tokenizer is None:  # the tiny model has no tokenizer: bytes are its tokens
@@ -147,15 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1] (1: off)")
     gen.add_argument("--seed", type=int, default=None, help="makes sampled outputs reproducible")
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's EOS token")
-    gen.add_argument("--backend", default="auto",
-                     help="attention backend: auto, " + ", ".join(_backend_names()) + ", or '<prefill>+<decode>'")
-    gen.add_argument("--graph-mode", default="full_and_piecewise",
-                     help="CUDA graphs: " + ", ".join(m.value for m in _graph_modes()))
-    gen.add_argument("--no-compile", action="store_true", help="do not torch.compile the model")
-    gen.add_argument("--max-batch-size", type=int, default=8, help="requests per step at most")
-    gen.add_argument("--max-context", type=int, default=512, help="tokens per request at most (prompt + output)")
-    gen.add_argument("--page-size", type=int, default=1, help="KV cache page size in tokens")
-    gen.add_argument("--device", default=None, help="cuda or cpu (without it: cuda if there is one)")
+    add_engine_options(gen, device_help="cuda or cpu (without it: cuda if there is one)", max_batch_size=8,
+                       max_num_tokens=2048, max_context=512,
+                       max_context_help="tokens per request at most (prompt + output)")
     gen.set_defaults(func=cmd_generate, prepare=_prepare_generate, subparser=gen)
     bench = sub.add_parser("bench", help="decode step time: compile_attn modes/backends vs HF, and the bandwidth floor",
                            formatter_class=_ShowDefaults)
@@ -197,35 +190,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _backend_names() -> list[str]:
-    from compile_attn.attention import available_backends
-
-    return available_backends()
-
-
-def _graph_modes() -> list:
-    from compile_attn.graph_runner.mode import GraphMode
-
-    return list(GraphMode)
-
-
 def _prepare_generate(args: argparse.Namespace) -> None:
     """Refuse bad options before a model loads and compiles (minutes on a GPU): ValueError naming the value.
     Sets ``args.params``, the SamplingParams for ``cmd_generate``."""
-    from compile_attn.attention.registry import check_backend_name
     from compile_attn.engine import SamplingParams
-    from compile_attn.graph_runner.mode import GraphMode
 
-    check_backend_name(args.backend)
-    GraphMode.parse(args.graph_mode)
-    _check_device(args.device)
+    check_engine_options(args)
     if any(not p for p in args.prompt):
         raise ValueError("--prompt must not be empty")
     if args.seed is not None and not 0 <= args.seed < 2**63:
         raise ValueError(f"--seed must be in [0, 2**63), got {args.seed}")
-    for name in ("max_batch_size", "max_context", "page_size"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.max_new_tokens >= args.max_context:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in --max-context "
                          f"{args.max_context}; raise --max-context or lower --max-new-tokens")
@@ -235,23 +209,6 @@ def _prepare_generate(args: argparse.Namespace) -> None:
         raise FileNotFoundError(
             f"--model {args.model!r} is not a local model directory with a config.json; pass a directory holding an "
             f"HF checkpoint (config.json, safetensors weights, tokenizer files), or '{TRAINED_MODEL}' / '{TINY_MODEL}'")
-
-
-def _check_device(text: str | None) -> None:
-    """``--device``: cpu, or cuda[:N] where torch sees that GPU."""
-    if text is None:
-        return
-    try:
-        device = torch.device(text)
-    except RuntimeError:
-        raise ValueError(f"--device must be 'cpu', 'cuda' or 'cuda:N', got {text!r}") from None
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"--device must be 'cpu', 'cuda' or 'cuda:N', got {text!r}")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {text}: torch {torch.__version__} sees no CUDA GPU (torch.cuda.is_available() "
-                         f"is False); use --device cpu, or a CUDA build of torch on a machine with a GPU")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise ValueError(f"--device {text}: torch sees {torch.cuda.device_count()} CUDA GPU(s), numbered from 0")
 
 
 def _positive_ints(option: str, text: str) -> list[int]:

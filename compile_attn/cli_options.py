@@ -1,21 +1,81 @@
-"""Command-line options that every engine-building subcommand (throughput, serve) shares: device, attention
-backend, graph mode, compile switch and the engine's sizes. Each command keeps its own defaults for the sizes."""
+"""Command-line options that every engine-building subcommand (generate, throughput, serve) shares, and the
+EngineConfig they describe: device, attention backend, graph mode, compile switch, the engine's sizes and the
+overlap switch. Each command keeps its own defaults for the sizes; bad values are refused by flag name."""
 
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from compile_attn.engine.config import EngineConfig
+
+_SIZES = ("max_batch_size", "max_num_tokens", "kv_cache_tokens", "page_size", "max_context")
 
 
-def add_engine_options(p: argparse.ArgumentParser, *, device_help: str, max_batch_size: int,
-                       max_num_tokens: int) -> None:
-    """--device, --backend, --graph-mode, --no-compile, --no-overlap, --max-batch-size, --max-num-tokens,
-    --kv-cache-tokens."""
+def add_engine_options(p: argparse.ArgumentParser, *, device_help: str, max_batch_size: int, max_num_tokens: int,
+                       max_context: int | None = None,
+                       max_context_help: str = "tokens per request at most (default: the model's)") -> None:
+    """--device, --backend, --graph-mode, --no-compile, --max-batch-size, --max-num-tokens, --kv-cache-tokens,
+    --gpu-memory-utilization, --page-size, --max-context, --no-overlap: one flag per EngineConfig field."""
     p.add_argument("--device", default=None, help=device_help)
-    p.add_argument("--backend", default="auto", help="attention backend (see `compile-attn info`)")
+    p.add_argument("--backend", default="auto",
+                   help="attention backend, or '<prefill>+<decode>' (see `compile-attn info`)")
     p.add_argument("--graph-mode", default="full_and_piecewise", help="CUDA graphs (see GraphMode)")
     p.add_argument("--no-compile", action="store_true", help="do not torch.compile the model")
-    p.add_argument("--no-overlap", action="store_true",
-                   help="read each step's tokens before scheduling the next (default: one step in flight)")
     p.add_argument("--max-batch-size", type=int, default=max_batch_size, help="requests per step at most")
     p.add_argument("--max-num-tokens", type=int, default=max_num_tokens, help="tokens per step at most")
     p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV cache capacity (default: the engine's)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of the GPU the engine may use; the KV cache gets what weights, activations and "
+                        "graphs leave (ignored with --kv-cache-tokens)")
+    p.add_argument("--page-size", type=int, default=1, help="KV cache page size in tokens")
+    p.add_argument("--max-context", type=int, default=max_context, help=max_context_help)
+    p.add_argument("--no-overlap", action="store_true",
+                   help="run each step to completion before scheduling the next (default: keep one step in flight)")
+
+
+def check_engine_options(args: argparse.Namespace) -> None:
+    """ValueError naming the flag for a bad backend, graph mode, device, size or memory share."""
+    from compile_attn.attention.registry import check_backend_name
+    from compile_attn.graph_runner.mode import GraphMode
+
+    check_backend_name(args.backend)
+    GraphMode.parse(args.graph_mode)
+    check_device_flag(args.device)
+    for name in _SIZES:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+
+
+def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
+    """The EngineConfig that the options of ``add_engine_options`` describe; ``overrides`` replace fields (a
+    command's own choices, such as the device it picked)."""
+    from compile_attn.engine.config import EngineConfig
+
+    options = dict(attn_backend=args.backend, graph_mode=args.graph_mode, compile=not args.no_compile,
+                   gpu_memory_utilization=args.gpu_memory_utilization, device=args.device,
+                   overlap=not args.no_overlap, **{name: getattr(args, name) for name in _SIZES})
+    return EngineConfig(**{**options, **overrides})
+
+
+def check_device_flag(text: str | None) -> None:
+    """``--device``: cpu, or cuda[:N] where torch sees that GPU."""
+    if text is None:
+        return
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise ValueError(f"--device must be 'cpu', 'cuda' or 'cuda:N', got {text!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be 'cpu', 'cuda' or 'cuda:N', got {text!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {text}: torch {torch.__version__} sees no CUDA GPU (torch.cuda.is_available() "
+                         f"is False); use --device cpu, or a CUDA build of torch on a machine with a GPU")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {text}: torch sees {torch.cuda.device_count()} CUDA GPU(s), numbered from 0")

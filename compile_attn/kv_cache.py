@@ -5,8 +5,8 @@ the page holding it. Page 0 and request row 0 are reserved scratch: padded token
 ``PAD_SLOT`` and padded requests use row ``PAD_REQUEST`` (all of whose entries point at the scratch
 slot), so padding never touches a live request's KV. Allocation is all-or-nothing: when it cannot be
 satisfied, a KVCacheExhaustedError is raised and nothing changed. The cache also answers whether a batch
-fits it (``issued``, ``check_rows``, ``check_slots``, from ``kv_batch_checks``: see ``ForwardBatch.check``). Index formats built from
-the request table live in ``kv_index``.
+fits it (``issued``, ``check_rows``, ``check_slots``, from ``kv_batch_checks``: see ``ForwardBatch.check``). Index
+formats built from the request table live with the backends that read them (``attention/triton_ops/kv_index``).
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
-from compile_attn.arg_checks import kv_dtype, positive_int
+from compile_attn.arg_checks import kv_dtype, positive_int, renamed_keywords
 from compile_attn.errors import InvalidBatchError, KVCacheExhaustedError
 from compile_attn.host_tensors import ragged_arange, repeat_each, to_device
 from compile_attn.kv_batch_checks import BatchChecks
+from compile_attn.page_allocator import PageAllocator
 
 if TYPE_CHECKING:
     from compile_attn.layer import AttentionLayer
@@ -33,17 +33,18 @@ logger = logging.getLogger(__name__)
 
 PAD_SLOT = 0
 PAD_REQUEST = 0
+KV_CACHE_RENAMED = {"max_requests": "max_batch_size", "num_tokens": "kv_cache_tokens"}  # KVCache's former keywords
 
 
 class ReqToTokenPool:
-    """``req_to_token[row, position] -> slot`` for up to ``max_requests`` live requests (+1 scratch row)."""
+    """``req_to_token[row, position] -> slot`` for up to ``max_batch_size`` live requests (+1 scratch row)."""
 
-    def __init__(self, max_requests: int, max_context: int, device: torch.device | str = "cpu") -> None:
-        max_requests = positive_int("ReqToTokenPool", "max_requests", max_requests)
+    def __init__(self, max_batch_size: int, max_context: int, device: torch.device | str = "cpu") -> None:
+        max_batch_size = positive_int("ReqToTokenPool", "max_batch_size", max_batch_size)
         max_context = positive_int("ReqToTokenPool", "max_context", max_context)
-        self.max_requests = max_requests
+        self.max_batch_size = max_batch_size
         self.max_context = max_context
-        self.num_rows = max_requests + 1
+        self.num_rows = max_batch_size + 1
         self.req_to_token = torch.full((self.num_rows, max_context), PAD_SLOT, dtype=torch.int32, device=device)
         self._free_rows = list(range(self.num_rows - 1, 0, -1))  # stack; row 0 is scratch
 
@@ -54,8 +55,8 @@ class ReqToTokenPool:
     def alloc(self, n: int = 1) -> list[int]:
         if n > len(self._free_rows):
             raise KVCacheExhaustedError(
-                f"request table full: asked for {n} rows, {len(self._free_rows)} free of {self.max_requests}; "
-                f"finish or preempt requests, or raise max_requests"
+                f"request table full: asked for {n} rows, {len(self._free_rows)} free of {self.max_batch_size}; "
+                f"finish or preempt requests, or raise max_batch_size"
             )
         return [self._free_rows.pop() for _ in range(n)]
 
@@ -121,60 +122,6 @@ class PagedKVPool:
         return sum(b.numel() * b.element_size() for b in (*self.k_buffers, *self.v_buffers))
 
 
-class PageAllocator:
-    """Free list of pages ``1..num_pages`` (page 0 is scratch). All-or-nothing ``alloc``.
-
-    Pages go in and out as int64 ``array.array``s: a prefill of thousands of tokens allocates and frees
-    thousands of pages per step, and the stack's slices, the request's page lists and the step's upload buffer
-    are then memory copies, not per-int conversions. Which pages are allocated is a NumPy bool array, so
-    checking a free (every page allocated, none twice) is vectorised too.
-    """
-
-    def __init__(self, num_pages: int) -> None:
-        self.num_pages = num_pages
-        self._free = array.array("q", range(num_pages, 0, -1))  # stack: low page ids are handed out first
-        self._allocated = np.zeros(num_pages + 1, dtype=bool)  # by page id; always num_pages - available True
-
-    @property
-    def available(self) -> int:
-        return len(self._free)
-
-    def alloc(self, n: int) -> array.array:
-        if n > len(self._free):
-            raise KVCacheExhaustedError(
-                f"KV cache full: asked for {n} pages, {len(self._free)} free of {self.num_pages}; "
-                f"nothing was allocated. Free finished requests or create the cache with more tokens"
-            )
-        if n <= 0:
-            return array.array("q")
-        pages = self._free[-n:]
-        pages.reverse()  # the top n of the stack, top first
-        del self._free[-n:]
-        self._allocated[np.asarray(pages, dtype=np.int64)] = True
-        return pages
-
-    def free(self, pages: Sequence[int] | array.array) -> None:
-        """Return ``pages`` to the free list; ValueError (nothing freed) naming a page that is not allocated or
-        appears twice."""
-        p = np.asarray(pages, dtype=np.int64)
-        if not p.size:
-            return
-        inside = (p >= 1) & (p <= self.num_pages)
-        if not inside.all():
-            raise ValueError(f"cannot free page {int(p[~inside][0])}: it is not an allocated page")
-        held = self._allocated[p]
-        if not held.all():
-            raise ValueError(f"cannot free page {int(p[~held][0])}: it is not an allocated page")
-        self._allocated[p] = False
-        expected_left = self.num_pages - len(self._free) - p.size
-        if int(np.count_nonzero(self._allocated)) != expected_left:  # a page appears twice: undo, and name it
-            self._allocated[p] = True
-            values, counts = np.unique(p, return_counts=True)
-            raise ValueError(f"cannot free page {int(values[counts > 1][0])}: it is not an allocated page "
-                             f"(it appears twice in one free)")
-        self._free.frombytes(p.tobytes())
-
-
 def _slots_of(pages: array.array, start: int, n: int, page_size: int) -> array.array:
     """Slots of positions ``start .. start + n - 1`` of a request holding ``pages``: one run per page."""
     if page_size == 1:
@@ -200,28 +147,34 @@ class KVCache(BatchChecks):
         num_kv_heads: int,
         head_dim: int,
         v_head_dim: int | None = None,
-        max_requests: int,
+        max_batch_size: int | None = None,
         max_context: int,
-        num_tokens: int,
+        kv_cache_tokens: int | None = None,
         page_size: int = 1,
         dtype: torch.dtype = torch.float16,
         device: torch.device | str = "cpu",
+        **deprecated: Any,
     ) -> None:
-        """``num_tokens`` is the KV capacity (rounded up to whole pages), scratch page excluded. Sizes must be
-        positive ints and ``dtype`` one of ``arg_checks.KV_DTYPES``; anything else raises InvalidConfigError."""
+        """``max_batch_size`` request rows (live requests at once); ``kv_cache_tokens`` is the KV capacity (rounded
+        up to whole pages), scratch page excluded. Sizes must be positive ints and ``dtype`` one of
+        ``arg_checks.KV_DTYPES``; anything else raises InvalidConfigError. The former names ``max_requests`` and
+        ``num_tokens`` still work, with a DeprecationWarning."""
+        renamed = renamed_keywords("KVCache", deprecated, KV_CACHE_RENAMED)
+        max_batch_size = renamed.get("max_batch_size", max_batch_size)
+        kv_cache_tokens = renamed.get("kv_cache_tokens", kv_cache_tokens)
         page_size = positive_int("KVCache", "page_size", page_size)
-        num_tokens = positive_int("KVCache", "num_tokens (the KV capacity in tokens)", num_tokens)
+        kv_cache_tokens = positive_int("KVCache", "kv_cache_tokens (the KV capacity in tokens)", kv_cache_tokens)
         for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
-                            ("max_requests", max_requests), ("max_context", max_context)):
+                            ("max_batch_size", max_batch_size), ("max_context", max_context)):
             positive_int("KVCache", name, value)
         if v_head_dim is not None:
             positive_int("KVCache", "v_head_dim", v_head_dim)
         kv_dtype("KVCache", dtype)
-        num_pages = -(-num_tokens // page_size)
+        num_pages = -(-kv_cache_tokens // page_size)
         self.page_size = page_size
         self.max_context = max_context
         self.device = torch.device(device)
-        self.req_to_token_pool = ReqToTokenPool(max_requests, max_context, device)
+        self.req_to_token_pool = ReqToTokenPool(max_batch_size, max_context, device)
         self.pool = PagedKVPool(
             num_pages=num_pages, page_size=page_size, num_layers=num_layers, num_kv_heads=num_kv_heads,
             head_dim=head_dim, v_head_dim=v_head_dim, dtype=dtype, device=device,
@@ -248,9 +201,6 @@ class KVCache(BatchChecks):
     @property
     def available_tokens(self) -> int:
         return self.allocator.available * self.page_size
-
-    def num_allocated_tokens(self, row: int) -> int:
-        return self._lens[row]
 
     def alloc_request(self) -> int:
         """Reserve a request row; its KV grows with ``alloc_extend``."""
@@ -387,12 +337,15 @@ class KVCache(BatchChecks):
 
     def truncate(self, row: int, length: int) -> None:
         """Cut request ``row`` back to its first ``length`` tokens (undoing an allocation whose step failed): pages
-        past them go back to the allocator and the table's entries past them point at the scratch slot again."""
+        past them go back to the allocator and the table's entries past them point at the scratch slot again. A
+        row that holds exactly ``length`` tokens is left as it is."""
         if row not in self._pages:
             raise ValueError(f"request row {row} is not allocated")
         old = self._lens[row]
         if not 0 <= length <= old:
             raise ValueError(f"cannot truncate request row {row} to {length} tokens: it holds {old}")
+        if length == old:  # nothing to undo: no slot changes hands, issued batches stay trusted
+            return
         keep = -(-length // self.page_size)
         pages = self._pages[row]
         self.allocator.free(pages[keep:])

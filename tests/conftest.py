@@ -4,7 +4,6 @@ hypothesis profiles for CI and GPU runs."""
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
@@ -14,8 +13,6 @@ if not torch.cuda.is_available():
     # decorated, so it is set here, before any test module can import compile_attn's Triton kernels.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 from hypothesis import HealthCheck, settings
-
-sys.path.insert(0, os.path.dirname(__file__))  # tests/reference.py, tests/batch_factory.py
 
 settings.register_profile(
     "default", deadline=None, max_examples=25, suppress_health_check=[HealthCheck.too_slow], derandomize=True

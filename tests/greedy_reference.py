@@ -15,7 +15,7 @@ def greedy_by_recompute(model: ToyDecoder, prompt: list[int], n: int) -> list[in
     tokens, cfg = list(prompt), model.cfg
     for _ in range(n):
         kv = KVCache(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                     max_requests=1, max_context=len(tokens), num_tokens=len(tokens), dtype=torch.float32)
+                     max_batch_size=1, max_context=len(tokens), kv_cache_tokens=len(tokens), dtype=torch.float32)
         backend = create_backend("torch_native", kv, model.attention_layers())
         row = kv.alloc_request()
         fb = ForwardBatch.build(req_pool_indices=[row], prefix_lens=[0], extend_lens=[len(tokens)],

@@ -64,7 +64,7 @@ def test_validate_rejects_inconsistent_batches(change: dict, message: str) -> No
 
 
 def test_validate_against_the_cache_checks_slots_rows_and_context() -> None:
-    kv = KVCache(num_layers=1, num_kv_heads=1, head_dim=4, max_requests=2, max_context=8, num_tokens=16)
+    kv = KVCache(num_layers=1, num_kv_heads=1, head_dim=4, max_batch_size=2, max_context=8, kv_cache_tokens=16)
     rows = [kv.alloc_request(), kv.alloc_request()]
     assert rows == [1, 2]
     kv.alloc_extend(rows, [3, 0])

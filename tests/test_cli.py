@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from compile_attn import cli
-from greedy_reference import greedy_by_recompute
+from tests.greedy_reference import greedy_by_recompute
 
 FAST = ["--no-compile", "--graph-mode", "none", "--device", "cpu"]
 

@@ -108,7 +108,7 @@ def test_step_metadata_reaches_the_gpu_without_a_sync(prefix: list[int], seed: i
     extend = torch.randint(1, 50, (len(prefix),), generator=gen).tolist()
     built = {}
     for device in ("cpu", "cuda"):
-        kv = KVCache(num_layers=1, num_kv_heads=1, head_dim=8, max_requests=8, max_context=128, num_tokens=2048,
+        kv = KVCache(num_layers=1, num_kv_heads=1, head_dim=8, max_batch_size=8, max_context=128, kv_cache_tokens=2048,
                      page_size=page_size, dtype=torch.bfloat16, device=device)
         rows = [kv.alloc_request() for _ in prefix]
         kv.alloc_extend(rows, prefix)

@@ -2,21 +2,18 @@
 
 CPU: torch_native and Triton (interpreted) in both orders against the float64 reference on random mixed,
 prefix and decode batches, with the routing observed on the real parts; a request prefilled by one part is
-decoded by the other; names, errors and graph support. GPU: fa3 / flashinfer / triton pairs against the
-reference and through decode CUDA graphs (skipped where a part is not installed).
+decoded by the other; names, errors and graph support. The GPU pairs (fa3 / flashinfer / triton) run through
+tests/backends/test_conformance.py.
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-from batch_factory import random_step
+from tests.batch_factory import random_step
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference import max_rel_error, reference_attention
+from tests.reference import max_rel_error, reference_attention
 
 from compile_attn import (
     AttentionLayer,
@@ -28,7 +25,6 @@ from compile_attn import (
 )
 from compile_attn.attention import GraphSupport
 from compile_attn.attention.hybrid_backend import HybridBackend
-from compile_attn.attention.registry import module_available
 
 pytest.importorskip("triton")
 # The CPU tests pair torch_native with Triton interpreted on CPU tensors; where CUDA is present Triton compiles
@@ -41,8 +37,8 @@ HEAD_DIM = 64
 
 def _kv(num_kv_heads: int = 2, page_size: int = 1, device: str = "cpu", dtype: torch.dtype = torch.float32,
         head_dim: int = HEAD_DIM) -> KVCache:
-    return KVCache(num_layers=1, num_kv_heads=num_kv_heads, head_dim=head_dim, max_requests=8, max_context=96,
-                   num_tokens=1024, page_size=page_size, dtype=dtype, device=device)
+    return KVCache(num_layers=1, num_kv_heads=num_kv_heads, head_dim=head_dim, max_batch_size=8, max_context=96,
+                   kv_cache_tokens=1024, page_size=page_size, dtype=dtype, device=device)
 
 
 def _spy(backend: HybridBackend, calls: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -167,45 +163,3 @@ def test_graph_state_goes_to_the_captured_part_only() -> None:
     backend.init_cuda_graph_state(max_bs=4, max_num_tokens=16)
     assert backend.decode._cg_table.shape[0] == 4  # torch_native's static decode buffers exist
     assert backend.prefill.graph_buffers is None  # Triton prefill runs eagerly between pieces: none allocated
-
-
-# ---------------------------------------------------------------------------------------------------- GPU
-def _have(module: str) -> bool:
-    return module_available(module)  # a tests/flashinfer/ folder on sys.path is not the package
-
-
-GPU_PAIRS = [
-    pytest.param("fa3+flashinfer", marks=pytest.mark.skipif(not (_have("sgl_kernel") and _have("flashinfer")),
-                                                             reason="needs sgl_kernel and flashinfer")),
-    pytest.param("flashinfer+fa3", marks=pytest.mark.skipif(not (_have("sgl_kernel") and _have("flashinfer")),
-                                                             reason="needs sgl_kernel and flashinfer")),
-    pytest.param("fa3+triton", marks=pytest.mark.skipif(not _have("sgl_kernel"), reason="needs sgl_kernel")),
-    pytest.param("flashinfer+triton", marks=pytest.mark.skipif(not _have("flashinfer"), reason="needs flashinfer")),
-]
-
-
-def _fi_cases():
-    sys.path.insert(0, str(Path(__file__).resolve().parent / "flashinfer"))
-    import fi_cases
-
-    return fi_cases
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("pair", GPU_PAIRS)
-@pytest.mark.parametrize("mode", ["decode", "extend", "prefix", "mixed"])
-def test_gpu_pairs_match_float64_reference(pair: str, mode: str) -> None:
-    fc = _fi_cases()
-    for page_size in (1, 16):
-        case = fc.Case(mode, 64, group=4, page_size=page_size, window=9, logit_cap=30.0)
-        for err, _ in fc.run_case(case, lambda kv, layers, **_: create_backend(pair, kv, layers), "cuda",
-                                  torch.bfloat16):
-            assert err < 1e-2, f"{pair} {mode} page {page_size}: relative error {err:.2e}"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("pair", GPU_PAIRS)
-def test_gpu_pairs_decode_cuda_graphs_replay_new_batches(pair: str) -> None:
-    errors = _fi_cases().decode_replays(lambda kv, layers, **_: create_backend(pair, kv, layers), "cuda",
-                                        torch.bfloat16, buckets=(1, 4, 16), trials=3, capture=True, page_size=16)
-    assert len(errors) == 3 * 3 * 2 and max(errors) < 1e-2, errors

@@ -1,4 +1,4 @@
-"""KV cache: page layout, all-or-nothing allocation, exhaustion leaves the cache unchanged, index formats."""
+"""KV cache: page layout, all-or-nothing allocation, exhaustion leaves the cache unchanged, the page table."""
 
 from __future__ import annotations
 
@@ -9,13 +9,14 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from compile_attn import PAD_SLOT, InvalidBatchError, KVCache, KVCacheExhaustedError
-from compile_attn.kv_index import build_kv_indices, build_page_table, build_paged_kv_indices
+from compile_attn import InvalidBatchError, KVCache, KVCacheExhaustedError
+from compile_attn.kv_cache import PAD_SLOT
+from compile_attn.attention.fa3_backend import build_page_table
 
 
-def _cache(page_size: int = 1, num_tokens: int = 64, max_requests: int = 4, max_context: int = 48) -> KVCache:
-    return KVCache(num_layers=2, num_kv_heads=2, head_dim=4, max_requests=max_requests, max_context=max_context,
-                   num_tokens=num_tokens, page_size=page_size, dtype=torch.float32)
+def _cache(page_size: int = 1, kv_cache_tokens: int = 64, max_batch_size: int = 4, max_context: int = 48) -> KVCache:
+    return KVCache(num_layers=2, num_kv_heads=2, head_dim=4, max_batch_size=max_batch_size, max_context=max_context,
+                   kv_cache_tokens=kv_cache_tokens, page_size=page_size, dtype=torch.float32)
 
 
 def _state(kv: KVCache) -> tuple:
@@ -29,7 +30,7 @@ def _assert_same_state(a: tuple, b: tuple) -> None:
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 def test_slots_follow_pages_and_never_use_the_scratch_page(page_size: int) -> None:
-    kv = _cache(page_size, num_tokens=128)
+    kv = _cache(page_size, kv_cache_tokens=128)
     rows = [kv.alloc_request(), kv.alloc_request()]
     first = kv.alloc_extend(rows, [5, 3])
     second = kv.alloc_extend(rows, [page_size + 2, 1])
@@ -45,7 +46,7 @@ def test_slots_follow_pages_and_never_use_the_scratch_page(page_size: int) -> No
 
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_exhaustion_is_clear_and_leaves_the_cache_unchanged(page_size: int) -> None:
-    kv = _cache(page_size, num_tokens=32)
+    kv = _cache(page_size, kv_cache_tokens=32)
     rows = [kv.alloc_request(), kv.alloc_request()]
     kv.alloc_extend(rows, [10, 3])
     before = _state(kv)
@@ -58,7 +59,7 @@ def test_exhaustion_is_clear_and_leaves_the_cache_unchanged(page_size: int) -> N
 
 
 def test_request_table_exhaustion_and_bad_frees() -> None:
-    kv = _cache(max_requests=2)
+    kv = _cache(max_batch_size=2)
     rows = [kv.alloc_request(), kv.alloc_request()]
     with pytest.raises(KVCacheExhaustedError, match="request table full: asked for 1 rows, 0 free of 2"):
         kv.alloc_request()
@@ -75,7 +76,7 @@ def test_request_table_exhaustion_and_bad_frees() -> None:
 def test_freeing_requests_together_equals_one_by_one(page_size: int) -> None:
     """free_requests (one allocator call, one device op for the rows) leaves the same cache as free_request per
     row: pages back on the free list, rows reset to the scratch slot and reusable; bad calls change nothing."""
-    caches = [_cache(page_size, num_tokens=128, max_requests=4) for _ in range(2)]
+    caches = [_cache(page_size, kv_cache_tokens=128, max_batch_size=4) for _ in range(2)]
     for kv in caches:
         rows = [kv.alloc_request() for _ in range(4)]
         kv.alloc_extend(rows, [5, 9, 3, 7])
@@ -101,28 +102,19 @@ def test_freeing_requests_together_equals_one_by_one(page_size: int) -> None:
     lens=st.lists(st.integers(1, 40), min_size=1, max_size=4),
     seed=st.integers(0, 1000),
 )
-def test_index_formats_agree_with_req_to_token(page_size: int, lens: list[int], seed: int) -> None:
-    kv = _cache(page_size, num_tokens=256)
+def test_page_table_agrees_with_req_to_token(page_size: int, lens: list[int], seed: int) -> None:
+    """FA3's page table read from ``req_to_token`` lists each request's pages as the cache handed them out."""
+    kv = _cache(page_size, kv_cache_tokens=256)
     perm = torch.randperm(kv.allocator.available, generator=torch.Generator().manual_seed(seed)).tolist()
     kv.allocator._free = array.array("q", [kv.allocator._free[i] for i in perm])
     rows = [kv.alloc_request() for _ in lens]
     kv.alloc_extend(rows, lens)
-    rows_t, lens_t = torch.tensor(rows), torch.tensor(lens)
-    indptr, indices = build_kv_indices(kv.req_to_token, rows_t, lens_t, lens_t)
-    assert indptr.tolist() == [sum(lens[:i]) for i in range(len(lens) + 1)]
-    assert indices.tolist() == [int(kv.req_to_token[r, j]) for r, n in zip(rows, lens) for j in range(n)]
-    start = torch.tensor([max(0, n - 3) for n in lens])
-    _, windowed = build_kv_indices(kv.req_to_token, rows_t, lens_t, lens_t, kv_start=start)
-    assert windowed.tolist() == [int(kv.req_to_token[r, j]) for r, n in zip(rows, lens) for j in range(max(0, n - 3), n)]
-    page_indptr, pages, last = build_paged_kv_indices(kv.req_to_token, rows_t, lens_t, page_size)
     expected_pages = [kv._pages[r].tolist() for r in rows]
-    assert pages.tolist() == [p for ps in expected_pages for p in ps]
-    assert page_indptr.diff().tolist() == [len(ps) for ps in expected_pages]
-    assert last.tolist() == [n - (len(ps) - 1) * page_size for n, ps in zip(lens, expected_pages)]
     width = max(len(ps) for ps in expected_pages)
-    table = build_page_table(kv.req_to_token, rows_t, width, page_size)
+    table = build_page_table(kv.req_to_token, torch.tensor(rows), width, page_size)
     for b, ps in enumerate(expected_pages):
         assert table[b, : len(ps)].tolist() == ps
+        assert table[b, len(ps):].tolist() == [0] * (width - len(ps))
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
@@ -130,7 +122,7 @@ def test_index_formats_agree_with_req_to_token(page_size: int, lens: list[int], 
 def test_one_large_extend_equals_the_same_tokens_in_small_extends(page_size: int, chunks: list[int], seed: int) -> None:
     """Bulk allocation (a prefill) lays out slots exactly as token-by-token allocation does."""
     total = sum(chunks)
-    kv_bulk, kv_steps = (_cache(page_size, num_tokens=512, max_context=256) for _ in range(2))
+    kv_bulk, kv_steps = (_cache(page_size, kv_cache_tokens=512, max_context=256) for _ in range(2))
     for kv in (kv_bulk, kv_steps):  # the same shuffled free list in both caches
         perm = torch.randperm(len(kv.allocator._free), generator=torch.Generator().manual_seed(seed)).tolist()
         kv.allocator._free = array.array("q", [kv.allocator._free[i] for i in perm])
@@ -166,7 +158,7 @@ def test_freeing_a_page_twice_in_one_call_is_refused() -> None:
 def test_decode_allocation_equals_the_general_path(page_size: int, prefix: list[int], steps: int, seed: int) -> None:
     """One token for every request (the decode path, in comprehensions) lays out slots and bookkeeping exactly as
     the general path does (forced here by a zero-token request in the same call)."""
-    fast, general = (_cache(page_size, num_tokens=1024, max_requests=10, max_context=64) for _ in range(2))
+    fast, general = (_cache(page_size, kv_cache_tokens=1024, max_batch_size=10, max_context=64) for _ in range(2))
     for kv in (fast, general):
         perm = torch.randperm(len(kv.allocator._free), generator=torch.Generator().manual_seed(seed)).tolist()
         kv.allocator._free = array.array("q", [kv.allocator._free[i] for i in perm])
@@ -183,7 +175,7 @@ def test_decode_allocation_equals_the_general_path(page_size: int, prefix: list[
 
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_decode_allocation_errors_leave_the_cache_unchanged(page_size: int) -> None:
-    kv = _cache(page_size, num_tokens=16, max_context=12)
+    kv = _cache(page_size, kv_cache_tokens=16, max_context=12)
     rows = [kv.alloc_request(), kv.alloc_request()]
     kv.alloc_extend(rows, [11, 3])
     before = _state(kv)
@@ -206,3 +198,37 @@ def test_decode_allocation_errors_leave_the_cache_unchanged(page_size: int) -> N
             kv.alloc_extend([rows[1], *others], [1, 1, 1])
             before = _state(kv)
     _assert_same_state(before, _state(kv))
+
+
+def test_former_keyword_names_still_build_the_same_cache() -> None:
+    """``max_requests`` / ``num_tokens`` (the names before ``max_batch_size`` / ``kv_cache_tokens``) warn and build
+    a cache of the same rows and pages; a keyword that is neither is refused."""
+    with pytest.warns(DeprecationWarning) as caught:
+        old = KVCache(num_layers=1, num_kv_heads=1, head_dim=4, max_requests=3, max_context=8, num_tokens=20,
+                      page_size=4, dtype=torch.float32)
+    assert sorted(str(w.message).split("(")[1].split("=")[0] for w in caught) == ["max_requests", "num_tokens"]
+    assert (old.req_to_token_pool.num_rows, old.allocator.num_pages) == (4, 5)
+    with pytest.raises(TypeError, match="max_reqs"):
+        KVCache(num_layers=1, num_kv_heads=1, head_dim=4, max_reqs=3, max_context=8, kv_cache_tokens=20)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_truncate_gives_back_the_pages_past_the_length_and_is_a_no_op_at_it(page_size: int) -> None:
+    """Cutting a row back to an earlier length equals never having allocated the rest; cutting it to the length
+    it holds changes nothing, and a batch issued before stays trusted."""
+    kv, fresh = _cache(page_size, kv_cache_tokens=64), _cache(page_size, kv_cache_tokens=64)
+    (row,), (fresh_row,) = [kv.alloc_request()], [fresh.alloc_request()]
+    kv.alloc_extend([row], [5])
+    fresh.alloc_extend([fresh_row], [5])
+    kv.alloc_extend([row], [7])
+    kv.truncate(row, 5)
+    (table, free, lens, pages), (fresh_table, fresh_free, fresh_lens, fresh_pages) = (
+        (c.req_to_token, sorted(c.allocator._free), c._lens, c._pages) for c in (kv, fresh))
+    assert torch.equal(table, fresh_table) and (free, lens, pages) == (fresh_free, fresh_lens, fresh_pages)
+    out = kv.alloc_extend([row], [3])
+    before, generation = _state(kv), kv.generation
+    kv.truncate(row, 8)
+    _assert_same_state(_state(kv), before)
+    assert kv.generation == generation and kv.issued(out, [row], [5], [3])
+    with pytest.raises(ValueError, match="cannot truncate request row .* to 9 tokens: it holds 8"):
+        kv.truncate(row, 9)

@@ -19,22 +19,20 @@ import pytest
 import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
-from reference import max_rel_error, reference_attention
+from tests.reference import max_rel_error, reference_attention
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from compile_attn import (
-    PAD_SLOT,
     AttentionLayer,
     CompileAttnError,
     ForwardBatch,
     InvalidBatchError,
     InvalidConfigError,
     KVCache,
-    PagedKVPool,
-    ReqToTokenPool,
     create_backend,
     forward_context,
 )
+from compile_attn.kv_cache import PAD_SLOT, PagedKVPool, ReqToTokenPool
 
 HEAD_DIM = 64  # the smallest head dim the triton kernels take
 NUM_HEADS, NUM_KV_HEADS = 2, 1
@@ -50,10 +48,10 @@ class Setup:
     backend: object
 
 
-def make(backend: str = "torch_native", page_size: int = 1, num_tokens: int = 64, max_context: int = 32,
-         max_requests: int = 4, device: str = "cpu") -> Setup:
-    kv = KVCache(num_layers=1, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, max_requests=max_requests,
-                 max_context=max_context, num_tokens=num_tokens, page_size=page_size, dtype=torch.float32,
+def make(backend: str = "torch_native", page_size: int = 1, kv_cache_tokens: int = 64, max_context: int = 32,
+         max_batch_size: int = 4, device: str = "cpu") -> Setup:
+    kv = KVCache(num_layers=1, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, max_batch_size=max_batch_size,
+                 max_context=max_context, kv_cache_tokens=kv_cache_tokens, page_size=page_size, dtype=torch.float32,
                  device=device)
     layer = AttentionLayer(layer_id=0, num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM)
     return Setup(kv, layer, create_backend(backend, kv, [layer]))
@@ -136,16 +134,16 @@ def test_attention_layer_refuses_bad_values(change: dict, names: str) -> None:
     assert issubclass(InvalidConfigError, ValueError) and issubclass(InvalidConfigError, CompileAttnError)
 
 
-KV = dict(num_layers=1, num_kv_heads=2, head_dim=64, max_requests=2, max_context=8, num_tokens=16)
+KV = dict(num_layers=1, num_kv_heads=2, head_dim=64, max_batch_size=2, max_context=8, kv_cache_tokens=16)
 
 
 @pytest.mark.parametrize(("change", "message"), [
     (dict(num_kv_heads=0), "num_kv_heads must be a positive int, got 0"),
     (dict(page_size=0), "page_size must be a positive int, got 0"),
     (dict(page_size=-2), "page_size must be a positive int, got -2"),
-    (dict(num_tokens=0), "num_tokens .* must be a positive int, got 0"),
+    (dict(kv_cache_tokens=0), "kv_cache_tokens .* must be a positive int, got 0"),
     (dict(max_context=0), "max_context must be a positive int, got 0"),
-    (dict(max_requests=-1), "max_requests must be a positive int, got -1"),
+    (dict(max_batch_size=-1), "max_batch_size must be a positive int, got -1"),
     (dict(num_layers=0), "num_layers must be a positive int, got 0"),
     (dict(head_dim=0), "head_dim must be a positive int, got 0"),
     (dict(dtype=torch.int8), "dtype torch.int8 is not supported; supported: float16, bfloat16, float32"),
@@ -164,7 +162,7 @@ def test_pools_refuse_bad_values() -> None:
         PagedKVPool(**{**pool, "num_kv_heads": 0})
     with pytest.raises(InvalidConfigError, match="dtype torch.int8 is not supported"):
         PagedKVPool(**pool, dtype=torch.int8)
-    with pytest.raises(InvalidConfigError, match="max_requests must be a positive int, got 0"):
+    with pytest.raises(InvalidConfigError, match="max_batch_size must be a positive int, got 0"):
         ReqToTokenPool(0, 8)
     with pytest.raises(InvalidConfigError, match="max_context must be a positive int, got 0"):
         ReqToTokenPool(2, 0)
@@ -390,7 +388,7 @@ def test_inputs_are_checked_before_any_kv_is_written(backend: str, case: str) ->
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_nan_in_scratch_and_unused_slots_never_reaches_outputs(backend: str, prefix: list[int], extend: list[int],
                                                                page_size: int) -> None:
-    s = make(backend, page_size=page_size, num_tokens=96, max_requests=6)
+    s = make(backend, page_size=page_size, kv_cache_tokens=96, max_batch_size=6)
     gen = torch.Generator().manual_seed(3)
     fill_pool(s.kv, gen)
     # a request allocated and freed leaves stale slots and a reset table row behind
@@ -461,7 +459,7 @@ def _corrupt(kind: str, args: dict, which: int, amount: int, num_slots: int) -> 
 def fuzz_one(backend: str, b: dict) -> str:
     """One random (often malformed) batch through build + init_forward_metadata + the op: a named error with the
     cache unchanged, or the float64 reference's result. Returns what happened."""
-    s = make(backend, page_size=b["page_size"], num_tokens=48, max_context=16)
+    s = make(backend, page_size=b["page_size"], kv_cache_tokens=48, max_context=16)
     gen = torch.Generator().manual_seed(b["seed"])
     fill_pool(s.kv, gen)
     rows = [s.kv.alloc_request() for _ in b["prefix"]]

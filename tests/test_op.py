@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batch_factory import random_step
+from tests.batch_factory import random_step
 from compile_attn import (
     AttentionLayer, ForwardBatch, KVCache, NoForwardContextError, create_backend, forward_context, register_split_op,
 )
@@ -14,7 +14,7 @@ from compile_attn.models import ToyDecoder, ToyDecoderConfig
 
 
 def _setup(prefix: list[int], extend: list[int], seed: int = 0):
-    kv = KVCache(num_layers=1, num_kv_heads=2, head_dim=8, max_requests=64, max_context=256, num_tokens=4096,
+    kv = KVCache(num_layers=1, num_kv_heads=2, head_dim=8, max_batch_size=64, max_context=256, kv_cache_tokens=4096,
                  dtype=torch.float32)
     backend = create_backend("torch_native", kv, [AttentionLayer(0, 4, 2, 8)])
     step = random_step(kv, prefix, extend, 4, torch.Generator().manual_seed(seed))
@@ -64,8 +64,8 @@ def test_fullgraph_compile_no_graph_break_and_no_recompile_across_token_counts()
     torch._dynamo.reset()
     cfg = ToyDecoderConfig(num_layers=2)
     model = ToyDecoder(cfg).eval()
-    kv = KVCache(num_layers=2, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, max_requests=64,
-                 max_context=256, num_tokens=8192, dtype=torch.float32)
+    kv = KVCache(num_layers=2, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, max_batch_size=64,
+                 max_context=256, kv_cache_tokens=8192, dtype=torch.float32)
     backend = create_backend("torch_native", kv, model.attention_layers())
     frames = []
 

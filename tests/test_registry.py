@@ -15,7 +15,7 @@ from compile_attn.attention.torch_native import TorchNativeBackend
 
 
 def _kv() -> KVCache:
-    return KVCache(num_layers=1, num_kv_heads=2, head_dim=8, max_requests=2, max_context=16, num_tokens=32)
+    return KVCache(num_layers=1, num_kv_heads=2, head_dim=8, max_batch_size=2, max_context=16, kv_cache_tokens=32)
 
 
 def test_auto_picks_torch_native_on_cpu() -> None:

@@ -22,7 +22,6 @@ from compile_attn.batch import ForwardBatch
 from compile_attn.errors import BackendUnavailableError, UnsupportedConfigError
 from compile_attn.host_tensors import upload
 from compile_attn.kv_cache import KVCache
-from compile_attn.kv_index import build_page_table
 from compile_attn.layer import AttentionLayer
 
 logger = logging.getLogger(__name__)
@@ -35,6 +34,16 @@ SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 # sgl-kernel builds its FA3 kernels for these compute capabilities only.
 SUPPORTED_CAPABILITIES = ((8, 0), (8, 6), (8, 9), (9, 0))
+
+
+def build_page_table(
+    req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, num_pages: int, page_size: int
+) -> torch.Tensor:
+    """``[B, num_pages]`` int32 page ids: page j of request b holds positions ``j*P..``. Entries past a request's
+    last page point at the scratch page 0. Static-shaped, so it can be recorded in a CUDA graph."""
+    cols = torch.arange(num_pages, device=req_to_token.device) * page_size
+    cols = cols.clamp_(max=req_to_token.shape[1] - 1)
+    return torch.div(req_to_token[req_pool_indices][:, cols], page_size, rounding_mode="floor").to(torch.int32)
 
 
 def load_fa3() -> ModuleType:

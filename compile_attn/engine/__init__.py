@@ -1,6 +1,8 @@
-"""The serving engine: LLM (generate), SamplingParams, the continuous-batching scheduler and the sampler."""
+"""The serving engine: LLM (generate) and its EngineConfig, SamplingParams, the continuous-batching scheduler and the
+sampler."""
 
 from compile_attn.engine.async_engine import AsyncLLM, EngineOverloadedError, EngineStoppedError
+from compile_attn.engine.config import EngineConfig
 from compile_attn.engine.errors import (
     EngineBusyError,
     EngineOptionError,
@@ -8,6 +10,7 @@ from compile_attn.engine.errors import (
     NoChatTemplateError,
     RequestTooLargeError,
     RequestTypeError,
+    UnknownEngineOptionError,
 )
 from compile_attn.engine.llm import LLM
 from compile_attn.engine.request import CompletionOutput, RequestOutput
@@ -16,6 +19,7 @@ from compile_attn.engine.sampling_params import SamplingParams
 __all__ = [
     "LLM",
     "AsyncLLM",
+    "EngineConfig",
     "EngineOverloadedError",
     "EngineStoppedError",
     "CompletionOutput",
@@ -27,4 +31,5 @@ __all__ = [
     "RequestTooLargeError",
     "RequestTypeError",
     "SamplingParams",
+    "UnknownEngineOptionError",
 ]

@@ -34,5 +34,9 @@ class EngineOptionError(CompileAttnError, ValueError):
     before the model loads."""
 
 
+class UnknownEngineOptionError(EngineOptionError, TypeError):
+    """``LLM(...)`` was given a keyword that names no EngineConfig field."""
+
+
 class NoChatTemplateError(CompileAttnError, ValueError):
     """``LLM.chat`` was called on an LLM whose tokenizer has no chat template (or that has no tokenizer)."""

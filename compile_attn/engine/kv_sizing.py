@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from compile_attn.errors import InvalidConfigError, KVCacheTooSmallError
+from compile_attn.errors import KVCacheTooSmallError
 from compile_attn.layer import AttentionLayer
 
 GiB = 2**30
@@ -30,7 +30,7 @@ CPU_KV_MEMORY_FRACTION = 0.25
 class KVSizing:
     """The tokens chosen and the figures they came from (bytes), for the log and for tests."""
 
-    num_tokens: int
+    kv_cache_tokens: int
     bytes_per_token: int
     page_size: int
     max_context: int
@@ -45,15 +45,15 @@ class KVSizing:
     @property
     def kv_bytes(self) -> int:
         """Bytes of the pool that results, scratch page included."""
-        return (self.num_tokens + self.page_size) * self.bytes_per_token
+        return (self.kv_cache_tokens + self.page_size) * self.bytes_per_token
 
     @property
     def max_context_requests(self) -> float:
-        return self.num_tokens / self.max_context
+        return self.kv_cache_tokens / self.max_context
 
     def describe(self) -> str:
         head = (
-            f"KV cache: {self.num_tokens:,} tokens ({self.kv_bytes / GiB:.2f} GiB, {self.bytes_per_token:,} B per "
+            f"KV cache: {self.kv_cache_tokens:,} tokens ({self.kv_bytes / GiB:.2f} GiB, {self.bytes_per_token:,} B per "
             f"token), {self.max_context_requests:,.1f} requests of max_context {self.max_context:,} fit"
             + (" (max_batch_size of them: the most the engine can use)" if self.capped_by_requests else "")
         )
@@ -63,15 +63,6 @@ class KVSizing:
             f"; limit {self.limit_bytes / GiB:.2f} GiB = in use {self.used_bytes / GiB:.2f} + activations "
             f"{self.peak_activation_bytes / GiB:.2f} + CUDA graph reserve {self.graph_reserve_bytes / GiB:.2f} + "
             f"KV budget {self.kv_budget_bytes / GiB:.2f}"
-        )
-
-
-def check_memory_utilization(utilization: float) -> None:
-    """InvalidConfigError unless ``0 < utilization <= 1`` (a float: the share of device memory the engine uses)."""
-    if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
-        raise InvalidConfigError(
-            f"gpu_memory_utilization must be a number in (0, 1], the share of the device's memory the engine may "
-            f"use, got {utilization!r}; e.g. 0.9, or pass kv_cache_tokens to size the KV cache yourself"
         )
 
 
@@ -116,20 +107,19 @@ def size_from_device_memory(
     so the engine's memory, KV included, stays within ``limit``. Raises KVCacheTooSmallError when ``tokens <
     max_context``, naming the figures and the ways out.
     """
-    check_memory_utilization(utilization)
     limit = int(utilization * total_bytes)
     used = total_bytes - free_bytes
     budget = limit - used - peak_activation_bytes - graph_reserve_bytes
     fit = _tokens_in(budget, bytes_per_token, page_size)
     most = _most_usable(max_batch_size, max_context, page_size)
     sizing = KVSizing(
-        num_tokens=min(fit, most), bytes_per_token=bytes_per_token, page_size=page_size, max_context=max_context,
+        kv_cache_tokens=min(fit, most), bytes_per_token=bytes_per_token, page_size=page_size, max_context=max_context,
         limit_bytes=limit, used_bytes=used, peak_activation_bytes=peak_activation_bytes,
         graph_reserve_bytes=graph_reserve_bytes, kv_budget_bytes=budget, capped_by_requests=fit >= most,
     )
-    if sizing.num_tokens < max_context:
+    if sizing.kv_cache_tokens < max_context:
         raise KVCacheTooSmallError(
-            f"the KV cache would hold {sizing.num_tokens:,} tokens, fewer than one request of max_context "
+            f"the KV cache would hold {sizing.kv_cache_tokens:,} tokens, fewer than one request of max_context "
             f"{max_context:,}: gpu_memory_utilization {utilization} of {total_bytes / GiB:.2f} GiB allows "
             f"{limit / GiB:.2f} GiB, of which {used / GiB:.2f} GiB are in use (weights, CUDA context, other "
             f"processes), {peak_activation_bytes / GiB:.2f} GiB go to activations and {graph_reserve_bytes / GiB:.2f} "
@@ -160,13 +150,13 @@ def size_for_host_memory(
     limit = int(fraction * available_bytes) if available_bytes is not None else (most + page_size) * bytes_per_token
     fit = _tokens_in(limit, bytes_per_token, page_size)
     sizing = KVSizing(
-        num_tokens=min(fit, most), bytes_per_token=bytes_per_token, page_size=page_size, max_context=max_context,
+        kv_cache_tokens=min(fit, most), bytes_per_token=bytes_per_token, page_size=page_size, max_context=max_context,
         limit_bytes=limit, used_bytes=0, peak_activation_bytes=0, graph_reserve_bytes=0, kv_budget_bytes=limit,
         capped_by_requests=fit >= most, on_host=True,
     )
-    if sizing.num_tokens < max_context:
+    if sizing.kv_cache_tokens < max_context:
         raise KVCacheTooSmallError(
-            f"the KV cache would hold {sizing.num_tokens:,} tokens, fewer than one request of max_context "
+            f"the KV cache would hold {sizing.kv_cache_tokens:,} tokens, fewer than one request of max_context "
             f"{max_context:,}: a default CPU cache takes at most {fraction} of the host's "
             f"{(available_bytes or 0) / GiB:.2f} GiB available memory ({limit / GiB:.2f} GiB) at "
             f"{bytes_per_token:,} bytes per token; lower max_context, or pass kv_cache_tokens"

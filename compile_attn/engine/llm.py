@@ -8,25 +8,23 @@ import contextlib
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterator, Mapping, Sequence
-from collections import deque
 from typing import Any
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from compile_attn.attention import check_backend_name, create_backend
+from compile_attn.attention import create_backend
 from compile_attn.batch import ForwardBatch, ForwardMode
-from compile_attn.engine.kv_sizing import check_memory_utilization
 from compile_attn.engine.memory_profile import check_memory_after_capture, size_kv_cache
 from compile_attn.engine.admission import encode_prompt, find_vocab_size, split_params, split_prompts
 from compile_attn.engine.chat import render_chat, split_conversations
+from compile_attn.engine.config import EngineConfig
 from compile_attn.engine.errors import EngineBusyError, InvalidRequestError
 from compile_attn.engine.in_flight import InFlightStep, feed_tokens, has_placeholders
 from compile_attn.engine.model_loading import LoadedModel, load_for_engine
-from compile_attn.engine.options import check_device, check_dtype, check_sizes
 from compile_attn.engine.request import CompletionOutput, Request, RequestOutput, RequestStatus
 from compile_attn.engine import sampler
 from compile_attn.engine.sampling_params import SamplingParams
@@ -34,7 +32,6 @@ from compile_attn.engine.scheduler import ScheduledStep, Scheduler
 from compile_attn.engine.step_runner import StepRunner
 from compile_attn.engine.step_sampling import forward_and_sample
 from compile_attn.engine.stop_strings import StopStringMatcher, backend_tokenizer
-from compile_attn.graph_runner.mode import GraphMode
 from compile_attn.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
@@ -45,76 +42,48 @@ class LLM:
 
     ``model``: an HF model instance, a local HF directory, a ``transformers`` config, or any module
     following the model protocol (``model(input_ids[T], positions[T]) -> logits[T, V]`` and
-    ``attention_layers()``). ``compile=True`` wraps it in ``torch.compile(backend="compile_attn")``;
-    ``graph_mode`` picks the graphs (see GraphMode; CUDA only, the logic also runs on CPU).
-    ``kv_cache_tokens`` defaults, on CUDA, to what ``gpu_memory_utilization`` of the device's memory leaves after
-    the weights, a profile run's activations and a CUDA graph reserve; on the CPU to ``max_batch_size *
-    max_context`` capped by host memory (see engine/kv_sizing.py). ``dtype``: a floating torch.dtype or one of
-    vLLM's names ("auto" = None: bfloat16 on CUDA, float32 on the CPU; "bfloat16", "float16", "float32").
+    ``attention_layers()``). The options (backend, graph mode, compile, sizes, KV capacity, dtype, device) are
+    EngineConfig's fields: pass them as keywords, ``LLM(model, max_batch_size=64)``, or as one
+    ``LLM(model, config=EngineConfig(...))``, whose fields the keywords then replace. Every option is checked
+    before the model loads; an unknown keyword is refused with the closest option names.
     ``overlap`` (on by default) keeps one step in flight: the host schedules and launches step N+1 while the device
     runs step N, and reads step N's tokens after (see ``step`` and engine/in_flight.py); ``overlap=False`` reads
     each step's tokens before scheduling the next. Both give the same tokens.
     """
 
-    def __init__(
-        self,
-        model: Any,
-        *,
-        tokenizer: Any = None,
-        attn_backend: str = "auto",
-        graph_mode: str = "full_and_piecewise",
-        compile: bool = True,
-        max_batch_size: int = 32,
-        max_num_tokens: int = 2048,
-        kv_cache_tokens: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        max_context: int | None = None,
-        page_size: int = 1,
-        dtype: str | torch.dtype | None = None,
-        device: str | torch.device | None = None,
-        compile_options: dict | None = None,
-        capture: bool = True,
-        overlap: bool = True,
-    ) -> None:
-        check_backend_name(attn_backend)  # a misspelt name or mode fails here, not after the model has loaded
-        graphs = GraphMode.parse(graph_mode) is not GraphMode.NONE
-        check_memory_utilization(gpu_memory_utilization)
-        check_sizes(max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, page_size=page_size,
-                     max_context=max_context, kv_cache_tokens=kv_cache_tokens)
-        device = check_device(device)
-        dtype = check_dtype(dtype, device)
-        loaded: LoadedModel = load_for_engine(model, tokenizer=tokenizer, dtype=dtype, device=device)
+    def __init__(self, model: Any, *, tokenizer: Any = None, config: EngineConfig | None = None,
+                 **options: Any) -> None:
+        self.config = config = EngineConfig.from_options(config, **options)
+        loaded: LoadedModel = load_for_engine(model, tokenizer=tokenizer, dtype=config.dtype, device=config.device)
         self.model, self.tokenizer, self.eos_token_ids = loaded.model, loaded.tokenizer, loaded.eos_token_ids
-        self.device, self.dtype = device, dtype
+        self.device, self.dtype = device, dtype = config.device, config.dtype
         layers = self.model.attention_layers()
-        max_context = max_context or loaded.max_context or 4096
-        sized = not kv_cache_tokens
-        kv_cache_tokens = kv_cache_tokens or size_kv_cache(
-            self.model, layers, attn_backend=attn_backend, gpu_memory_utilization=gpu_memory_utilization,
-            max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_context=max_context,
-            page_size=page_size, dtype=dtype, device=device, graphs=graphs,
-        ).num_tokens
-        self.kv_cache = KVCache.for_layers(layers, max_requests=max_batch_size, max_context=max_context,
-                                           num_tokens=kv_cache_tokens, page_size=page_size, dtype=dtype, device=device)
-        self.backend = create_backend(attn_backend, self.kv_cache, layers)
-        self.scheduler = Scheduler(self.kv_cache, max_batch_size, max_num_tokens)
+        max_context = config.max_context or loaded.max_context or 4096
+        sized = size_kv_cache(self.model, layers, config, max_context) if not config.kv_cache_tokens else None
+        kv_cache_tokens = sized.kv_cache_tokens if sized else config.kv_cache_tokens
+        self.kv_cache = KVCache.for_layers(layers, max_batch_size=config.max_batch_size, max_context=max_context,
+                                           kv_cache_tokens=kv_cache_tokens, page_size=config.page_size, dtype=dtype,
+                                           device=device)
+        self.backend = create_backend(config.attn_backend, self.kv_cache, layers)
+        self.scheduler = Scheduler(self.kv_cache, config.max_batch_size, config.max_num_tokens)
         self.step_runner = StepRunner(
-            self.model, self.backend, graph_mode=graph_mode, compile=compile, compile_options=compile_options,
-            max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
+            self.model, self.backend, graph_mode=config.graph_mode, compile=config.compile,
+            compile_options=config.compile_options, max_batch_size=config.max_batch_size,
+            max_num_tokens=config.max_num_tokens,
         )
         logger.info(
             "LLM ready: device %s, dtype %s, backend %s, graph mode %s, KV cache %d tokens (%.1f MiB), page size %d",
             device, dtype, self.backend.name, self.step_runner.graph_mode.value, kv_cache_tokens,
-            self.kv_cache.pool.bytes / 2**20, page_size,
+            self.kv_cache.pool.bytes / 2**20, config.page_size,
         )
-        if capture:
+        if config.capture:
             self.step_runner.capture()
             if sized:
-                check_memory_after_capture(device, gpu_memory_utilization)
+                check_memory_after_capture(device, config.gpu_memory_utilization)
         self.vocab_size = find_vocab_size(self.model)  # None: prompts' token ids are only checked to be >= 0
-        if capture and device.type == "cuda" and self.vocab_size:  # the sampler's kernels, built before traffic
-            sampler.warmup(device, self.vocab_size, max_batch_size, dtype=dtype)
-        self.overlap = overlap
+        if config.capture and device.type == "cuda" and self.vocab_size:  # the sampler's kernels, before traffic
+            sampler.warmup(device, self.vocab_size, config.max_batch_size, dtype=dtype)
+        self.overlap = config.overlap
         self._in_flight: deque[InFlightStep] = deque()  # launched steps whose tokens are not read yet (<= 1)
         self._lock = threading.Lock()  # held by each public call: one call at a time (see _exclusive)
         self._next_id = 0

@@ -15,7 +15,7 @@ import contextlib
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,6 +35,9 @@ from compile_attn.engine.kv_sizing import (
 from compile_attn.engine.sampler import sample
 from compile_attn.kv_cache import KVCache
 from compile_attn.layer import AttentionLayer
+
+if TYPE_CHECKING:
+    from compile_attn.engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +76,8 @@ def profile_batch(
     """A temporary KV cache (the engine's request table, KV room for the batch only), a backend over it (with its
     CUDA-graph buffers when ``graphs``) and the profile batch, with its slots allocated."""
     lengths = profile_lengths(max_num_tokens, max_context, max_batch_size)
-    kv = KVCache.for_layers(layers, max_requests=max_batch_size, max_context=max_context,
-                            num_tokens=sum(-(-n // page_size) * page_size for n in lengths), page_size=page_size,
+    kv = KVCache.for_layers(layers, max_batch_size=max_batch_size, max_context=max_context,
+                            kv_cache_tokens=sum(-(-n // page_size) * page_size for n in lengths), page_size=page_size,
                             dtype=dtype, device=device)
     backend = create_backend(attn_backend, kv, layers)
     if graphs:
@@ -125,33 +128,23 @@ def profile_memory(model: Any, layers: Sequence[AttentionLayer], *, device: torc
     return profile
 
 
-def size_kv_cache(
-    model: Any,
-    layers: Sequence[AttentionLayer],
-    *,
-    attn_backend: str,
-    gpu_memory_utilization: float,
-    max_batch_size: int,
-    max_num_tokens: int,
-    max_context: int,
-    page_size: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    graphs: bool,
-) -> KVSizing:
-    """The default KV cache size on ``device`` (see kv_sizing): from a profile run on CUDA, capped by host
-    memory on the CPU, ``max_batch_size * max_context`` elsewhere. Logs the tokens and requests that fit."""
+def size_kv_cache(model: Any, layers: Sequence[AttentionLayer], config: EngineConfig, max_context: int) -> KVSizing:
+    """The default KV cache size for ``config`` (see kv_sizing): from a profile run on CUDA, capped by host memory
+    on the CPU, ``max_batch_size * max_context`` elsewhere. Logs the tokens and requests that fit."""
+    device, dtype, page_size, max_batch_size = config.device, config.dtype, config.page_size, config.max_batch_size
+    graphs = config.uses_graphs
     per_token = kv_bytes_per_token(layers, dtype)
     if device.type == "cuda":
         profile = profile_memory(
-            model, layers, attn_backend=attn_backend, max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
-            max_context=max_context, page_size=page_size, dtype=dtype, device=device, graphs=graphs,
+            model, layers, attn_backend=config.attn_backend, max_batch_size=max_batch_size,
+            max_num_tokens=config.max_num_tokens, max_context=max_context, page_size=page_size, dtype=dtype,
+            device=device, graphs=graphs,
         )
         reserve = profile.peak_activation_bytes + CUDA_GRAPH_MARGIN_BYTES if graphs else 0
         sizing = size_from_device_memory(
             total_bytes=profile.total_bytes, free_bytes=profile.free_bytes,
             peak_activation_bytes=profile.peak_activation_bytes, graph_reserve_bytes=reserve,
-            utilization=gpu_memory_utilization, bytes_per_token=per_token, page_size=page_size,
+            utilization=config.gpu_memory_utilization, bytes_per_token=per_token, page_size=page_size,
             max_context=max_context, max_batch_size=max_batch_size,
         )
     else:

@@ -240,8 +240,7 @@ class Scheduler:
                 r.row, r.num_cached, r.status = None, 0, RequestStatus.WAITING
         running = [r for r in state.running if r.row is not None and r.status is RequestStatus.RUNNING]
         for r in running:
-            if self.kv.num_allocated_tokens(r.row) != r.num_cached:
-                self.kv.truncate(r.row, r.num_cached)
+            self.kv.truncate(r.row, r.num_cached)  # a no-op for a row the step did not grow
         preempted = [r for r in self.waiting if id(r) in before_running]
         self.running[:] = running
         self.waiting = deque(preempted + [r for r in state.waiting if r.status is RequestStatus.WAITING])

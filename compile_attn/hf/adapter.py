@@ -13,10 +13,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from compile_attn.arg_checks import renamed_keywords
 from compile_attn.hf.attention import ATTN_IMPLEMENTATION
 from compile_attn.hf.families import attention_layers, check_supported
 from compile_attn.hf.registration import register
-from compile_attn.kv_cache import KVCache
+from compile_attn.kv_cache import KV_CACHE_RENAMED, KVCache
 from compile_attn.layer import AttentionLayer
 
 
@@ -89,18 +90,21 @@ class HFModelAdapter(nn.Module):
     def make_kv_cache(
         self,
         *,
-        max_requests: int,
+        max_batch_size: int | None = None,
         max_context: int,
-        num_tokens: int,
+        kv_cache_tokens: int | None = None,
         page_size: int = 1,
         dtype: torch.dtype | None = None,
+        **deprecated: int,
     ) -> KVCache:
-        """A KVCache shaped for this model (layers, KV heads, head_dim), on its device and dtype."""
+        """A KVCache shaped for this model (layers, KV heads, head_dim), on its device and dtype. The former
+        names ``max_requests`` and ``num_tokens`` still work, with a DeprecationWarning."""
+        renamed = renamed_keywords("make_kv_cache", deprecated, KV_CACHE_RENAMED)
         return KVCache.for_layers(
             self._layers,
-            max_requests=max_requests,
+            max_batch_size=renamed.get("max_batch_size", max_batch_size),
             max_context=max_context,
-            num_tokens=num_tokens,
+            kv_cache_tokens=renamed.get("kv_cache_tokens", kv_cache_tokens),
             page_size=page_size,
             dtype=dtype or self.dtype,
             device=self.device,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from compile_attn.cli_options import add_engine_options
+from compile_attn.cli_options import add_engine_options, check_engine_options, engine_config
 
 
 def add_parser(sub: argparse._SubParsersAction, formatter_class: type[argparse.HelpFormatter]) -> None:
@@ -19,7 +19,6 @@ def add_parser(sub: argparse._SubParsersAction, formatter_class: type[argparse.H
     p.add_argument("--served-model-name", default=None, help="the name clients pass as model (default: MODEL)")
     add_engine_options(p, device_help="cuda or cpu (default: cuda if there is one)", max_batch_size=32,
                        max_num_tokens=2048)
-    p.add_argument("--max-context", type=int, default=None, help="tokens per request at most (default: the model's)")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template (a file or the template itself) for a tokenizer without one")
     p.add_argument("--max-pending", type=int, default=256,
@@ -29,6 +28,7 @@ def add_parser(sub: argparse._SubParsersAction, formatter_class: type[argparse.H
 
 def prepare(args: argparse.Namespace) -> None:
     """Refuse bad options before the model loads (ValueError naming the value)."""
+    check_engine_options(args)
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     if args.max_pending < 1:
@@ -47,10 +47,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from compile_attn.engine.async_engine import AsyncLLM
     from compile_attn.server.app import create_app
 
-    llm = LLM(args.model, attn_backend=args.backend, graph_mode=args.graph_mode, compile=not args.no_compile,
-              max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
-              kv_cache_tokens=args.kv_cache_tokens, max_context=args.max_context, device=args.device,
-              overlap=not args.no_overlap)
+    llm = LLM(args.model, config=engine_config(args))
     if args.chat_template is not None and llm.tokenizer is not None:
         path = Path(args.chat_template)
         llm.tokenizer.chat_template = path.read_text() if path.is_file() else args.chat_template

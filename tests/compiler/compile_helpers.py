@@ -44,7 +44,7 @@ def run_step(
     """
     gen = torch.Generator().manual_seed(seed)
     kv = KVCache(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                 max_requests=64, max_context=256, num_tokens=4096, page_size=1, dtype=kv_dtype,
+                 max_batch_size=64, max_context=256, kv_cache_tokens=4096, page_size=1, dtype=kv_dtype,
                  device=device)
     backend = create_backend("torch_native", kv, model.attention_layers())
     extend_lens = split_tokens(num_tokens)

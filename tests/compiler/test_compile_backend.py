@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from compile_helpers import SMALL, GatedMLP, run_step, toy_model
+from tests.compiler.compile_helpers import SMALL, GatedMLP, run_step, toy_model
 
 from compile_attn.compiler import compile_counters, piecewise_capture_sizes, resolve_config
 from compile_attn.config import GraphConfig

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from compile_helpers import SMALL, run_step, toy_model
+from tests.compiler.compile_helpers import SMALL, run_step, toy_model
 from torch import fx
 
 from compile_attn.compiler import clear_cache, compile_counters
@@ -24,7 +24,7 @@ TESTS = Path(__file__).resolve().parent
 
 SECOND_START = """
 import json, sys, torch
-from compile_helpers import SMALL, run_step, toy_model
+from tests.compiler.compile_helpers import SMALL, run_step, toy_model
 from compile_attn.compiler import compile_counters
 model = toy_model(seed=1)  # other weights: weights are inputs of the pieces, not part of the key
 compiled = torch.compile(model, backend="compile_attn", dynamic=True, options={"cache_dir": sys.argv[1]})

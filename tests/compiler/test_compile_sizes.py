@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from compile_helpers import SMALL, run_step, toy_model
+from tests.compiler.compile_helpers import SMALL, run_step, toy_model
 
 from compile_attn.compiler import compile_counters
 from compile_attn.compiler.compile_sizes import SizeDispatch, static_example_inputs

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from compile_helpers import SMALL, run_step, toy_model
+from tests.compiler.compile_helpers import SMALL, run_step, toy_model
 
 from compile_attn.compiler import compile_counters
 from compile_attn.graph_runner.piecewise import GraphReplayError

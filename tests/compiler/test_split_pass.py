@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from compile_helpers import SMALL, GatedMLP, GraphCatcher, run_step, toy_model
+from tests.compiler.compile_helpers import SMALL, GatedMLP, GraphCatcher, run_step, toy_model
 
 import compile_attn
 from compile_attn.passes import assign_pieces, split_graph

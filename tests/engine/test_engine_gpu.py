@@ -23,7 +23,7 @@ def _llama(seed: int = 0):
 
 
 def _have(module: str) -> bool:
-    return module_available(module)  # a tests/flashinfer/ folder on sys.path is not the package
+    return module_available(module)
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch_native"])

@@ -3,14 +3,11 @@
 
 from __future__ import annotations
 
-import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "hf"))
-from hf_tiny_models import build_pair  # noqa: E402
+from tests.hf.hf_tiny_models import build_pair  # noqa: E402
 
 from compile_attn.engine import LLM, SamplingParams  # noqa: E402
 

@@ -9,8 +9,6 @@ same tokens as a fresh LLM's (greedy), which equal the no-cache recompute.
 from __future__ import annotations
 
 import math
-import os
-import sys
 from collections.abc import Callable
 
 import numpy as np
@@ -28,7 +26,7 @@ from compile_attn.engine import (
 )
 from compile_attn.errors import CompileAttnError
 from compile_attn.models import ToyDecoder, ToyDecoderConfig
-from greedy_reference import greedy_by_recompute
+from tests.greedy_reference import greedy_by_recompute
 
 VOCAB = 256
 CFG = ToyDecoderConfig(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
@@ -66,7 +64,7 @@ def assert_idle_and_exact(llm: LLM) -> None:
     assert not llm.has_work()
     assert kv.allocator.available == kv.allocator.num_pages
     assert kv.available_tokens == kv.allocator.num_pages * kv.page_size
-    assert kv.req_to_token_pool.available == kv.req_to_token_pool.max_requests
+    assert kv.req_to_token_pool.available == kv.req_to_token_pool.max_batch_size
     assert not kv._pages and not kv._lens
     assert int(kv.req_to_token.abs().sum()) == 0  # every entry back at the scratch slot
 
@@ -76,7 +74,7 @@ def assert_consistent(llm: LLM) -> None:
     the pages held plus the free ones are every page."""
     kv = llm.kv_cache
     for r in llm.scheduler.running:
-        assert r.row is not None and kv.num_allocated_tokens(r.row) == r.num_cached, r
+        assert r.row is not None and kv._lens[r.row] == r.num_cached, r
     for r in llm.scheduler.waiting:
         assert r.row is None and r.num_cached == 0, r
     held = sum(len(p) for p in kv._pages.values())
@@ -130,8 +128,7 @@ def test_token_ids_outside_the_vocabulary_are_refused_whole(llm: LLM, reference:
 
 
 def test_hf_llama_vocabulary_is_checked_and_a_failed_generate_recovers() -> None:
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "hf"))
-    from hf_tiny_models import build_pair
+    from tests.hf.hf_tiny_models import build_pair
 
     ours, stock = build_pair("llama")
     llm = LLM(ours, **ENGINE)

@@ -13,7 +13,7 @@ from compile_attn import ForwardMode
 from compile_attn.compiler import compile_counters
 from compile_attn.engine import LLM, RequestTooLargeError, SamplingParams
 from compile_attn.models import ToyDecoder, ToyDecoderConfig
-from greedy_reference import greedy_by_recompute
+from tests.greedy_reference import greedy_by_recompute
 
 CFG = ToyDecoderConfig(vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
                        intermediate_size=64, sliding_window=11)

@@ -5,13 +5,11 @@ Triton and Inductor kernel builds). Greedy tokens still equal an independent rec
 
 from __future__ import annotations
 
-import os
-import sys
 
 import pytest
 import torch
-from first_traffic import assert_every_path_taken, every_path_traffic, generate_recorded
-from greedy_reference import greedy_by_recompute
+from tests.engine.first_traffic import assert_every_path_taken, every_path_traffic, generate_recorded
+from tests.greedy_reference import greedy_by_recompute
 
 from compile_attn.engine import LLM
 from compile_attn.models import ToyDecoder, ToyDecoderConfig
@@ -48,8 +46,7 @@ def test_toy_decoder_serves_without_compiling(tmp_path) -> None:
 
 
 def test_hf_llama_serves_without_compiling(tmp_path) -> None:
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "hf"))
-    from hf_tiny_models import tiny_config
+    from tests.hf.hf_tiny_models import tiny_config
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)

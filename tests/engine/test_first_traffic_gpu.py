@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from first_traffic import assert_every_path_taken, every_path_traffic, generate_recorded
+from tests.engine.first_traffic import assert_every_path_taken, every_path_traffic, generate_recorded
 
 from compile_attn.engine import LLM
 

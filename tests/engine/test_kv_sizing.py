@@ -5,18 +5,15 @@ and LLM's CPU default (``max_batch_size * max_context``)."""
 from __future__ import annotations
 
 import math
-import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "hf"))
-from hf_tiny_models import tiny_config  # noqa: E402
+from tests.hf.hf_tiny_models import tiny_config  # noqa: E402
 
 from compile_attn.engine import LLM  # noqa: E402
+from compile_attn.engine.config import check_memory_utilization  # noqa: E402
 from compile_attn.engine.kv_sizing import (  # noqa: E402
-    check_memory_utilization,
     kv_bytes_per_token,
     size_for_host_memory,
     size_from_device_memory,
@@ -38,7 +35,7 @@ def test_llama_1b_shape_on_an_80_gib_device() -> None:
         total_bytes=80 * GiB, free_bytes=77 * GiB, peak_activation_bytes=1 * GiB, graph_reserve_bytes=2 * GiB,
         utilization=0.9, bytes_per_token=32768, page_size=16, max_context=131072, max_batch_size=256,
     )
-    assert sizing.num_tokens == 2_162_672
+    assert sizing.kv_cache_tokens == 2_162_672
     assert not sizing.capped_by_requests
     assert sizing.kv_bytes == 66 * GiB  # scratch page included: exactly the budget
     assert math.floor(sizing.max_context_requests) == 16  # 2,162,672 / 131,072 = 16.5
@@ -52,7 +49,7 @@ def test_pages_round_down_and_the_scratch_page_is_counted() -> None:
         total_bytes=10_000_000, free_bytes=9_000_000, peak_activation_bytes=500_000, graph_reserve_bytes=250_000,
         utilization=0.5, bytes_per_token=1000, page_size=16, max_context=1000, max_batch_size=8,
     )
-    assert (sizing.num_tokens, sizing.kv_budget_bytes, sizing.limit_bytes) == (3232, 3_250_000, 5_000_000)
+    assert (sizing.kv_cache_tokens, sizing.kv_budget_bytes, sizing.limit_bytes) == (3232, 3_250_000, 5_000_000)
 
 
 def test_capped_at_what_max_batch_size_requests_can_hold() -> None:
@@ -61,7 +58,7 @@ def test_capped_at_what_max_batch_size_requests_can_hold() -> None:
         total_bytes=80 * GiB, free_bytes=79 * GiB, peak_activation_bytes=GiB, graph_reserve_bytes=GiB,
         utilization=0.9, bytes_per_token=32768, page_size=16, max_context=1000, max_batch_size=4,
     )
-    assert sizing.num_tokens == 4032 and sizing.capped_by_requests
+    assert sizing.kv_cache_tokens == 4032 and sizing.capped_by_requests
 
 
 def test_the_pool_that_results_stays_within_the_budget() -> None:
@@ -76,8 +73,8 @@ def test_the_pool_that_results_stays_within_the_budget() -> None:
             graph_reserve_bytes=54_321, utilization=0.75, bytes_per_token=per_token, page_size=page_size,
             max_context=64, max_batch_size=1000,
         )
-        kv = KVCache(num_layers=3, num_kv_heads=2, head_dim=16, max_requests=2, max_context=64,
-                     num_tokens=sizing.num_tokens, page_size=page_size, dtype=torch.float32)
+        kv = KVCache(num_layers=3, num_kv_heads=2, head_dim=16, max_batch_size=2, max_context=64,
+                     kv_cache_tokens=sizing.kv_cache_tokens, page_size=page_size, dtype=torch.float32)
         assert kv.pool.bytes == sizing.kv_bytes
         assert kv.pool.bytes <= sizing.kv_budget_bytes < kv.pool.bytes + page_size * per_token
 
@@ -103,7 +100,7 @@ def test_one_request_exactly_is_enough() -> None:
         total_bytes=100_000, free_bytes=100_000, peak_activation_bytes=0, graph_reserve_bytes=87_200,
         utilization=1.0, bytes_per_token=100, page_size=64, max_context=64, max_batch_size=8,
     )
-    assert sizing.num_tokens == 64
+    assert sizing.kv_cache_tokens == 64
     with pytest.raises(KVCacheTooSmallError):
         size_from_device_memory(
             total_bytes=100_000, free_bytes=100_000, peak_activation_bytes=0, graph_reserve_bytes=87_201,
@@ -123,13 +120,13 @@ def test_host_cap() -> None:
     # no cap reached: 4 requests x 128 tokens = 512 tokens; 0.25 x 1 GiB would allow ~524k at 512 B per token
     uncapped = size_for_host_memory(available_bytes=GiB, bytes_per_token=512, page_size=1, max_context=128,
                                     max_batch_size=4)
-    assert uncapped.num_tokens == 512 and uncapped.capped_by_requests
+    assert uncapped.kv_cache_tokens == 512 and uncapped.capped_by_requests
     # 0.25 x 1,000,000 = 250,000 B; 250,000 // 512 = 488 pages of one token, less the scratch page: 487 tokens
     capped = size_for_host_memory(available_bytes=1_000_000, bytes_per_token=512, page_size=1, max_context=128,
                                   max_batch_size=32)
-    assert capped.num_tokens == 487 and not capped.capped_by_requests
+    assert capped.kv_cache_tokens == 487 and not capped.capped_by_requests
     assert size_for_host_memory(available_bytes=None, bytes_per_token=512, page_size=4, max_context=10,
-                                max_batch_size=3).num_tokens == 36  # 3 x 3 pages of 4: no host figure, no cap
+                                max_batch_size=3).kv_cache_tokens == 36  # 3 x 3 pages of 4: no host figure, no cap
     with pytest.raises(KVCacheTooSmallError, match="lower max_context, or pass kv_cache_tokens"):
         size_for_host_memory(available_bytes=1_000_000, bytes_per_token=512, page_size=1, max_context=1000,
                              max_batch_size=32)

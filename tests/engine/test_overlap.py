@@ -8,16 +8,11 @@ run and no token computed after a request stopped reaches its output.
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "hf"))
-from hf_tiny_models import FAMILIES, build_pair  # noqa: E402
-
-from compile_attn.engine import LLM, SamplingParams  # noqa: E402
+from compile_attn.engine import LLM, SamplingParams
+from tests.hf.hf_tiny_models import FAMILIES, build_pair
 
 PROMPTS = [[(5 * i + 3 * j + 1) % 96 for j in range(n)] for i, n in enumerate([3, 12, 7, 20, 5, 9])]
 N_NEW = 10

@@ -6,8 +6,6 @@ passed as a GPU instance and ``gpu_memory_utilization`` bounds the memory the en
 from __future__ import annotations
 
 import gc
-import os
-import sys
 import time
 from pathlib import Path
 
@@ -15,8 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "hf"))
-from hf_tiny_models import tiny_config  # noqa: E402
+from tests.hf.hf_tiny_models import tiny_config  # noqa: E402
 
 from compile_attn.engine import LLM, SamplingParams  # noqa: E402
 from compile_attn.hf import load_model  # noqa: E402

@@ -4,8 +4,6 @@ two threads at once refuses the second call with EngineBusyError instead of mixi
 
 from __future__ import annotations
 
-import os
-import sys
 import threading
 
 import pytest
@@ -16,8 +14,7 @@ from compile_attn.engine import LLM, EngineBusyError, SamplingParams
 from compile_attn.errors import NoForwardContextError
 from compile_attn.models import ToyDecoder, ToyDecoderConfig
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "hf"))
-from hf_tiny_models import build_pair  # noqa: E402
+from tests.hf.hf_tiny_models import build_pair  # noqa: E402
 
 CFG = ToyDecoderConfig(vocab_size=256, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
                        intermediate_size=64)
@@ -28,7 +25,7 @@ ENGINE = dict(max_batch_size=4, max_num_tokens=16, kv_cache_tokens=256, max_cont
 
 
 def _batch_and_backend(num_tokens: int) -> tuple[ForwardBatch, object]:
-    kv = KVCache(num_layers=1, num_kv_heads=2, head_dim=16, max_requests=1, max_context=8, num_tokens=8)
+    kv = KVCache(num_layers=1, num_kv_heads=2, head_dim=16, max_batch_size=1, max_context=8, kv_cache_tokens=8)
     backend = create_backend("torch_native", kv, ToyDecoder(ToyDecoderConfig(num_layers=1)).attention_layers())
     row = kv.alloc_request()
     fb = ForwardBatch.build(req_pool_indices=[row], prefix_lens=[0], extend_lens=[num_tokens],

@@ -19,7 +19,7 @@ SGL_KERNEL_INSTALLED = importlib.util.find_spec("sgl_kernel") is not None
 
 
 def _cpu_cache() -> tuple[KVCache, list[AttentionLayer]]:
-    kv = KVCache(num_layers=1, num_kv_heads=2, head_dim=64, max_requests=2, max_context=32, num_tokens=64,
+    kv = KVCache(num_layers=1, num_kv_heads=2, head_dim=64, max_batch_size=2, max_context=32, kv_cache_tokens=64,
                  dtype=torch.bfloat16)
     return kv, [AttentionLayer(0, 8, 2, 64)]
 

@@ -1,16 +1,15 @@
 """GPU tests of the fa3 backend with sgl-kernel's real FA3 kernels against the float64 reference: decode /
 extend / prefix / mixed batches, page sizes 1 and 16, GQA 1/4/8, head dims 64/128/256, sliding window and
-softcap, bf16 and fp16; padding tokens of a piecewise bucket; decode CUDA graphs captured per bucket and
-replayed with new batches; a ToyDecoder through the GraphRunner against eager torch_native.
+softcap, bf16 and fp16; refused head dims and dtypes; a ToyDecoder through the GraphRunner against eager
+torch_native.
 
-Scenarios are the flashinfer tests' (tests/flashinfer/fi_cases.py), with the fa3 backend plugged in.
+Batches come from the shared harness (tests/backends/harness.py); what every backend must pass (padding
+tokens, decode graphs replayed per bucket, save_kv_cache) is in tests/backends/test_conformance.py.
 """
 
 from __future__ import annotations
 
 import random
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,82 +17,63 @@ import torch
 pytestmark = pytest.mark.gpu
 pytest.importorskip("sgl_kernel")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "flashinfer"))
-from fi_cases import Case, decode_replays, run_case  # noqa: E402 - needs the path above
-
 from compile_attn import AttentionLayer, KVCache, create_backend  # noqa: E402
 from compile_attn.errors import UnsupportedConfigError  # noqa: E402
+from tests.backends.harness import TOL, Case, run_case  # noqa: E402
 
 BF16 = torch.bfloat16
 
 
-def make_backend(kv, layers, **_ignored):  # flashinfer-only options are ignored
+def make_backend(kv, layers):  # noqa: ANN001, ANN201
     return create_backend("fa3", kv, layers)
 
 
 W = {"window": 9, "logit_cap": 30.0}
 CASES = [
-    Case("decode", 64, group=1, page_size=1),
-    Case("decode", 64, group=4, page_size=16),
-    Case("decode", 128, group=8, page_size=1),
-    Case("decode", 256, group=4, page_size=16),
-    Case("decode", 64, group=4, page_size=16, **W),
-    Case("decode", 128, group=8, page_size=1, **W),
-    Case("extend", 64, group=1, page_size=1),
-    Case("extend", 64, group=4, page_size=16),
-    Case("extend", 128, group=8, page_size=1),
-    Case("extend", 64, group=8, page_size=16, **W),
-    Case("prefix", 64, group=4, page_size=1),
-    Case("prefix", 64, group=8, page_size=16),
-    Case("prefix", 128, group=1, page_size=16),
-    Case("prefix", 256, group=4, page_size=1),
-    Case("prefix", 64, group=4, page_size=16, **W),
-    Case("prefix", 128, group=4, page_size=1, **W),
-    Case("mixed", 64, group=1, page_size=16),
-    Case("mixed", 64, group=4, page_size=1),
-    Case("mixed", 128, group=8, page_size=16),
-    Case("mixed", 64, group=4, page_size=16, **W),
-    Case("mixed", 64, group=8, page_size=1, **W),
+    Case.named("decode", head_dim=64, group=1, page_size=1),
+    Case.named("decode", head_dim=64, group=4, page_size=16),
+    Case.named("decode", head_dim=128, group=8, page_size=1),
+    Case.named("decode", head_dim=256, group=4, page_size=16),
+    Case.named("decode", head_dim=64, group=4, page_size=16, **W),
+    Case.named("decode", head_dim=128, group=8, page_size=1, **W),
+    Case.named("extend", head_dim=64, group=1, page_size=1),
+    Case.named("extend", head_dim=64, group=4, page_size=16),
+    Case.named("extend", head_dim=128, group=8, page_size=1),
+    Case.named("extend", head_dim=64, group=8, page_size=16, **W),
+    Case.named("prefix", head_dim=64, group=4, page_size=1),
+    Case.named("prefix", head_dim=64, group=8, page_size=16),
+    Case.named("prefix", head_dim=128, group=1, page_size=16),
+    Case.named("prefix", head_dim=256, group=4, page_size=1),
+    Case.named("prefix", head_dim=64, group=4, page_size=16, **W),
+    Case.named("prefix", head_dim=128, group=4, page_size=1, **W),
+    Case.named("mixed", head_dim=64, group=1, page_size=16),
+    Case.named("mixed", head_dim=64, group=4, page_size=1),
+    Case.named("mixed", head_dim=128, group=8, page_size=16),
+    Case.named("mixed", head_dim=64, group=4, page_size=16, **W),
+    Case.named("mixed", head_dim=64, group=8, page_size=1, **W),
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_matches_float64_reference_bf16(case: Case) -> None:
+def test_matches_float64_reference_bf16_at_every_head_dim(case: Case) -> None:
     for seed in range(2):
-        for err, _ in run_case(case, make_backend, "cuda", BF16, seed=seed):
-            assert err < 1e-2, f"seed {seed}: relative error {err:.2e}"
+        for result in run_case(case, "cuda", BF16, seed=seed, backend_name="fa3"):
+            assert result.error < TOL[BF16], f"seed {seed}: relative error {result.error:.2e}"
 
 
-@pytest.mark.parametrize("mode", ["decode", "prefix", "mixed"])
-def test_matches_float64_reference_fp16(mode: str) -> None:
-    for err, _ in run_case(Case(mode, 128, group=4, page_size=16, **W), make_backend, "cuda", torch.float16):
-        assert err < 1e-2, f"relative error {err:.2e}"
-
-
-@pytest.mark.parametrize("mode", ["extend", "mixed"])
-def test_padding_tokens_of_a_piecewise_bucket_get_zero_output(mode: str) -> None:
-    for err, pad_out in run_case(Case(mode, 64, group=4, page_size=16, **W), make_backend, "cuda", BF16,
-                                 pad_tokens=11):
-        assert err < 1e-2
-        assert torch.count_nonzero(pad_out) == 0
-
-
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_decode_cuda_graphs_replay_new_batches_per_bucket(page_size: int) -> None:
-    """One capture per bucket (window+softcap layer and full layer), then three different batches per bucket
-    (one with padded requests); only req_pool_indices / seq_lens / slots change between replays."""
-    errors = decode_replays(make_backend, "cuda", BF16, buckets=(1, 4, 16), trials=3, capture=True,
-                            page_size=page_size)
-    assert len(errors) == 3 * 3 * 2
-    assert max(errors) < 1e-2, errors
+@pytest.mark.parametrize("kind", ["decode", "prefix", "mixed"])
+def test_matches_float64_reference_fp16(kind: str) -> None:
+    for result in run_case(Case.named(kind, head_dim=128, group=4, page_size=16, **W), "cuda", torch.float16,
+                           backend_name="fa3"):
+        assert result.error < TOL[torch.float16], f"relative error {result.error:.2e}"
 
 
 def test_unsupported_head_dim_and_dtype_are_refused() -> None:
-    kv = KVCache(num_layers=1, num_kv_heads=2, head_dim=96, max_requests=2, max_context=32, num_tokens=64,
+    kv = KVCache(num_layers=1, num_kv_heads=2, head_dim=96, max_batch_size=2, max_context=32, kv_cache_tokens=64,
                  dtype=BF16, device="cuda")
     with pytest.raises(UnsupportedConfigError, match="head_dim 96"):
         create_backend("fa3", kv, [AttentionLayer(0, 8, 2, 96)])
-    kv = KVCache(num_layers=1, num_kv_heads=2, head_dim=64, max_requests=2, max_context=32, num_tokens=64,
+    kv = KVCache(num_layers=1, num_kv_heads=2, head_dim=64, max_batch_size=2, max_context=32, kv_cache_tokens=64,
                  dtype=torch.float32, device="cuda")
     with pytest.raises(UnsupportedConfigError, match="float32"):
         create_backend("fa3", kv, [AttentionLayer(0, 8, 2, 64)])
@@ -104,7 +84,7 @@ def test_unsupported_head_dim_and_dtype_are_refused() -> None:
 def test_auto_tries_fa3_right_after_triton_on_hopper() -> None:
     from compile_attn.attention.registry import auto_backend_candidates
 
-    kv = KVCache(num_layers=1, num_kv_heads=2, head_dim=64, max_requests=2, max_context=32, num_tokens=64,
+    kv = KVCache(num_layers=1, num_kv_heads=2, head_dim=64, max_batch_size=2, max_context=32, kv_cache_tokens=64,
                  dtype=BF16, device="cuda")
     assert auto_backend_candidates(kv.device)[:2] == ["triton", "fa3"]
     assert create_backend("auto", kv, [AttentionLayer(0, 8, 2, 64)]).name == "triton"
@@ -113,8 +93,7 @@ def test_auto_tries_fa3_right_after_triton_on_hopper() -> None:
 def test_toy_decoder_through_graph_runner_matches_eager_torch_native() -> None:
     """Full decode graphs (every bucket) and breakable extend graphs with fa3 attention, against the same
     random steps run eagerly with torch_native on a twin KV cache."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "graph_runner"))
-    from gr_helpers import Twin, make_model, run_scenario
+    from tests.graph_runner.gr_helpers import Twin, make_model, run_scenario
 
     from compile_attn.attention.torch_native import TorchNativeBackend
     from compile_attn.config import GraphConfig
@@ -125,7 +104,7 @@ def test_toy_decoder_through_graph_runner_matches_eager_torch_native() -> None:
                            intermediate_size=512)
     decode, extend = (1, 2, 4, 8, 16), (16, 32, 64, 128)
     model = make_model(cfg, "cuda", BF16, seed=0)
-    twin = Twin(cfg, "cuda", BF16, seed=0, max_requests=40, max_context=320, num_tokens=16384)
+    twin = Twin(cfg, "cuda", BF16, seed=0, max_batch_size=40, max_context=320, kv_cache_tokens=16384)
     layers = model.attention_layers()
     config = GraphConfig(mode="full_and_piecewise", decode_batch_sizes=decode, prefill_token_sizes=extend,
                          cache_dir=None)

@@ -16,7 +16,7 @@ from compile_attn.attention.flashinfer.paged_indices import build_paged_kv, page
 
 
 def _small_kv(**kw) -> KVCache:  # noqa: ANN003
-    args = dict(num_layers=1, num_kv_heads=2, head_dim=64, max_requests=4, max_context=64, num_tokens=256,
+    args = dict(num_layers=1, num_kv_heads=2, head_dim=64, max_batch_size=4, max_context=64, kv_cache_tokens=256,
                 dtype=torch.bfloat16)
     return KVCache(**(args | kw))
 
@@ -63,7 +63,7 @@ def test_page_csr_rows_and_lengths_must_agree() -> None:
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_page_csr_lists_each_requests_pages_in_order(page_size: int) -> None:
     # the gather is a Triton kernel: interpreted on the CPU without CUDA, compiled on a GPU machine
-    kv = _small_kv(page_size=page_size, num_tokens=512, device="cuda" if torch.cuda.is_available() else "cpu")
+    kv = _small_kv(page_size=page_size, kv_cache_tokens=512, device="cuda" if torch.cuda.is_available() else "cpu")
     rows = [kv.alloc_request() for _ in range(3)]
     lens = [9, 0, 5]
     kv.alloc_extend(rows, lens)

@@ -1,7 +1,8 @@
 """GPU tests of the flashinfer backend with the real kernels (bf16 on CUDA) against the float64 reference:
 decode / extend / prefix / mixed batches, page sizes 1 and 16, GQA 1/4/8, head dims 64 and 128, sliding
-window and softcap, both prefix paths; captured decode graphs replayed with new batches per bucket; and
-a ToyDecoder through the GraphRunner (full decode graphs, breakable extend) against eager torch_native.
+window and softcap, both prefix paths and tensor-core decode (the shared harness, tests/backends/harness.py);
+captured decode graphs replayed with new batches per bucket with and without the fast plan; and a ToyDecoder
+through the GraphRunner (full decode graphs, breakable extend) against eager torch_native.
 
 All kernels the module needs are JIT-built once, in parallel, before the first test.
 """
@@ -11,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +20,7 @@ import torch
 from compile_attn import create_backend
 from compile_attn.attention.flashinfer.library import flashinfer_installed, load_flashinfer
 from compile_attn.attention.flashinfer.warmup import KernelSpec, build_kernels
-from fi_cases import Case, decode_replays, run_case
+from tests.backends.harness import TOL, Case, decode_replays, run_case
 
 pytestmark = [
     pytest.mark.gpu,
@@ -49,50 +49,63 @@ def make_backend(kv, layers, **kwargs):  # noqa: ANN001, ANN201
 
 
 W = dict(window=9, logit_cap=30.0)
+
+
+def fi(kind: str, head_dim: int, *, prefix_path: str = "paged", tensor_cores: bool | None = None,
+       **fields: object) -> object:
+    """A harness case with flashinfer's own options (extend prefix path, tensor-core decode)."""
+    case = Case.named(kind, head_dim=head_dim, **fields)
+    options = dict(extend_prefix_path=prefix_path, decode_use_tensor_cores=tensor_cores)
+    name = "-".join([kind, f"d{head_dim}", *(f"{k}{v}" for k, v in fields.items()), prefix_path,
+                     *(["tc"] if tensor_cores else [])])
+    return pytest.param(case, options, id=name)
+
+
 CASES = [
-    Case("decode", 64, group=1, page_size=1),
-    Case("decode", 64, group=4, page_size=16),
-    Case("decode", 64, group=8, page_size=1),
-    Case("decode", 128, group=4, page_size=16),
-    Case("decode", 128, group=8, page_size=1),
-    Case("decode", 128, group=1, page_size=16, tensor_cores=True),
-    Case("decode", 64, group=4, page_size=16, **W),
-    Case("decode", 64, group=8, page_size=1, **W),
-    Case("extend", 64, group=1, page_size=1),
-    Case("extend", 64, group=4, page_size=16),
-    Case("extend", 128, group=8, page_size=1),
-    Case("extend", 64, group=8, page_size=16, **W),
-    Case("prefix", 64, group=4, page_size=1),
-    Case("prefix", 64, group=8, page_size=16),
-    Case("prefix", 128, group=4, page_size=16),
-    Case("prefix", 128, group=1, page_size=1, tensor_cores=True),
-    Case("prefix", 64, group=4, page_size=16, **W),
-    Case("prefix", 64, group=4, page_size=16, prefix_path="cascade"),
-    Case("prefix", 128, group=8, page_size=1, prefix_path="cascade"),
-    Case("prefix", 64, group=4, page_size=1, prefix_path="cascade", **W),
-    Case("mixed", 64, group=1, page_size=16),
-    Case("mixed", 64, group=4, page_size=1),
-    Case("mixed", 128, group=8, page_size=16),
-    Case("mixed", 64, group=4, page_size=16, **W),
-    Case("mixed", 64, group=8, page_size=1, prefix_path="cascade"),
-    Case("mixed", 128, group=4, page_size=16, prefix_path="cascade"),
+    fi("decode", 64, group=1, page_size=1),
+    fi("decode", 64, group=4, page_size=16),
+    fi("decode", 64, group=8, page_size=1),
+    fi("decode", 128, group=4, page_size=16),
+    fi("decode", 128, group=8, page_size=1),
+    fi("decode", 128, group=1, page_size=16, tensor_cores=True),
+    fi("decode", 64, group=4, page_size=16, **W),
+    fi("decode", 64, group=8, page_size=1, **W),
+    fi("extend", 64, group=1, page_size=1),
+    fi("extend", 64, group=4, page_size=16),
+    fi("extend", 128, group=8, page_size=1),
+    fi("extend", 64, group=8, page_size=16, **W),
+    fi("prefix", 64, group=4, page_size=1),
+    fi("prefix", 64, group=8, page_size=16),
+    fi("prefix", 128, group=4, page_size=16),
+    fi("prefix", 128, group=1, page_size=1, tensor_cores=True),
+    fi("prefix", 64, group=4, page_size=16, **W),
+    fi("prefix", 64, group=4, page_size=16, prefix_path="cascade"),
+    fi("prefix", 128, group=8, page_size=1, prefix_path="cascade"),
+    fi("prefix", 64, group=4, page_size=1, prefix_path="cascade", **W),
+    fi("mixed", 64, group=1, page_size=16),
+    fi("mixed", 64, group=4, page_size=1),
+    fi("mixed", 128, group=8, page_size=16),
+    fi("mixed", 64, group=4, page_size=16, **W),
+    fi("mixed", 64, group=8, page_size=1, prefix_path="cascade"),
+    fi("mixed", 128, group=4, page_size=16, prefix_path="cascade"),
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=str)
-def test_matches_float64_reference_bf16(case: Case) -> None:
+@pytest.mark.parametrize(("case", "options"), CASES)
+def test_matches_float64_reference_bf16_on_every_path(case: Case, options: dict) -> None:
     for seed in range(2):
-        for err, _ in run_case(case, make_backend, "cuda", BF16, seed=seed):
-            assert err < 1e-2, f"seed {seed}: relative error {err:.2e}"
+        for result in run_case(case, "cuda", BF16, seed=seed, backend_name="flashinfer", backend_kwargs=options):
+            assert result.error < TOL[BF16], f"seed {seed}: relative error {result.error:.2e}"
 
 
-@pytest.mark.parametrize("prefix_path", ["paged", "cascade"])
-@pytest.mark.parametrize("mode", ["extend", "mixed"])
-def test_padding_tokens_of_a_piecewise_bucket_get_zero_output(mode: str, prefix_path: str) -> None:
-    case = Case(mode, 64, group=4, page_size=16, prefix_path=prefix_path, **W)
-    for err, pad_out in run_case(case, make_backend, "cuda", BF16, pad_tokens=11):
-        assert err < 1e-2
-        assert torch.count_nonzero(pad_out) == 0
+@pytest.mark.parametrize("kind", ["extend", "mixed"])
+def test_padding_tokens_of_a_cascade_bucket_get_zero_output(kind: str) -> None:
+    """The paged path is in the conformance suite; the cascade path pads the same way."""
+    case = Case.named(kind, group=4, page_size=16, **W)
+    for result in run_case(case, "cuda", BF16, pad_tokens=11, backend_name="flashinfer",
+                           backend_kwargs=dict(extend_prefix_path="cascade")):
+        assert result.error < TOL[BF16]
+        assert torch.count_nonzero(result.pad_out) == 0
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -100,10 +113,11 @@ def test_padding_tokens_of_a_piecewise_bucket_get_zero_output(mode: str, prefix_
 def test_decode_cuda_graphs_replay_new_batches_per_bucket(fast_plan: bool, page_size: int) -> None:
     """One capture per bucket (two plan groups: window+softcap and full layers), then three different
     batches per bucket (one with padded requests), re-planned outside the graph before each replay."""
-    errors = decode_replays(make_backend, "cuda", BF16, buckets=(1, 3, 8, 16), trials=3, capture=True,
-                            fast_decode_plan=fast_plan, page_size=page_size)
-    assert len(errors) == 4 * 3 * 2
-    assert max(errors) < 1e-2, errors
+    report = decode_replays("cuda", BF16, buckets=(1, 3, 8, 16), trials=3, capture=True, max_len=150,
+                            page_size=page_size, backend_name="flashinfer",
+                            backend_kwargs=dict(fast_decode_plan=fast_plan))
+    assert report.trials == 4 * 3 and len(report.errors) == 4 * 3 * 2
+    assert max(report.errors) < TOL[BF16], report.errors
 
 
 def test_graph_bucket_replan_never_waits_and_needs_the_in_graph_gather() -> None:
@@ -112,7 +126,7 @@ def test_graph_bucket_replan_never_waits_and_needs_the_in_graph_gather() -> None
     from compile_attn import AttentionLayer, KVCache, ForwardBatch
 
     layer = AttentionLayer(0, 8, 2, 64)
-    kv = KVCache(num_layers=1, num_kv_heads=2, head_dim=64, max_requests=4, max_context=64, num_tokens=512,
+    kv = KVCache(num_layers=1, num_kv_heads=2, head_dim=64, max_batch_size=4, max_context=64, kv_cache_tokens=512,
                  page_size=16, dtype=BF16, device="cuda")
     backend = make_backend(kv, [layer])
     backend.init_cuda_graph_state(max_bs=4, max_num_tokens=4)
@@ -146,7 +160,7 @@ def test_graph_bucket_replan_never_waits_and_needs_the_in_graph_gather() -> None
 def test_warmup_loads_built_kernels_with_a_log_line_each(caplog: pytest.LogCaptureFixture) -> None:
     from compile_attn import AttentionLayer, KVCache
 
-    kv = KVCache(num_layers=1, num_kv_heads=2, head_dim=64, max_requests=2, max_context=32, num_tokens=64,
+    kv = KVCache(num_layers=1, num_kv_heads=2, head_dim=64, max_batch_size=2, max_context=32, kv_cache_tokens=64,
                  dtype=BF16, device="cuda")
     backend = make_backend(kv, [AttentionLayer(0, 8, 2, 64)])
     with caplog.at_level("INFO", logger="compile_attn.attention.flashinfer.warmup"):
@@ -158,8 +172,7 @@ def test_warmup_loads_built_kernels_with_a_log_line_each(caplog: pytest.LogCaptu
 def test_toy_decoder_through_graph_runner_matches_eager_torch_native() -> None:
     """Full decode graphs (every bucket) and breakable extend graphs with flashinfer attention, against the
     same random steps run eagerly with torch_native on a twin KV cache."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "graph_runner"))
-    from gr_helpers import Twin, make_model, run_scenario
+    from tests.graph_runner.gr_helpers import Twin, make_model, run_scenario
 
     from compile_attn.attention.torch_native import TorchNativeBackend
     from compile_attn.config import GraphConfig
@@ -170,7 +183,7 @@ def test_toy_decoder_through_graph_runner_matches_eager_torch_native() -> None:
                            intermediate_size=512)
     decode, extend = (1, 2, 4, 8, 16), (16, 32, 64, 128)
     model = make_model(cfg, "cuda", BF16, seed=0)
-    twin = Twin(cfg, "cuda", BF16, seed=0, max_requests=40, max_context=320, num_tokens=16384)
+    twin = Twin(cfg, "cuda", BF16, seed=0, max_batch_size=40, max_context=320, kv_cache_tokens=16384)
     layers = model.attention_layers()
     config = GraphConfig(mode="full_and_piecewise", decode_batch_sizes=decode, prefill_token_sizes=extend,
                          cache_dir=None)

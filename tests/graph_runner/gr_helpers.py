@@ -33,17 +33,17 @@ def make_kv(
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
     *,
-    max_requests: int = 24,
+    max_batch_size: int = 24,
     max_context: int = 96,
-    num_tokens: int = 4096,
+    kv_cache_tokens: int = 4096,
 ) -> KVCache:
     return KVCache(
         num_layers=cfg.num_layers,
         num_kv_heads=cfg.num_kv_heads,
         head_dim=cfg.head_dim,
-        max_requests=max_requests,
+        max_batch_size=max_batch_size,
         max_context=max_context,
-        num_tokens=num_tokens,
+        kv_cache_tokens=kv_cache_tokens,
         dtype=dtype,
         device=device,
     )
@@ -167,9 +167,9 @@ class Twin:
         self.rng.shuffle(live)
         return self.step(live[:bs], [1] * bs)
 
-    def extend_step(self, num_tokens: int, max_requests: int) -> Step:
+    def extend_step(self, num_tokens: int, max_batch_size: int) -> Step:
         """New requests (and sometimes continuing ones: chunked prefill) adding ``num_tokens`` in total."""
-        n = self.rng.randint(1, max(1, min(max_requests, num_tokens)))
+        n = self.rng.randint(1, max(1, min(max_batch_size, num_tokens)))
         cuts = sorted(self.rng.sample(range(1, num_tokens), n - 1)) if n > 1 else []
         ext = [b - a for a, b in zip([0, *cuts], [*cuts, num_tokens])]
         continuing = [i for i in self.room(list(self.lens), max(ext)) if self.lens[i] > 0]
@@ -233,7 +233,7 @@ def run_scenario(
         )
         done.append(step)
 
-    free_rows = twin.caches[0].req_to_token_pool.max_requests
+    free_rows = twin.caches[0].req_to_token_pool.max_batch_size
     for kind, n in plan:
         if kind == "decode":
             twin.trim(keep=max(n, free_rows - max_extend_requests))

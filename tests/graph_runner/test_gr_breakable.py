@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gr_helpers import Twin, make_model
+from tests.graph_runner.gr_helpers import Twin, make_model
 
 from compile_attn import register_split_op
 from compile_attn.attention.torch_native import TorchNativeBackend, _DecodeMetadata

@@ -7,7 +7,7 @@ import contextlib
 
 import pytest
 import torch
-from gr_helpers import CountingBackend, Twin, eager_reference, make_model, run_scenario
+from tests.graph_runner.gr_helpers import CountingBackend, Twin, eager_reference, make_model, run_scenario
 
 from compile_attn.config import GraphConfig
 from compile_attn.context import forward_context

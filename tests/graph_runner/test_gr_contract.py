@@ -3,7 +3,7 @@ torch_native subclass that records calls; kernels are real)."""
 
 from __future__ import annotations
 
-from gr_helpers import SMALL, CountingBackend, Twin, make_model
+from tests.graph_runner.gr_helpers import SMALL, CountingBackend, Twin, make_model
 
 from compile_attn.config import GraphConfig
 from compile_attn.graph_runner import GraphRunner

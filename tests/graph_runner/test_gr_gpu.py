@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from gr_helpers import CountingBackend, Twin, make_model, run_scenario
+from tests.graph_runner.gr_helpers import CountingBackend, Twin, make_model, run_scenario
 
 from compile_attn.config import GraphConfig
 from compile_attn.graph_runner import GraphRunner
@@ -42,7 +42,7 @@ def _every_bucket_plan(n: int, seed: int) -> list[tuple[str, int]]:
 
 def _setup(mode: str, dtype: torch.dtype, seed: int, verify: bool = True):
     model = make_model(CFG, "cuda", dtype, seed=seed)
-    twin = Twin(CFG, "cuda", dtype, seed=seed, max_requests=48, max_context=320, num_tokens=16384)
+    twin = Twin(CFG, "cuda", dtype, seed=seed, max_batch_size=48, max_context=320, kv_cache_tokens=16384)
     layers = model.attention_layers()
     config = GraphConfig(
         mode=mode, decode_batch_sizes=DECODE, prefill_token_sizes=EXTEND, cache_dir=None, verify=verify

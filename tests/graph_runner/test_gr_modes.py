@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from gr_helpers import CountingBackend, Twin, make_model, run_scenario
+from tests.graph_runner.gr_helpers import CountingBackend, Twin, make_model, run_scenario
 
 from compile_attn.config import GraphConfig
 from compile_attn.graph_runner import GraphRunner
@@ -115,7 +115,7 @@ def test_verify_runs_every_bucket_and_leaves_the_cache_empty() -> None:
     twin = Twin()
     runner, _ = _build("full_and_piecewise", twin, model, verify=True)
     assert runner.stats.verified == len(runner.routes()) == len(DECODE) + len(EXTEND)
-    assert twin.caches[0].req_to_token_pool.available == twin.caches[0].req_to_token_pool.max_requests
+    assert twin.caches[0].req_to_token_pool.available == twin.caches[0].req_to_token_pool.max_batch_size
     assert sum(runner.stats.runs.values()) == 0  # verify does not count as steps
 
 

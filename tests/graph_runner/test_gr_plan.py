@@ -6,7 +6,7 @@ import logging
 
 import pytest
 import torch
-from gr_helpers import SMALL, CountingBackend, Twin, make_model, run_scenario
+from tests.graph_runner.gr_helpers import SMALL, CountingBackend, Twin, make_model, run_scenario
 
 from compile_attn import GraphSupport
 from compile_attn.config import GraphConfig

@@ -8,7 +8,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
-from gr_helpers import CountingBackend, Twin, make_model
+from tests.graph_runner.gr_helpers import CountingBackend, Twin, make_model
 
 from compile_attn.config import GraphConfig
 from compile_attn.graph_runner import GraphRunner

@@ -11,9 +11,9 @@ import importlib
 
 import pytest
 import torch
-from hf_steps import random_sequences, run_scenario
-from hf_tiny_models import FAMILIES, build_pair
-from reference import max_rel_error
+from tests.hf.hf_steps import random_sequences, run_scenario
+from tests.hf.hf_tiny_models import FAMILIES, build_pair
+from tests.reference import max_rel_error
 from torch._dynamo.testing import CompileCounter
 
 from compile_attn.hf import HFModelAdapter
@@ -26,7 +26,7 @@ def _run_and_check(family: str, compiled_factory) -> None:  # noqa: ANN001
     ours, ref = build_pair(family, attn="eager")
     adapter = HFModelAdapter(ours)
     compiled = compiled_factory(adapter)
-    kv = adapter.make_kv_cache(max_requests=8, max_context=64, num_tokens=256)
+    kv = adapter.make_kv_cache(max_batch_size=8, max_context=64, kv_cache_tokens=256)
     sequences = random_sequences(adapter.vocab_size, seed=5)
     logits = run_scenario(compiled, kv, "torch_native", adapter.attention_layers(), sequences)
     with torch.no_grad():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_tiny_models import WINDOW, build_pair, tiny_config
+from tests.hf.hf_tiny_models import WINDOW, build_pair, tiny_config
 from transformers import AutoModelForCausalLM, Gemma3Config, GPT2Config, LlamaConfig
 
 import compile_attn.hf as hf
@@ -55,7 +55,7 @@ def test_context_layers_must_match_hf_call() -> None:
     """A backend built with other constants than the HF module passes is an error, not wrong logits."""
     ours, _ = build_pair("mistral")
     adapter = HFModelAdapter(ours)
-    kv = adapter.make_kv_cache(max_requests=2, max_context=32, num_tokens=64)
+    kv = adapter.make_kv_cache(max_batch_size=2, max_context=32, kv_cache_tokens=64)
     wrong = [
         layer.__class__(**{**layer.__dict__, "sliding_window": None}) for layer in adapter.attention_layers()
     ]
@@ -76,7 +76,7 @@ def test_context_layers_must_match_hf_call() -> None:
 def test_misuse_inside_context_is_an_error() -> None:
     ours, _ = build_pair("llama")
     adapter = HFModelAdapter(ours)
-    kv = adapter.make_kv_cache(max_requests=2, max_context=32, num_tokens=64)
+    kv = adapter.make_kv_cache(max_batch_size=2, max_context=32, kv_cache_tokens=64)
     backend = create_backend("torch_native", kv, adapter.attention_layers())
     row = kv.alloc_request()
     fb = ForwardBatch.build(

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_steps import random_sequences, run_scenario
-from hf_tiny_models import FAMILIES, build_pair
-from reference import max_rel_error
+from tests.hf.hf_steps import random_sequences, run_scenario
+from tests.hf.hf_tiny_models import FAMILIES, build_pair
+from tests.reference import max_rel_error
 
 from compile_attn import ForwardBatch, create_backend, forward_context
 from compile_attn.hf import HFModelAdapter
@@ -34,7 +34,7 @@ def _check_against_reference(
 def test_ragged_steps_match_hf_eager(family: str) -> None:
     ours, ref = build_pair(family, attn="eager")
     adapter = HFModelAdapter(ours)
-    kv = adapter.make_kv_cache(max_requests=8, max_context=64, num_tokens=256)
+    kv = adapter.make_kv_cache(max_batch_size=8, max_context=64, kv_cache_tokens=256)
     sequences = random_sequences(adapter.vocab_size, seed=1)
     logits = run_scenario(adapter, kv, "torch_native", adapter.attention_layers(), sequences)
     _check_against_reference(ref, sequences, logits)
@@ -44,7 +44,7 @@ def test_page_size_and_logits_indices() -> None:
     """Pages of 4 tokens and ``logits_indices`` (only the sampled tokens' logits)."""
     ours, ref = build_pair("gemma2", attn="eager")
     adapter = HFModelAdapter(ours)
-    kv = adapter.make_kv_cache(max_requests=4, max_context=64, num_tokens=256, page_size=4)
+    kv = adapter.make_kv_cache(max_batch_size=4, max_context=64, kv_cache_tokens=256, page_size=4)
     backend = create_backend("torch_native", kv, adapter.attention_layers())
     seqs = random_sequences(adapter.vocab_size, seed=3)[:2]
     rows = [kv.alloc_request() for _ in seqs]
@@ -94,7 +94,7 @@ def test_hidden_states_then_compute_logits_equals_the_full_forward(family: str) 
     adapter = HFModelAdapter(ours)
     layers = adapter.attention_layers()
     kv = KVCache(num_layers=len(layers), num_kv_heads=layers[0].num_kv_heads, head_dim=layers[0].head_dim,
-                 max_requests=2, max_context=64, num_tokens=128, dtype=torch.float32)
+                 max_batch_size=2, max_context=64, kv_cache_tokens=128, dtype=torch.float32)
     backend = create_backend("torch_native", kv, layers)
     rows = [kv.alloc_request(), kv.alloc_request()]
     fb = ForwardBatch.build(req_pool_indices=rows, prefix_lens=[0, 0], extend_lens=[11, 6],

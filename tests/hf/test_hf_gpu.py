@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_steps import random_sequences, run_scenario
-from reference import max_rel_error
+from tests.hf.hf_steps import random_sequences, run_scenario
+from tests.reference import max_rel_error
 from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig
 
 from compile_attn import installed_backends
@@ -63,7 +63,7 @@ def test_bf16_logits_match_hf(family: str, backend: str) -> None:
     ours, ref32, ref16 = (m.to("cuda").eval() for m in (ours.bfloat16(), ref32, ref16.bfloat16()))
 
     adapter = HFModelAdapter(ours)
-    kv = adapter.make_kv_cache(max_requests=8, max_context=128, num_tokens=1024)
+    kv = adapter.make_kv_cache(max_batch_size=8, max_context=128, kv_cache_tokens=1024)
     sequences = random_sequences(adapter.vocab_size, seed=7, device="cuda")
     logits = run_scenario(adapter, kv, backend, adapter.attention_layers(), sequences)
     with torch.no_grad():

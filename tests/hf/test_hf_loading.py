@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_steps import random_sequences, run_scenario
-from hf_tiny_models import build_pair, tiny_config
-from reference import max_rel_error
+from tests.hf.hf_steps import random_sequences, run_scenario
+from tests.hf.hf_tiny_models import build_pair, tiny_config
+from tests.reference import max_rel_error
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
@@ -40,7 +40,7 @@ def test_load_local_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
         7,
     ]  # our vocab, read from disk
 
-    kv = adapter.make_kv_cache(max_requests=8, max_context=64, num_tokens=256)
+    kv = adapter.make_kv_cache(max_batch_size=8, max_context=64, kv_cache_tokens=256)
     sequences = random_sequences(adapter.vocab_size, seed=4)
     logits = run_scenario(adapter, kv, "torch_native", adapter.attention_layers(), sequences)
     with torch.no_grad():

@@ -50,11 +50,11 @@ def make_paged_cache(
     pages_needed = [cdiv(n, page_size) for n in lengths]
     num_pages = 1 + sum(pages_needed) + spare_pages
     num_slots = num_pages * page_size
-    max_requests = len(lengths) + 3
+    max_batch_size = len(lengths) + 3
     max_context = max([*lengths, 1]) + 5
     page_order = torch.randperm(num_pages - 1, generator=gen) + 1
-    rows = torch.randperm(max_requests, generator=gen)[: len(lengths)]
-    req_to_token = torch.zeros(max_requests, max_context, dtype=torch.int32)
+    rows = torch.randperm(max_batch_size, generator=gen)[: len(lengths)]
+    req_to_token = torch.zeros(max_batch_size, max_context, dtype=torch.int32)
     taken = 0
     for b, n in enumerate(lengths):
         pages = page_order[taken : taken + pages_needed[b]]

@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kernel_reference import DEVICE, TOLERANCE, make_paged_cache, reference_attention, rel_err, take_new_tokens
+from tests.kernels.kernel_reference import DEVICE, TOLERANCE, make_paged_cache, reference_attention, rel_err, take_new_tokens
 
 from compile_attn.attention.triton_ops import (
     SUPPORTED_HEAD_DIMS,

@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kernel_reference import DEVICE, TOLERANCE, make_paged_cache, reference_attention, rel_err
+from tests.kernels.kernel_reference import DEVICE, TOLERANCE, make_paged_cache, reference_attention, rel_err
 
 from compile_attn.attention.triton_ops import SUPPORTED_HEAD_DIMS, extend_attention_fwd
 

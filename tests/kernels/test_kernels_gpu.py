@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from kernel_reference import TOLERANCE, PagedCache, make_paged_cache, reference_attention, rel_err, take_new_tokens
+from tests.kernels.kernel_reference import TOLERANCE, PagedCache, make_paged_cache, reference_attention, rel_err, take_new_tokens
 
 from compile_attn.attention.triton_ops import (
     build_kv_indices,

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from compile_attn.engine import SamplingParams
-from conftest import MODEL, Served
+from tests.server.conftest import MODEL, Served
 
 PROMPT = "The function returns"
 MESSAGES = [{"role": "user", "content": "What does the list do?"}]

@@ -20,12 +20,12 @@ from compile_attn.models import ToyDecoder, ToyDecoderConfig
 class TwinCaches:
     """Two KV caches that allocate in lockstep; ``step`` builds the same batch on both."""
 
-    def __init__(self, cfg: ToyDecoderConfig, device: str, dtype: torch.dtype, *, seed: int, max_requests: int,
-                 max_context: int, num_tokens: int) -> None:
+    def __init__(self, cfg: ToyDecoderConfig, device: str, dtype: torch.dtype, *, seed: int, max_batch_size: int,
+                 max_context: int, kv_cache_tokens: int) -> None:
         self.cfg, self.device = cfg, device
         self.caches = [
             KVCache(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                    max_requests=max_requests, max_context=max_context, num_tokens=num_tokens, dtype=dtype,
+                    max_batch_size=max_batch_size, max_context=max_context, kv_cache_tokens=kv_cache_tokens, dtype=dtype,
                     device=device)
             for _ in range(2)
         ]
@@ -72,8 +72,8 @@ def make_runner(cfg: ToyDecoderConfig, device: str, dtype: torch.dtype, config: 
     """(model, runner, twin caches, eager torch_native backend on the twin's reference cache); captured."""
     torch.manual_seed(seed)
     model = ToyDecoder(cfg).to(device=device, dtype=dtype).eval()
-    twin = TwinCaches(cfg, device, dtype, seed=seed, max_requests=3 * max_batch_size, max_context=max_context,
-                      num_tokens=4 * max_batch_size * max_context)
+    twin = TwinCaches(cfg, device, dtype, seed=seed, max_batch_size=3 * max_batch_size, max_context=max_context,
+                      kv_cache_tokens=4 * max_batch_size * max_context)
     layers = model.attention_layers()
     runner = GraphRunner(model, TritonBackend(twin.caches[0], layers, **backend_kwargs), config,
                          max_batch_size=max_batch_size, max_num_tokens=max_num_tokens)

@@ -11,12 +11,12 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from batch_factory import random_step
+from tests.batch_factory import random_step
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference import max_rel_error
-from tb_helpers import TOL, Case, chunked_reference, decode_replays, run_case
-from tb_runner import make_runner, run_random_steps
+from tests.reference import max_rel_error
+from tests.backends.harness import TOL, Case, chunked_reference, decode_replays, run_case
+from tests.triton_backend.tb_runner import make_runner, run_random_steps
 
 from compile_attn import AttentionLayer, ForwardBatch, ForwardMode, KVCache, create_backend, forward_context
 from compile_attn.config import GraphConfig
@@ -160,7 +160,7 @@ def test_toy_decoder_through_graph_runner_matches_eager_torch_native(mode: str, 
 def test_deterministic_decode_is_bitwise_independent_of_the_batch() -> None:
     """A 5000-token request's decode output alone, and at different positions in batches of 4 and 32 requests
     whose lengths would make the default heuristic choose other split counts for it."""
-    kv = KVCache(num_layers=1, num_kv_heads=2, head_dim=128, max_requests=40, max_context=8192, num_tokens=40 * 8192,
+    kv = KVCache(num_layers=1, num_kv_heads=2, head_dim=128, max_batch_size=40, max_context=8192, kv_cache_tokens=40 * 8192,
                  page_size=16, dtype=BF16, device="cuda")
     layer = AttentionLayer(0, 16, 2, 128)
     gen = torch.Generator().manual_seed(0)

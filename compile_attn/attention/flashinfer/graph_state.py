@@ -61,10 +61,6 @@ class DecodeGraphState:
         self._planned: set[int] = set()
         self._live_bs: int | None = None  # the bucket of the last plan: what gather fills
 
-    @property
-    def num_buckets(self) -> int:
-        return len(self._wrappers)
-
     def wrappers(self, bs: int) -> list[Any]:
         """The bucket's wrappers (one per group), created on first use."""
         if bs not in self._wrappers:

@@ -15,8 +15,6 @@ import triton.language as tl
 
 from compile_attn.config import env_switched_off
 
-LOG2E = 1.4426950408889634
-
 SUPPORTED_HEAD_DIMS: tuple[int, ...] = (64, 96, 128, 192, 256)
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)
 

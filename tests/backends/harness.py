@@ -1,8 +1,9 @@
-"""Shared scenarios for the triton backend tests: random batches through the attention op against a
-float64 reference, padded decode batches over the static graph buffers (captured as CUDA graphs on a
-GPU, called directly on the CPU), and a chunked float64 reference fast enough for 8k-token sequences.
+"""The one harness every attention backend's tests use: random batches through the attention op against a
+float64 reference, padded decode batches over a backend's static graph buffers (captured as CUDA graphs on a GPU,
+called directly on the CPU), and a chunked float64 reference fast enough for 8k-token sequences.
 
-References never look at the backend's metadata: they walk ``req_to_token`` by position.
+References never look at the backend's metadata: they walk ``req_to_token`` by position. The scenarios every
+backend must pass are in ``test_conformance.py``; a backend's own folder tests only what is its own.
 """
 
 from __future__ import annotations
@@ -12,12 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from batch_factory import RandomStep, random_step
-from reference import max_rel_error, reference_attention
+from tests.batch_factory import RandomStep, random_step
+from tests.reference import max_rel_error, reference_attention
 
 from compile_attn import (
-    PAD_REQUEST,
-    PAD_SLOT,
     AttentionLayer,
     ForwardBatch,
     ForwardMode,
@@ -25,8 +24,16 @@ from compile_attn import (
     create_backend,
     forward_context,
 )
+from compile_attn.kv_cache import PAD_REQUEST, PAD_SLOT
 
-TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
+TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+# (prefix_lens, extend_lens) per batch kind; "mixed" has decode-like and prefill requests in one step.
+LENGTHS: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
+    "decode": ((5, 33, 70, 17), (1, 1, 1, 1)),
+    "extend": ((0, 0, 0), (7, 20, 1)),
+    "prefix": ((12, 40, 3), (9, 5, 17)),
+    "mixed": ((9, 0, 31, 16), (1, 13, 1, 6)),
+}
 Reference = Callable[..., torch.Tensor]
 
 
@@ -102,6 +109,12 @@ class Case:
     v_head_dim: int | None = None  # None: head_dim
     mode: ForwardMode | None = None
 
+    @classmethod
+    def named(cls, kind: str, **fields: object) -> Case:
+        """A case of one of LENGTHS' batch kinds ("mixed" runs as a MIXED batch)."""
+        mode = ForwardMode.MIXED if kind == "mixed" else None
+        return cls(*LENGTHS[kind], **{"mode": mode, **fields})  # type: ignore[arg-type]
+
     @property
     def num_heads(self) -> int:
         return self.num_kv_heads * self.group
@@ -121,8 +134,8 @@ class Case:
         seq = [p + e for p, e in zip(self.prefix, self.extend)]
         ps = self.page_size
         return KVCache(num_layers=len(self.layers()), num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                       v_head_dim=self.dv, max_requests=len(seq) + 2, max_context=max(seq) + 1,
-                       num_tokens=sum(seq) + len(seq) * ps + 4 * ps, page_size=ps, dtype=dtype, device=device)
+                       v_head_dim=self.dv, max_batch_size=len(seq) + 2, max_context=max(seq) + 1,
+                       kv_cache_tokens=sum(seq) + len(seq) * ps + 4 * ps, page_size=ps, dtype=dtype, device=device)
 
 
 @dataclass
@@ -263,19 +276,19 @@ class ReplayReport:
 
 
 def decode_replays(device: str, dtype: torch.dtype, *, buckets: tuple[int, ...], trials: int, capture: bool,
-                   max_len: int, page_size: int = 16, head_dim: int = 64,
+                   max_len: int, page_size: int = 16, head_dim: int = 64, backend_name: str = "triton",
                    reference: Reference = reference_attention, backend_kwargs: dict | None = None) -> ReplayReport:
     """Per bucket: bind (and with ``capture``, capture as a CUDA graph) decode over the static buffers once,
     then run ``trials`` new batches through it (odd trials padded with PAD_REQUEST requests), with
     ``init_forward_metadata_out_graph`` on the static batch before each. Two layers: window 9 + softcap 30,
     and full attention. Checks per trial: padded outputs finite, only the step's slots (and the scratch
-    slot) written, metadata bound to the static buffers. Returns the live outputs' errors."""
+    slot) written, and for triton the metadata bound to the static buffers. Returns the live outputs' errors."""
     layers = [AttentionLayer(0, 8, 2, head_dim, sliding_window=9, logit_cap=30.0), AttentionLayer(1, 8, 2, head_dim)]
-    kv = KVCache(num_layers=2, num_kv_heads=2, head_dim=head_dim, max_requests=2 * max(buckets) + 2,
-                 max_context=max_len + 1, num_tokens=max(buckets) * (max_len + 2 * page_size), page_size=page_size,
+    kv = KVCache(num_layers=2, num_kv_heads=2, head_dim=head_dim, max_batch_size=2 * max(buckets) + 2,
+                 max_context=max_len + 1, kv_cache_tokens=max(buckets) * (max_len + 2 * page_size), page_size=page_size,
                  dtype=dtype, device=device)
-    backend = create_backend("triton", kv, layers, **(backend_kwargs or {}))
-    backend.init_cuda_graph_state(max_bs=max(buckets), max_num_tokens=max(buckets))
+    backend = create_backend(backend_name, kv, layers, **(backend_kwargs or {}))
+    backend.init_cuda_graph_state(max(buckets), max(buckets))
     gen = torch.Generator().manual_seed(0)
     report = ReplayReport()
 
@@ -321,7 +334,8 @@ def decode_replays(device: str, dtype: torch.dtype, *, buckets: tuple[int, ...],
                 new[i] = (qi, ki, vi)
             before = [kv.pool.get_kv(layer.layer_id)[0].clone() for layer in layers]
             backend.init_forward_metadata_out_graph(static.batch)
-            assert all(a == b for a, b in bound_buffers(backend)), "decode metadata is not the static buffers"
+            if backend_name == "triton":
+                assert all(a == b for a, b in bound_buffers(backend)), "decode metadata is not the static buffers"
             if graph is not None:
                 graph.replay()
             else:
