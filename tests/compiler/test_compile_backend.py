@@ -14,7 +14,7 @@ import pytest
 import torch
 from compile_helpers import SMALL, GatedMLP, run_step, toy_model
 
-from compile_attn.compiler import compile_counters, piecewise_capture_sizes, resolve_config
+from compile_attn.compiler import compile_counters, resolve_config
 from compile_attn.config import GraphConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -171,12 +171,16 @@ def test_options_and_config_object():
         resolve_config({"config": {"compiler": "eager"}})
 
 
-def test_capture_sizes_follow_the_graph_mode():
-    config = GraphConfig(decode_batch_sizes=(1, 2), prefill_token_sizes=(16, 32))
-    assert piecewise_capture_sizes(config) == (16, 32)  # default: decode runs as a full graph
-    assert piecewise_capture_sizes(config.replace(mode="piecewise")) == (1, 2, 16, 32)
-    assert piecewise_capture_sizes(config.replace(mode="full")) == ()
-    assert piecewise_capture_sizes(config.replace(mode="none")) == ()
+def test_debug_dir_env_is_the_default_and_an_explicit_none_writes_no_dump(tmp_path, monkeypatch):
+    """$COMPILE_ATTN_DEBUG_DIR is read once, as GraphConfig.debug_dir's default: a config made with
+    ``debug_dir=None`` dumps nothing even while it is set."""
+    monkeypatch.setenv("COMPILE_ATTN_DEBUG_DIR", str(tmp_path / "env"))
+    assert GraphConfig().debug_dir == str(tmp_path / "env")
+    model = toy_model()
+    compiled = torch.compile(model, backend="compile_attn", dynamic=True,
+                             options={"compiler": "eager", "debug_dir": None, "cache_dir": None})
+    torch.testing.assert_close(run_step(compiled, SMALL, 6, seed=0), run_step(model, SMALL, 6, seed=0))
+    assert not (tmp_path / "env").exists()
 
 
 def test_entry_point_names_the_backend():
