@@ -9,7 +9,7 @@ import pytest
 import torch
 from gr_helpers import CountingBackend, Twin, eager_reference, make_model, run_scenario
 
-from compile_attn.config import GraphConfig
+from compile_attn.config import GraphConfig, host_shortcuts_enabled
 from compile_attn.context import forward_context
 from compile_attn.graph_mode import GraphMode
 from compile_attn.graph_runner import GraphRunner
@@ -44,6 +44,11 @@ def test_compiled_model_matches_eager(mode: str) -> None:
     assert modes <= expected and "piecewise" in modes
 
 
+NEEDS_SHORTCUTS = pytest.mark.skipif(not host_shortcuts_enabled(),
+                                     reason="checks a host shortcut; COMPILE_ATTN_HOST_SHORTCUTS=0 turns it off")
+
+
+@NEEDS_SHORTCUTS
 def test_piecewise_steps_skip_dynamo_guards_and_fall_back_to_guards_on_a_recompile(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -94,6 +99,7 @@ def test_verify_keeps_dynamo_guards() -> None:
     assert isinstance(runner.model_calls.guard_stance(), contextlib.nullcontext)
 
 
+@NEEDS_SHORTCUTS
 @pytest.mark.parametrize("direct_calls", [True, False])
 def test_piecewise_steps_call_the_compiled_graph_directly_after_a_buckets_first_step(direct_calls: bool) -> None:
     """GraphConfig.direct_calls: a model compiled with backend="compile_attn" runs one graph per step and returns its
