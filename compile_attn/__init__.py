@@ -30,8 +30,7 @@ from compile_attn.kv_cache import PAD_REQUEST, PAD_SLOT, KVCache, PagedKVPool, P
 from compile_attn.graph_mode import GraphMode
 from compile_attn.layer import AttentionLayer
 from compile_attn.ops import register_split_op
-
-from compile_attn.version import __version__
+from compile_attn.version import __version__ as __version__
 
 # The compile backend pulls in torch._dynamo: load it only when one of its names is used.
 _COMPILER_NAMES = {"compile_counters", "clear_cache", "compile_attn_backend"}
