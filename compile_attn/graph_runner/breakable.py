@@ -20,7 +20,7 @@ import torch
 from torch._library.custom_ops import OPDEFS
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from compile_attn.compiler.cuda_graph import CudaGraph, frozen_gc, weak_ref_tree
+from compile_attn.compiler.cuda_graph import CudaGraph, frozen_gc, graph_pool, weak_ref_tree
 from compile_attn.graph_runner.segments import CapturedGraph, GraphCaptureError, RecordedCall, Step, Tape
 from compile_attn.ops import is_split_op
 from compile_attn.ops.split_registry import split_op_python_impl
@@ -40,7 +40,7 @@ class SplitOpCapture(TorchDispatchMode):
     def __init__(self, device: torch.device, pool: Any, *, breaks: bool) -> None:
         super().__init__()
         self.cuda = device.type == "cuda"
-        self.pool = pool
+        self.pool = graph_pool() if self.cuda and pool is None else pool  # resolved before the capture begins
         self.breaks = breaks
         self.steps: list[Step] = []
         self.num_segments = 0
