@@ -110,3 +110,29 @@ def test_buckets_are_clipped_to_the_static_buffers() -> None:
     )
     assert runner.decode_buckets == (1, 2, 4, 8, 16)
     assert runner.extend_buckets == (16, 32, 64)
+
+
+def test_one_mode_splits_into_what_runs_for_decode_and_for_mixed_batches() -> None:
+    """GraphMode's table (docs/graph_runner.md): each requested mode's decode and mixed routine."""
+    table = {"none": ("none", "none"), "piecewise": ("piecewise", "piecewise"), "full": ("full", "none"),
+             "full_and_piecewise": ("full", "piecewise"), "breakable": ("breakable", "breakable")}
+    assert {m.value: (m.decode_mode().value, m.mixed_mode().value) for m in GraphMode} == table
+    assert GraphMode.parse("FULL_AND_PIECEWISE") is GraphMode.FULL_AND_PIECEWISE
+    with pytest.raises(ValueError, match="choose one of none, piecewise, full, full_and_piecewise, breakable"):
+        GraphMode.parse("fast")
+
+
+def test_backends_declare_graph_support_on_the_class_only() -> None:
+    """No attention backend assigns ``graph_support`` on an instance (``supported_graph_mode`` narrows it)."""
+    import ast
+    from pathlib import Path
+
+    import compile_attn.attention as attention_package
+
+    root = Path(attention_package.__file__).parent
+    assigned = [f"{path.name}:{node.lineno}" for path in root.rglob("*.py")
+                for node in ast.walk(ast.parse(path.read_text()))
+                if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign))
+                for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                if isinstance(target, ast.Attribute) and target.attr == "graph_support"]
+    assert not assigned, assigned
