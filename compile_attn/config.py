@@ -44,8 +44,8 @@ HOST_SHORTCUTS_ENV = "COMPILE_ATTN_HOST_SHORTCUTS"
 
 
 def host_shortcuts_enabled() -> bool:
-    """The one switch of the host-time shortcuts (``compiler/shortcuts.py``, ``graph_runner/shortcuts.py``,
-    ``attention/triton_ops/launch.py``): on unless ``$COMPILE_ATTN_HOST_SHORTCUTS`` is 0 / false / off / no. Off,
+    """The one switch of the host-time shortcuts (``attention/triton_ops/launch.py``, ``passes/fuse_linears.py``,
+    ``compiler/shortcuts.py``, ``graph_runner/shortcuts.py``; table in docs/graph_runner.md): on unless ``$COMPILE_ATTN_HOST_SHORTCUTS`` is 0 / false / off / no. Off,
     every step takes the plain path (Dynamo's frame and guards, ``torch.ops`` calls, ``kernel[grid]`` launches);
     results are the same. Read where each shortcut is set up (a backend, a compile, a runner, a kernel launcher)."""
     return not env_switched_off(HOST_SHORTCUTS_ENV)
