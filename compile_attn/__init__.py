@@ -6,7 +6,6 @@ Public API only; see the submodules for the pieces (ops, attention backends, KV 
 from compile_attn import ops  # noqa: F401  (registers torch.ops.compile_attn.*)
 from compile_attn.attention import (
     AttentionBackend,
-    GraphSupport,
     available_backends,
     create_backend,
     installed_backends,
@@ -28,11 +27,10 @@ from compile_attn.errors import (
     UnsupportedConfigError,
 )
 from compile_attn.kv_cache import PAD_REQUEST, PAD_SLOT, KVCache, PagedKVPool, PageAllocator, ReqToTokenPool
-from compile_attn.graph_runner.mode import GraphMode
+from compile_attn.graph_mode import GraphMode
 from compile_attn.layer import AttentionLayer
 from compile_attn.ops import register_split_op
-
-__version__ = "0.1.0"
+from compile_attn.version import __version__ as __version__
 
 # The compile backend pulls in torch._dynamo: load it only when one of its names is used.
 _COMPILER_NAMES = {"compile_counters", "clear_cache", "compile_attn_backend"}
@@ -58,7 +56,6 @@ __all__ = [
     "GraphReplayError",
     "GraphConfig",
     "GraphMode",
-    "GraphSupport",
     "LLM",
     "CompletionOutput",
     "RequestOutput",

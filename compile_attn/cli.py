@@ -204,7 +204,7 @@ def _backend_names() -> list[str]:
 
 
 def _graph_modes() -> list:
-    from compile_attn.graph_runner.mode import GraphMode
+    from compile_attn.graph_mode import GraphMode
 
     return list(GraphMode)
 
@@ -214,7 +214,7 @@ def _prepare_generate(args: argparse.Namespace) -> None:
     Sets ``args.params``, the SamplingParams for ``cmd_generate``."""
     from compile_attn.attention.registry import check_backend_name
     from compile_attn.engine import SamplingParams
-    from compile_attn.graph_runner.mode import GraphMode
+    from compile_attn.graph_mode import GraphMode
 
     check_backend_name(args.backend)
     GraphMode.parse(args.graph_mode)
@@ -293,7 +293,7 @@ def _prepare_bench(args: argparse.Namespace) -> None:
     the BenchConfig for ``cmd_bench``."""
     from compile_attn import bench
     from compile_attn.attention.registry import check_backend_name
-    from compile_attn.graph_runner.mode import GraphMode
+    from compile_attn.graph_mode import GraphMode
 
     if args.context < 1 or args.iters < 1:
         raise ValueError(f"--context and --iters must be >= 1, got {args.context} and {args.iters}")
