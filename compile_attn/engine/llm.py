@@ -34,7 +34,7 @@ from compile_attn.engine.scheduler import ScheduledStep, Scheduler
 from compile_attn.engine.step_runner import StepRunner
 from compile_attn.engine.step_sampling import forward_and_sample
 from compile_attn.engine.stop_strings import StopStringMatcher, backend_tokenizer
-from compile_attn.graph_runner.mode import GraphMode
+from compile_attn.graph_mode import GraphMode
 from compile_attn.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
