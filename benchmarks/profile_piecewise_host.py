@@ -63,10 +63,10 @@ def step_timeline(step: Callable[[], object], backend: object, steps: int = 50) 
     backend's ``forward_decode`` and ``init_forward_metadata_out_graph``, the runner's decode view and (full
     mode) the graph's replay: the median per step of each kind of interval, summed over the step."""
     from compile_attn.compiler.compiled_model import CompiledModel
-    from compile_attn.graph_runner.piecewise import PiecewiseGraphWrapper
+    from compile_attn.compiler.cuda_graph import CudaGraph
+    from compile_attn.compiler.piecewise import PiecewiseGraphWrapper
     from compile_attn.graph_runner.replay_view import ReplayViews
     from compile_attn.graph_runner.runner import GraphRunner
-    from compile_attn.graph_runner.segments import CudaSegment
 
     stamps: list[tuple[str, int]] = []
     clock = time.perf_counter_ns
@@ -88,7 +88,7 @@ def step_timeline(step: Callable[[], object], backend: object, steps: int = 50) 
             traced(PiecewiseGraphWrapper, "__call__", "piece"), traced(type(backend), "forward_decode", "attn"),
             traced(ReplayViews, "decode_view", "view"),
             traced(type(backend), "init_forward_metadata_out_graph", "meta"),
-            traced(CudaSegment, "replay", "graph")]
+            traced(CudaGraph, "replay", "graph")]
     per_step: list[dict[str, float]] = []
     try:
         for _ in range(steps):

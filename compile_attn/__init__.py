@@ -8,7 +8,6 @@ reached through their modules (``compile_attn.kv_cache``, ...).
 from compile_attn import ops  # noqa: F401  (registers torch.ops.compile_attn.*)
 from compile_attn.attention import (
     AttentionBackend,
-    GraphSupport,
     available_backends,
     create_backend,
     installed_backends,
@@ -39,12 +38,12 @@ from compile_attn.errors import (
     UnknownBackendError,
     UnsupportedConfigError,
 )
-from compile_attn.graph_runner import GraphMode, GraphRunner
+from compile_attn.graph_mode import GraphMode
+from compile_attn.graph_runner import GraphRunner
 from compile_attn.kv_cache import KVCache
 from compile_attn.layer import AttentionLayer
 from compile_attn.ops import register_split_op
-
-__version__ = "0.1.0"
+from compile_attn.version import __version__ as __version__
 
 # The HF integration needs transformers (an optional dependency): its names load on first use.
 _HF_NAMES = {"HFModelAdapter", "load_model"}
@@ -76,7 +75,6 @@ __all__ = [
     "GraphMode",
     "GraphReplayError",
     "GraphRunner",
-    "GraphSupport",
     "HFModelAdapter",
     "InvalidBatchError",
     "InvalidConfigError",
@@ -88,6 +86,7 @@ __all__ = [
     "SamplingParams",
     "UnknownBackendError",
     "UnsupportedConfigError",
+    "__version__",
     "available_backends",
     "clear_cache",
     "compile_attn_backend",

@@ -250,7 +250,7 @@ def _prepare_bench(args: argparse.Namespace) -> None:
     the BenchConfig for ``cmd_bench``."""
     from compile_attn import bench
     from compile_attn.attention.registry import check_backend_name
-    from compile_attn.graph_runner.mode import GraphMode
+    from compile_attn.graph_mode import GraphMode
 
     if args.context < 1 or args.iters < 1:
         raise ValueError(f"--context and --iters must be >= 1, got {args.context} and {args.iters}")

@@ -40,7 +40,7 @@ def add_engine_options(p: argparse.ArgumentParser, *, device_help: str, max_batc
 def check_engine_options(args: argparse.Namespace) -> None:
     """ValueError naming the flag for a bad backend, graph mode, device, size or memory share."""
     from compile_attn.attention.registry import check_backend_name
-    from compile_attn.graph_runner.mode import GraphMode
+    from compile_attn.graph_mode import GraphMode
 
     check_backend_name(args.backend)
     GraphMode.parse(args.graph_mode)

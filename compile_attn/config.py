@@ -1,4 +1,5 @@
-"""GraphConfig: the one place where graph and compile options live (mode, capture sizes, compiler, dirs).
+"""GraphConfig: the one place where graph and compile options live (mode, capture sizes, compiler, dirs), and
+the environment switches the library reads (debug dir, host shortcuts).
 
 Validated on construction; components read it, never their own copies of the same options.
 """
@@ -11,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from compile_attn.graph_runner.mode import GraphMode
+from compile_attn.graph_mode import GraphMode
 
 DEFAULT_DECODE_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, *range(16, 257, 8))
 DEFAULT_PREFILL_TOKEN_SIZES: tuple[int, ...] = tuple(2**i for i in range(4, 14))  # 16 .. 8192
@@ -36,6 +37,23 @@ def env_switched_off(name: str) -> bool:
     """Whether environment variable ``name`` turns a default-on switch off: ``0``, ``false``, ``off`` or ``no``
     (any case); unset or anything else leaves it on."""
     return os.environ.get(name, "1").strip().lower() in ("0", "false", "off", "no")
+
+
+DEBUG_DIR_ENV = "COMPILE_ATTN_DEBUG_DIR"
+HOST_SHORTCUTS_ENV = "COMPILE_ATTN_HOST_SHORTCUTS"
+
+
+def host_shortcuts_enabled() -> bool:
+    """The one switch of the host-time shortcuts (``attention/triton_ops/launch.py``, ``passes/fuse_linears.py``,
+    ``compiler/shortcuts.py``, ``graph_runner/shortcuts.py``; table in docs/graph_runner.md): on unless ``$COMPILE_ATTN_HOST_SHORTCUTS`` is 0 / false / off / no. Off,
+    every step takes the plain path (Dynamo's frame and guards, ``torch.ops`` calls, ``kernel[grid]`` launches);
+    results are the same. Read where each shortcut is set up (a backend, a compile, a runner, a kernel launcher)."""
+    return not env_switched_off(HOST_SHORTCUTS_ENV)
+
+
+def default_debug_dir() -> str | None:
+    """``$COMPILE_ATTN_DEBUG_DIR`` or None: the default of ``GraphConfig.debug_dir``, the one place it is read."""
+    return os.environ.get(DEBUG_DIR_ENV) or None
 
 
 def default_cache_dir() -> str:
@@ -64,10 +82,12 @@ def _check_inductor_options(patches: Mapping[str, Any], field_name: str = "induc
 class GraphConfig:
     """Options of the compile backend and the graph runner.
 
-    mode: which graphs run (see GraphMode). decode_batch_sizes: full-graph decode buckets (requests).
-    prefill_token_sizes: piecewise buckets (tokens). compiler: "inductor" or "eager" for the pieces
+    mode: which graphs run (see GraphMode). decode_batch_sizes: the graph runner's decode buckets (requests).
+    prefill_token_sizes: its extend buckets (tokens). The compile backend reads neither: its piecewise wrappers
+    capture the bucket the runner's step names (docs/graph_runner.md). compiler: "inductor" or "eager" for the pieces
     between split ops. cache_dir: persistent compile cache (None disables it). debug_dir: where the
-    decompiled code and each piece's graph are written (None: no dump). verify: after capture,
+    decompiled code and each piece's graph are written; default ``$COMPILE_ATTN_DEBUG_DIR``, and an explicit
+    None means no dump even when that variable is set. verify: after capture,
     replay every bucket once and compare with eager execution. fuse_linears: run linear layers that read
     the same input (q/k/v, gate/up) as one GEMM; their weights become views of one fused tensor
     (see ``compile_attn.passes.fuse_linears``). inductor_config: ``torch._inductor.config`` patches
@@ -83,7 +103,8 @@ class GraphConfig:
     guards and the Python around the graph: host time before the first piece), when that step ran one graph
     and returned one of its output tensors. This holds under ``skip_guards``'s assumption, and when the model's
     ``forward`` has no Python side effects outside its graph (Dynamo would replay them; a direct call does
-    not). Off under ``verify`` and with ``skip_guards`` off. See ``compile_attn.compiler.graph_calls``.
+    not). Off under ``verify`` and with ``skip_guards`` off. Both are host shortcuts (``graph_runner/shortcuts.py``):
+    also off while ``$COMPILE_ATTN_HOST_SHORTCUTS`` is 0 (``host_shortcuts_enabled``).
     compile_sizes: token counts at which every piece is compiled once more with static shapes (at one
     token its linear layers become fused matrix-vector reductions); other sizes run the symbolic-shape
     compile. Each size adds one compile per unique piece to a cold start (cached like the others). None
@@ -99,7 +120,7 @@ class GraphConfig:
     prefill_token_sizes: tuple[int, ...] = DEFAULT_PREFILL_TOKEN_SIZES
     compiler: str = "inductor"
     cache_dir: str | None = field(default_factory=default_cache_dir)
-    debug_dir: str | None = field(default_factory=lambda: os.environ.get("COMPILE_ATTN_DEBUG_DIR"))
+    debug_dir: str | None = field(default_factory=default_debug_dir)
     verify: bool = False
     fuse_linears: bool = True
     inductor_config: dict[str, Any] = field(default_factory=dict, hash=False)

@@ -13,12 +13,13 @@ import contextlib
 import contextvars
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from compile_attn.errors import NoForwardContextError
+from compile_attn.graph_mode import GraphMode
 
 if TYPE_CHECKING:
     from compile_attn.attention.base import AttentionBackend
@@ -31,18 +32,18 @@ if TYPE_CHECKING:
 class ForwardContext:
     """State of the step being run.
 
-    ``graph_mode`` is set by the graph runner to the mode executing this step ("none", "piecewise",
-    "full", "breakable"); piecewise wrappers inside a compiled model capture/replay only when it is
-    "piecewise" or unset (None: no runner, components use their own defaults), and pass through
-    otherwise (e.g. inside a full-graph capture).
+    ``graph_mode`` is set by the graph runner to the mode executing this step (``GraphMode.NONE``, ``PIECEWISE``,
+    ``FULL`` or ``BREAKABLE``; None: no runner) and ``bucket`` to the token count of the graph it captures or
+    replays (None: an eager step). The compile backend's piecewise wrappers capture and replay only when the mode
+    is ``PIECEWISE``, keyed by ``bucket``, and pass through otherwise (e.g. inside a full-graph capture).
     """
 
     batch: ForwardBatch
     backend: AttentionBackend
     layers: Mapping[int, AttentionLayer]
     kv_cache: KVCache
-    graph_mode: str | None = None
-    extra: dict = field(default_factory=dict)
+    graph_mode: GraphMode | None = None
+    bucket: int | None = None
 
     def layer(self, layer_id: int) -> AttentionLayer:
         try:
@@ -73,19 +74,21 @@ def forward_context(
     backend: AttentionBackend,
     layers: Sequence[AttentionLayer] | Mapping[int, AttentionLayer] | None = None,
     kv_cache: KVCache | None = None,
-    graph_mode: str | None = None,
+    graph_mode: GraphMode | str | None = None,
+    bucket: int | None = None,
 ) -> Iterator[ForwardContext]:
     """Make ``batch`` the current step for the duration of the ``with`` block.
 
-    ``layers`` and ``kv_cache`` default to the backend's own. Contexts nest; the previous one is
-    restored on exit.
+    ``layers`` and ``kv_cache`` default to the backend's own; ``graph_mode`` may be given by its value ("full").
+    Contexts nest; the previous one is restored on exit.
     """
     ctx = ForwardContext(
         batch=batch,
         backend=backend,
         layers=_as_mapping(layers if layers is not None else backend.layers),
         kv_cache=kv_cache if kv_cache is not None else backend.kv_cache,
-        graph_mode=graph_mode,
+        graph_mode=None if graph_mode is None else GraphMode.parse(graph_mode),
+        bucket=bucket,
     )
     token = _current.set(ctx)
     _traced.active = True
@@ -106,6 +109,12 @@ def get_forward_context() -> ForwardContext:
             "this for you), or use the model outside compile_attn with its stock attention"
         )
     return ctx
+
+
+def current_forward_context() -> ForwardContext | None:
+    """The current step's context or None; for code that runs outside Dynamo's tracing (a compiled piece's
+    wrapper), once per call, so without ``has_forward_context``'s check for tracing."""
+    return _current.get()
 
 
 def has_forward_context() -> bool:

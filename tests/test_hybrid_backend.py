@@ -23,7 +23,7 @@ from compile_attn import (
     create_backend,
     forward_context,
 )
-from compile_attn.attention import GraphSupport
+from compile_attn.graph_mode import GraphMode
 from compile_attn.attention.hybrid_backend import HybridBackend
 
 pytest.importorskip("triton")
@@ -140,10 +140,10 @@ def test_names_graph_support_and_errors() -> None:
     backend = create_backend("torch_native+torch_native", kv, layers)
     assert isinstance(backend, HybridBackend) and backend.name == "torch_native+torch_native"
     assert backend.prefill is not backend.decode
-    assert backend.graph_support is GraphSupport.DECODE_FULL
-    # interpreted Triton declares PIECEWISE_ONLY: as the decode part it rules out full decode graphs
-    assert create_backend("torch_native+triton", kv, layers).graph_support is GraphSupport.PIECEWISE_ONLY
-    assert create_backend("triton+torch_native", kv, layers).graph_support is GraphSupport.DECODE_FULL
+    assert backend.supported_graph_mode() is GraphMode.FULL_AND_PIECEWISE
+    # interpreted Triton supports piecewise only: as the decode part it rules out full decode graphs
+    assert create_backend("torch_native+triton", kv, layers).supported_graph_mode() is GraphMode.PIECEWISE
+    assert create_backend("triton+torch_native", kv, layers).supported_graph_mode() is GraphMode.FULL_AND_PIECEWISE
     built = create_backend("torch_native", kv, layers)
     assert HybridBackend(kv, layers, prefill=built, decode="torch_native").prefill is built
     with pytest.raises(UnknownBackendError, match="'<prefill>\\+<decode>'"):

@@ -3,7 +3,7 @@
 Backends with optional dependencies (triton, flashinfer, fa3) are imported only when created.
 """
 
-from compile_attn.attention.base import AttentionBackend, GraphSupport
+from compile_attn.attention.base import AttentionBackend
 from compile_attn.attention.registry import (
     available_backends,
     check_backend_name,
@@ -17,7 +17,6 @@ from compile_attn.attention import torch_native as _torch_native  # noqa: F401  
 
 __all__ = [
     "AttentionBackend",
-    "GraphSupport",
     "available_backends",
     "check_backend_name",
     "create_backend",

@@ -1,4 +1,4 @@
-"""AttentionBackend: the interface every attention backend implements, and its graph support levels.
+"""AttentionBackend: the interface every attention backend implements, and the graphs it declares it can run in.
 
 The three-method metadata contract lets a graph runner capture decode as one full CUDA graph:
 
@@ -19,7 +19,6 @@ q/k/v/out against the layer, the batch and the KV pool, before anything is writt
 
 from __future__ import annotations
 
-import enum
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import ClassVar
@@ -28,30 +27,19 @@ import torch
 
 from compile_attn.batch import ForwardBatch
 from compile_attn.errors import InvalidBatchError, InvalidConfigError, UnsupportedConfigError
+from compile_attn.graph_mode import GraphMode
 from compile_attn.kv_cache import KVCache
 from compile_attn.layer import AttentionLayer
-
-
-class GraphSupport(enum.IntEnum):
-    """Which CUDA graphs a backend's attention can live in."""
-
-    NEVER = 0  # attention must run eagerly; no graphs around it either (rare)
-    PIECEWISE_ONLY = 1  # attention runs eagerly between captured pieces
-    DECODE_FULL = 2  # decode can be captured as one full graph, extend runs piecewise
-    ALWAYS_FULL = 3  # decode and extend can both be captured whole
-
-    def allows_full_decode(self) -> bool:
-        return self >= GraphSupport.DECODE_FULL
-
-    def allows_piecewise(self) -> bool:
-        return self >= GraphSupport.PIECEWISE_ONLY
 
 
 class AttentionBackend(ABC):
     """Base class: owns per-step metadata, reads/writes the KV cache, computes attention into ``out``."""
 
     name: ClassVar[str] = "base"
-    graph_support: ClassVar[GraphSupport] = GraphSupport.PIECEWISE_ONLY
+    # The richest GraphMode this kind of backend runs in: NONE (no graphs at all), PIECEWISE (attention eager
+    # between captured pieces) or FULL_AND_PIECEWISE (decode attention can also be captured in a full graph).
+    # Declared per class and never assigned on an instance; see supported_graph_mode.
+    graph_support: ClassVar[GraphMode] = GraphMode.PIECEWISE
 
     def __init__(
         self,
@@ -67,6 +55,11 @@ class AttentionBackend(ABC):
         self._checked_batch: ForwardBatch | None = None  # the last batch that passed ForwardBatch.check
         for layer in self.layers.values():
             self.check_layer(layer)
+
+    def supported_graph_mode(self) -> GraphMode:
+        """What this backend runs in: the class's ``graph_support``, narrowed by backends whose instances can do
+        less (interpreted Triton kernels, a hybrid whose decode part has no full graphs)."""
+        return self.graph_support
 
     # ------------------------------------------------------------------ configuration checks
     def check_layer(self, layer: AttentionLayer) -> None:

@@ -16,10 +16,11 @@ from types import ModuleType
 
 import torch
 
-from compile_attn.attention.base import AttentionBackend, GraphSupport
+from compile_attn.attention.base import AttentionBackend
 from compile_attn.attention.registry import register_backend
 from compile_attn.batch import ForwardBatch
 from compile_attn.errors import BackendUnavailableError, UnsupportedConfigError
+from compile_attn.graph_mode import GraphMode
 from compile_attn.host_tensors import upload
 from compile_attn.kv_cache import KVCache
 from compile_attn.layer import AttentionLayer
@@ -105,7 +106,7 @@ class FA3GraphBuffers:
 class FA3Backend(AttentionBackend):
     """FlashAttention-3 over the paged KV pool; decode is full-graph capturable, extend runs piecewise."""
 
-    graph_support = GraphSupport.DECODE_FULL
+    graph_support = GraphMode.FULL_AND_PIECEWISE
 
     def __init__(
         self,

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from compile_attn.attention.base import AttentionBackend, GraphSupport
+from compile_attn.attention.base import AttentionBackend
 from compile_attn.attention.flashinfer.graph_state import DecodeGraphState
 from compile_attn.attention.flashinfer.library import load_flashinfer
 from compile_attn.attention.flashinfer.paged_indices import PagedKV, build_paged_kv
@@ -36,6 +36,7 @@ from compile_attn.attention.registry import register_backend
 from compile_attn.attention.triton_backend import load_triton_ops
 from compile_attn.batch import ForwardBatch
 from compile_attn.errors import UnsupportedConfigError
+from compile_attn.graph_mode import GraphMode
 from compile_attn.kv_cache import KVCache
 from compile_attn.layer import AttentionLayer
 
@@ -64,7 +65,7 @@ class _StepPlan:
 class FlashInferBackend(AttentionBackend):
     """FlashInfer attention over the paged KV pool (NHD pages are views of the pool's slot buffers)."""
 
-    graph_support = GraphSupport.DECODE_FULL
+    graph_support = GraphMode.FULL_AND_PIECEWISE
 
     def __init__(
         self,

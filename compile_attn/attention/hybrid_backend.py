@@ -7,8 +7,8 @@ the batch's forward mode; mixed batches (prefill and decode requests together) g
 
 Graphs: decode graphs are captured through the decode backend, so its graph support decides whether decode
 runs as one full graph; extend runs piecewise (attention eager between pieces) through the prefill backend.
-``init_cuda_graph_state`` allocates static buffers only for the part whose attention is recorded in graphs
-(the decode backend, and the prefill backend only if it declares ALWAYS_FULL).
+``init_cuda_graph_state`` allocates static buffers only for the part whose attention is recorded in graphs: the
+decode backend, when it can run in full decode graphs.
 """
 
 from __future__ import annotations
@@ -19,28 +19,29 @@ from typing import Any
 
 import torch
 
-from compile_attn.attention.base import AttentionBackend, GraphSupport
+from compile_attn.attention.base import AttentionBackend
 from compile_attn.attention.registry import create_backend, register_backend
 from compile_attn.batch import ForwardBatch
+from compile_attn.graph_mode import GraphMode
 from compile_attn.kv_cache import KVCache
 from compile_attn.layer import AttentionLayer
 
 logger = logging.getLogger(__name__)
 
 
-def _hybrid_graph_support(prefill: GraphSupport, decode: GraphSupport) -> GraphSupport:
-    """What the pair allows: decode's support for decode graphs, capped by what prefill allows for extend."""
-    if prefill is GraphSupport.NEVER or decode is GraphSupport.NEVER:
-        return GraphSupport.NEVER
-    if decode >= GraphSupport.DECODE_FULL:
-        return GraphSupport.ALWAYS_FULL if prefill is GraphSupport.ALWAYS_FULL and decode is GraphSupport.ALWAYS_FULL \
-            else GraphSupport.DECODE_FULL
-    return GraphSupport.PIECEWISE_ONLY
+def hybrid_graph_support(prefill: GraphMode, decode: GraphMode) -> GraphMode:
+    """What the pair runs in: no graphs if either part allows none; full decode graphs if the decode part allows
+    them; else piecewise (extend is piecewise whatever the prefill part declares)."""
+    if GraphMode.NONE in (prefill, decode):
+        return GraphMode.NONE
+    return GraphMode.FULL_AND_PIECEWISE if decode.decode_mode() is GraphMode.FULL else GraphMode.PIECEWISE
 
 
 @register_backend("hybrid")
 class HybridBackend(AttentionBackend):
     """Routes EXTEND/MIXED batches to ``prefill`` and DECODE batches to ``decode`` (names or backends)."""
+
+    graph_support = GraphMode.FULL_AND_PIECEWISE  # at most; supported_graph_mode asks the parts
 
     def __init__(
         self,
@@ -57,11 +58,12 @@ class HybridBackend(AttentionBackend):
         super().__init__(kv_cache, layers)
         self.prefill = self._part("prefill", prefill, prefill_options)
         self.decode = self._part("decode", decode, decode_options)
-        # an instance attribute: the pair's support depends on its parts
-        self.graph_support = _hybrid_graph_support(self.prefill.graph_support, self.decode.graph_support)
         self.name = f"{self.prefill.name}+{self.decode.name}"
         logger.info("hybrid attention backend: prefill %r, decode %r (graph support %s)",
-                    self.prefill.name, self.decode.name, self.graph_support.name)
+                    self.prefill.name, self.decode.name, self.supported_graph_mode().value)
+
+    def supported_graph_mode(self) -> GraphMode:
+        return hybrid_graph_support(self.prefill.supported_graph_mode(), self.decode.supported_graph_mode())
 
     def _part(self, role: str, spec: str | AttentionBackend, options: Mapping[str, Any] | None) -> AttentionBackend:
         if isinstance(spec, AttentionBackend):
@@ -89,10 +91,8 @@ class HybridBackend(AttentionBackend):
         return self.decode.get_cuda_graph_seq_len_fill_value()
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        if self.decode.graph_support.allows_full_decode():
+        if self.decode.supported_graph_mode().decode_mode() is GraphMode.FULL:
             self.decode.init_cuda_graph_state(max_bs, max_num_tokens)
-        if self.prefill.graph_support is GraphSupport.ALWAYS_FULL and self.prefill is not self.decode:
-            self.prefill.init_cuda_graph_state(max_bs, max_num_tokens)
 
     def init_forward_metadata_out_graph(self, fb: ForwardBatch, in_capture: bool = False) -> None:
         self.part_for(fb).init_forward_metadata_out_graph(fb, in_capture=in_capture)

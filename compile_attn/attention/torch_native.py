@@ -15,9 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from compile_attn.attention.base import AttentionBackend, GraphSupport
+from compile_attn.attention.base import AttentionBackend
 from compile_attn.attention.registry import register_backend
 from compile_attn.batch import ForwardBatch
+from compile_attn.graph_mode import GraphMode
 from compile_attn.kv_cache import KVCache
 from compile_attn.layer import AttentionLayer
 
@@ -65,7 +66,7 @@ def _visibility(q_pos: torch.Tensor, k_pos: torch.Tensor, k_valid: torch.Tensor,
 class TorchNativeBackend(AttentionBackend):
     """Plain-torch attention; decode full-graph capturable through static, padded slot tables."""
 
-    graph_support = GraphSupport.DECODE_FULL
+    graph_support = GraphMode.FULL_AND_PIECEWISE
 
     def __init__(
         self,

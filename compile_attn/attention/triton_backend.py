@@ -15,18 +15,27 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from itertools import accumulate
 from types import ModuleType
 from typing import Any
 
 import torch
 
-from compile_attn.attention.base import AttentionBackend, GraphSupport
+from compile_attn.attention.base import AttentionBackend
 from compile_attn.attention.registry import register_backend
+from compile_attn.attention.triton_metadata import (
+    DecodeGraphBuffers,
+    DecodeIndex,
+    DecodePlan,
+    DecodeStep,
+    ExtendStep,
+    SplitScratch,
+    decode_inputs,
+)
 from compile_attn.batch import ForwardBatch
 from compile_attn.config import env_switched_off
 from compile_attn.errors import BackendUnavailableError, InvalidBatchError, UnsupportedConfigError
+from compile_attn.graph_mode import GraphMode
 from compile_attn.host_tensors import to_device
 from compile_attn.kv_cache import KVCache
 from compile_attn.layer import AttentionLayer
@@ -77,134 +86,14 @@ def _run_into(out: torch.Tensor, fn: Callable[[torch.Tensor], None]) -> None:
         out.copy_(tmp)
 
 
-@dataclass
-class DecodeIndex:
-    """Token CSR of one decode step for the layers of one sliding window (``window`` None: full attention).
-
-    Request b reads slots ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``: positions ``kv_start[b]`` (0
-    for full attention) to ``seq_len - 1``. ``kv_indices`` may be longer than the step needs.
-    """
-
-    window: int | None
-    kv_indptr: torch.Tensor  # [bs + 1] int32
-    kv_indices: torch.Tensor  # [>= tokens read] int32
-    num_kv_splits: torch.Tensor  # [bs] int32
-    kv_start: torch.Tensor | None  # [bs] int32, window layers only
-
-    @classmethod
-    def allocate(cls, window: int | None, bs: int, num_indices: int, device: torch.device, zero: bool) -> DecodeIndex:
-        new = torch.zeros if zero else torch.empty
-        return cls(
-            window=window,
-            kv_indptr=new(bs + 1, dtype=torch.int32, device=device),
-            kv_indices=new(max(num_indices, 1), dtype=torch.int32, device=device),
-            num_kv_splits=new(bs, dtype=torch.int32, device=device),
-            kv_start=new(bs, dtype=torch.int32, device=device) if window is not None else None,
-        )
-
-    def head(self, bs: int) -> DecodeIndex:
-        """Views for the first ``bs`` requests (same storage: what a graph bucket binds)."""
-        return DecodeIndex(
-            window=self.window,
-            kv_indptr=self.kv_indptr[: bs + 1],
-            kv_indices=self.kv_indices,
-            num_kv_splits=self.num_kv_splits[:bs],
-            kv_start=self.kv_start[:bs] if self.kv_start is not None else None,
-        )
-
-
 ONE_LAUNCH_ENV = "COMPILE_ATTN_DECODE_ONE_LAUNCH"
-
-
-@dataclass
-class SplitScratch:
-    """fp32 per-split partial outputs and log-sum-exps of split-K decode, for one (num_heads, v_head_dim), and the
-    counters that let the split kernel merge them itself (one launch per decode layer)."""
-
-    attn_logits: torch.Tensor  # [>= bs, Hq, max_kv_splits, Dv]
-    attn_lse: torch.Tensor  # [>= bs, Hq, max_kv_splits]
-    semaphores: torch.Tensor  # int32 [>= bs, Hq], zero between launches
-
-    @classmethod
-    def allocate(cls, bs: int, num_heads: int, v_head_dim: int, max_kv_splits: int, device: torch.device) -> SplitScratch:
-        return cls(
-            attn_logits=torch.empty(bs, num_heads, max_kv_splits, v_head_dim, dtype=torch.float32, device=device),
-            attn_lse=torch.empty(bs, num_heads, max_kv_splits, dtype=torch.float32, device=device),
-            semaphores=torch.zeros(bs, num_heads, dtype=torch.int32, device=device),
-        )
-
-    @property
-    def capacity(self) -> int:
-        return int(self.attn_logits.shape[0])
-
-
-@dataclass
-class DecodeStep:
-    """Decode metadata of one step: one token CSR per window, scratch per head shape."""
-
-    batch_size: int
-    indexes: dict[int | None, DecodeIndex]
-    scratch: dict[tuple[int, int], SplitScratch]
-    filled: bool = False  # set by init_forward_metadata_in_graph
-    graph_bound: bool = False  # indexes and scratch are the static graph buffers' (same objects every step)
-
-
-def _decode_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                   loc: torch.Tensor | None) -> tuple:
-    """What a decode layer's launch depends on besides the layer, the step's metadata buffers and the KV pool:
-    where and how q, k, v, out and the new tokens' slots lie."""
-    return (
-        q.data_ptr(), q.shape, q.stride(), q.dtype, k.data_ptr(), k.shape, k.stride(), k.dtype,
-        v.data_ptr(), v.shape, v.stride(), v.dtype, out.data_ptr(), out.shape, out.stride(), out.dtype,
-        None if loc is None else (loc.data_ptr(), loc.shape, loc.dtype),
-    )
-
-
-@dataclass
-class DecodePlan:
-    """A decode layer's launch bound for repeats (``decode_attention_fwd_and_bind``), valid while the layer is
-    called with the same ``inputs`` (``_decode_inputs``) and the same graph-bound ``indexes``. Holds no tensor
-    of the step (addresses only); ``indexes`` are the backend's static buffers."""
-
-    inputs: tuple
-    indexes: dict[int | None, DecodeIndex]
-    launch: Callable[[], bool]
-
-
-@dataclass
-class ExtendStep:
-    """Extend/mixed metadata: new-token offsets and the token CSR of each request's cached prefix."""
-
-    num_tokens: int  # tokens that belong to a request; padding tokens of a bucket come after them
-    qo_indptr: torch.Tensor  # [bs + 1] int32
-    kv_indptr: torch.Tensor  # [bs + 1] int32, prefix lengths
-    kv_indices: torch.Tensor  # [>= total prefix] int32
-    max_len_extend: int
-
-
-@dataclass
-class DecodeGraphBuffers:
-    """Static buffers of decode graphs with up to ``max_bs`` requests (allocated once)."""
-
-    max_bs: int
-    indexes: dict[int | None, DecodeIndex]
-    scratch: dict[tuple[int, int], SplitScratch]
-    heads: dict[int, dict[int | None, DecodeIndex]] = field(default_factory=dict)  # views per bucket, made once
-
-    def head(self, bs: int) -> dict[int | None, DecodeIndex]:
-        """Every window's index views for the first ``bs`` requests: sliced on a bucket's first step, then reused
-        (slicing costs host time on every decode step of a graph runner)."""
-        views = self.heads.get(bs)
-        if views is None:
-            views = self.heads[bs] = {w: idx.head(bs) for w, idx in self.indexes.items()}
-        return views
 
 
 @register_backend("triton")
 class TritonBackend(AttentionBackend):
     """Split-K paged decode and paged extend with compile_attn's Triton kernels; decode is full-graph capturable."""
 
-    graph_support = GraphSupport.DECODE_FULL
+    graph_support = GraphMode.FULL_AND_PIECEWISE
 
     def __init__(
         self,
@@ -255,8 +144,8 @@ class TritonBackend(AttentionBackend):
             len(self.layers), ["full" if w is None else w for w in self.windows], self.max_kv_splits,
             self.split_size, ", deterministic" if deterministic else "",
             "" if self.one_launch_decode else ", two-launch decode (separate merge kernel)",
-            "interpreted kernels, so no full decode graphs (graph_support PIECEWISE_ONLY)"
-            if self.graph_support is GraphSupport.PIECEWISE_ONLY else f"{self.num_sms} SMs",
+            "interpreted kernels, so no full decode graphs (graph mode support: piecewise)"
+            if self._interpreted else f"{self.num_sms} SMs",
         )
 
     # ------------------------------------------------------------------ configuration checks
@@ -268,8 +157,12 @@ class TritonBackend(AttentionBackend):
                 f"backend='torch_native' on the CPU (tests may run the kernels on the CPU by setting "
                 f"TRITON_INTERPRET=1 before compile_attn.attention.triton_ops is first imported)"
             )
-        if interpreted:  # the kernels run on the host: no CUDA graph (or CPU op tape) can record them
-            self.graph_support = GraphSupport.PIECEWISE_ONLY
+        self._interpreted = interpreted
+
+    def supported_graph_mode(self) -> GraphMode:
+        """Piecewise only with interpreted kernels: they run on the host, so no CUDA graph (or CPU op tape) can
+        record them."""
+        return GraphMode.PIECEWISE if self._interpreted else self.graph_support
 
     def check_layer(self, layer: AttentionLayer) -> None:
         super().check_layer(layer)
@@ -408,7 +301,7 @@ class TritonBackend(AttentionBackend):
             # time, without the argument checks and launch keys (this runs once per layer per step, on the
             # host's critical path).
             plan_key = (layer.layer_id, step.batch_size, save_kv_cache)
-            inputs = _decode_inputs(q, k, v, out, loc)
+            inputs = decode_inputs(q, k, v, out, loc)
             plan = self._decode_plans.get(plan_key)
             if plan is not None and plan.inputs == inputs and plan.indexes is step.indexes:
                 if plan.launch():

@@ -6,10 +6,10 @@ Importing this package registers the backend name for processes where compile_at
 
 from __future__ import annotations
 
-from compile_attn.compiler.backend import compile_attn_backend, piecewise_capture_sizes, resolve_config
+from compile_attn.compiler.backend import compile_attn_backend, resolve_config
 from compile_attn.compiler.cache import clear_cache
 from compile_attn.compiler.counters import CompileCounters, compile_counters
-from compile_attn.compiler.debug_dump import DEBUG_DIR_ENV
+from compile_attn.config import DEBUG_DIR_ENV
 
 BACKEND_NAME = "compile_attn"
 
@@ -32,6 +32,5 @@ __all__ = [
     "clear_cache",
     "compile_attn_backend",
     "compile_counters",
-    "piecewise_capture_sizes",
     "resolve_config",
 ]

@@ -1,10 +1,11 @@
 """The Dynamo backend ``"compile_attn"``: split at attention, compile pieces, piecewise CUDA graphs.
 
 ``torch.compile(model, backend="compile_attn", options={...})`` with options named after
-``GraphConfig`` fields (``compiler``, ``prefill_token_sizes``, ``cache_dir``, ``debug_dir``, ...) or
-``options={"config": GraphConfig(...)}``. The returned callable (a ``GraphEntry`` around the split
-GraphModule) runs compiled pieces and eager split ops in the original order. This module wires the passes
-and compilers together and owns no algorithm.
+``GraphConfig`` fields (``compiler``, ``cache_dir``, ``debug_dir``, ``compile_sizes``, ...) or
+``options={"config": GraphConfig(...)}``. The returned callable (the split GraphModule, in a ``GraphEntry`` with
+the host shortcuts on) runs compiled pieces and eager split ops in the original order. On a GPU each compiled
+piece whose token count is dynamic sits in a ``PiecewiseGraphWrapper``, which captures and replays the buckets the
+graph runner's piecewise steps name. This module wires the passes and compilers together and owns no algorithm.
 """
 
 from __future__ import annotations
@@ -22,14 +23,13 @@ from tqdm.auto import tqdm
 from compile_attn.compiler.cache import CompileCache
 from compile_attn.compiler.compile_sizes import SizeDispatch
 from compile_attn.compiler.counters import compile_counters
-from compile_attn.compiler.debug_dump import DebugDump, PieceRow, SplitSummary, resolve_debug_dir
-from compile_attn.compiler.direct_split_calls import direct_split_piece
-from compile_attn.compiler.graph_calls import GraphEntry
+from compile_attn.compiler.debug_dump import DebugDump, PieceRow, SplitSummary
 from compile_attn.compiler.piece_compiler import PieceCompiler, inductor_options_for_mode
+from compile_attn.compiler.piecewise import PiecewiseGraphWrapper
+from compile_attn.compiler.shortcuts import GraphEntry, direct_split_piece, install_piece
 from compile_attn.compiler.token_dim import find_token_symbol, token_count_getter
-from compile_attn.config import GraphConfig
+from compile_attn.config import GraphConfig, host_shortcuts_enabled
 from compile_attn.errors import CompileAttnError
-from compile_attn.graph_runner.mode import GraphMode
 from compile_attn.passes.fuse_linears import bind_fused_weights, fuse_linears, fused_group_count
 from compile_attn.passes.scalars import specialize_tensorified_floats
 from compile_attn.passes.split import Piece, split_graph
@@ -51,16 +51,6 @@ def resolve_config(options: Mapping[str, Any] | None) -> GraphConfig:
         known_options = sorted(known | {"config"})
         raise ValueError(f"unknown compile_attn option(s) {unknown}; known options: {known_options}")
     return base.replace(**options) if options else base
-
-
-def piecewise_capture_sizes(config: GraphConfig) -> tuple[int, ...]:
-    """Token counts captured per piece: prefill buckets, plus decode sizes when decode is piecewise too."""
-    sizes: set[int] = set()
-    if config.mode.extend_uses_piecewise():
-        sizes |= set(config.prefill_token_sizes)
-    if config.mode is GraphMode.PIECEWISE:
-        sizes |= set(config.decode_batch_sizes)
-    return tuple(sorted(sizes))
 
 
 def _compile_id() -> tuple[str, bool]:
@@ -97,12 +87,11 @@ def compile_attn_backend(
     *,
     options: Mapping[str, Any] | None = None,
     mode: str | None = None,
-) -> GraphEntry:
-    """Dynamo backend: returns ``gm`` split at split ops, pieces compiled, captured per bucket on CUDA (wrapped
-    in a GraphEntry, which runs it)."""
-    from compile_attn.graph_runner.piecewise import PiecewiseGraphWrapper  # imports this package's counters
-
+) -> Any:
+    """Dynamo backend: returns ``gm`` split at split ops, pieces compiled, on CUDA wrapped for piecewise graphs (in
+    a GraphEntry with the host shortcuts on, which runs it)."""
     config = resolve_config(options)
+    shortcuts = host_shortcuts_enabled()
     try:
         compile_counters.floats_specialized += len(specialize_tensorified_floats(gm))
     except Exception:
@@ -112,8 +101,7 @@ def compile_attn_backend(
     compile_id, is_recompile = _compile_id()
     compile_counters.graphs_seen += 1
     compile_counters.recompiles += int(is_recompile)
-    debug_dir = resolve_debug_dir(config.debug_dir)
-    dump = DebugDump(debug_dir, compile_id) if debug_dir else None
+    dump = DebugDump(config.debug_dir, compile_id) if config.debug_dir else None
     if dump is not None:
         dump.write_dynamo_graph(gm)
         dump.expect_bytecode()
@@ -125,10 +113,11 @@ def compile_attn_backend(
     bind_fused_weights(split.split_gm, fused)
     compile_counters.pieces_split += len(split.pieces)
     compile_counters.split_op_pieces += len(split.split_op_pieces)
+    if dump is not None:
+        dump.write_split(split)  # as split: before the pieces are installed in it
     on_cuda = _on_cuda(gm)
-    capture_sizes = piecewise_capture_sizes(config) if on_cuda else ()
     compile_sizes = config.static_compile_sizes(on_cuda)
-    if capture_sizes and token_symbol is None:
+    if on_cuda and token_symbol is None:
         logger.info(
             "compile_attn: graph %s has static shapes, so its pieces get no piecewise CUDA graphs; compile "
             "with torch.compile(..., dynamic=True) to make the token count dynamic", compile_id
@@ -141,9 +130,10 @@ def compile_attn_backend(
     progress = tqdm(split.pieces, desc="compile_attn: pieces", unit="piece", disable=None, leave=False)
     for piece in progress:
         if piece.is_split_op:
-            runnable_op, redirected = direct_split_piece(piece.graph_module)
-            split.split_gm.__dict__[piece.name] = runnable_op  # no Module call, no dispatcher (direct_split_calls)
-            compile_counters.split_calls_direct += redirected
+            if shortcuts:  # no Module call, no dispatcher
+                runnable_op, redirected = direct_split_piece(piece.graph_module)
+                install_piece(split.split_gm, piece.name, runnable_op, shortcuts)
+                compile_counters.split_calls_direct += redirected
             rows.append(PieceRow(piece.index, piece.name, "split op (eager)", None, piece.op_labels, False))
             continue
         example = _piece_inputs(piece)
@@ -153,23 +143,23 @@ def compile_attn_backend(
         if compile_sizes and getter is not None and token_symbol is not None:
             static = {size: compiler.compile_static(piece, example, token_symbol, size) for size in compile_sizes}
             runnable = SizeDispatch(compiled, static, getter)
-        if capture_sizes and getter is not None:
+        if on_cuda and getter is not None:
             runnable = PiecewiseGraphWrapper(
-                runnable, piece.name, capture_sizes, getter,
+                runnable, piece.name, getter,
                 debug=dump is not None, on_capture=dump.record_capture if dump is not None else None,
             )
-        split.split_gm.__dict__[piece.name] = runnable  # shadows the submodule, which stays in _modules
+        install_piece(split.split_gm, piece.name, runnable, shortcuts)
         kind = f"compiled ({compiled.source})"
         rows.append(PieceRow(piece.index, piece.name, kind, compiler.group_of(piece.name), piece.op_labels,
                              getter is not None))
 
     if dump is not None:
-        dump.write_split(split)
-        dump.write_summary(SplitSummary(compile_id, config.compiler, list(capture_sizes),
+        dump.write_summary(SplitSummary(compile_id, config.compiler, on_cuda,
                                         None if token_symbol is None else str(token_symbol), rows))
     logger.info(
         "compile_attn: graph %s: %d pieces (%d split-op), %d unique compiled, %.2f s",
         compile_id, len(split.pieces), len(split.split_op_pieces), len(compiler.groups),
         time.perf_counter() - start,
     )
-    return GraphEntry(split.split_gm)  # calls it; graph runners may record a call and repeat it (graph_calls)
+    # GraphEntry: graph runners may record a call and repeat it (shortcuts.DirectCall)
+    return GraphEntry(split.split_gm) if shortcuts else split.split_gm

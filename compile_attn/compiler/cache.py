@@ -31,7 +31,7 @@ def environment_fingerprint(devices: Iterable[torch.device], compiler_options: d
     """What besides the piece itself decides the compiled code: versions, configs, grad mode, GPU model."""
     import torch._inductor.config as inductor_config
 
-    from compile_attn import __version__
+    from compile_attn.version import __version__
 
     parts = [
         f"torch={torch.__version__}",

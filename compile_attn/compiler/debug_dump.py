@@ -1,12 +1,12 @@
 """Debug dump of one compiled graph: depyf's decompiled bytecode, every graph's code, a readable summary.
 
-Enabled by ``GraphConfig.debug_dir`` or ``$COMPILE_ATTN_DEBUG_DIR``. Layout under that directory::
+Enabled by ``GraphConfig.debug_dir`` (whose default is ``$COMPILE_ATTN_DEBUG_DIR``; ``config.py`` reads it). Layout under that directory::
 
     graph_<frame>_<compile>/
         dynamo_graph.py            the graph Dynamo handed to the backend
         split_graph.py             the stitched module calling the pieces in order
         piece_<i>_<name>.py        each piece's graph (compiled pieces and split-op pieces)
-        summary.txt                pieces, ops in each, compiled or eager, identical groups, captured sizes
+        summary.txt                pieces, ops in each, compiled or eager, identical groups, captured buckets
         decompiled_<fn>.py         the frame's bytecode after Dynamo, decompiled by depyf
         original_<fn>.py           the frame's original bytecode, decompiled by depyf
 """
@@ -14,7 +14,6 @@ Enabled by ``GraphConfig.debug_dir`` or ``$COMPILE_ATTN_DEBUG_DIR``. Layout unde
 from __future__ import annotations
 
 import logging
-import os
 import re
 import types
 from collections import Counter
@@ -26,13 +25,6 @@ from torch import fx
 from compile_attn.passes.split import SplitGraph
 
 logger = logging.getLogger(__name__)
-
-DEBUG_DIR_ENV = "COMPILE_ATTN_DEBUG_DIR"
-
-
-def resolve_debug_dir(configured: str | None) -> str | None:
-    return configured or os.environ.get(DEBUG_DIR_ENV) or None
-
 
 @dataclass
 class PieceRow:
@@ -50,7 +42,7 @@ class SplitSummary:
 
     compile_id: str
     compiler: str
-    capture_sizes: list[int]
+    piecewise_graphs: bool  # pieces are wrapped for the graph runner's piecewise buckets (on a GPU)
     token_symbol: str | None
     rows: list[PieceRow]
     captured: dict[str, list[int]] = field(default_factory=dict)
@@ -64,14 +56,15 @@ class SplitSummary:
             f"compiler: {self.compiler}; token-count symbol: {self.token_symbol or 'none (static shapes)'}",
             f"pieces: {len(self.rows)} ({len(compiled)} compiled, {num_split} split-op), "
             f"unique compiled: {len(groups) if groups else len(compiled)}",
-            f"piecewise capture sizes: {self.capture_sizes or 'none (no CUDA graphs)'}",
+            "piecewise CUDA graphs: " + ("per bucket of the graph runner's piecewise steps" if self.piecewise_graphs
+                                         else "none (not on a GPU)"),
             "",
             f"{'#':>3}  {'piece':<12} {'kind':<20} {'group':<6} {'graph@T':<8} ops",
         ]
         for r in self.rows:  # graph@T: captured per token-count bucket
             ops = ", ".join(f"{op} x{n}" if n > 1 else op for op, n in Counter(r.ops).items())
             group = "-" if r.group is None else str(r.group)
-            graphed = r.token_dynamic and r.kind.startswith("compiled") and bool(self.capture_sizes)
+            graphed = r.token_dynamic and r.kind.startswith("compiled") and self.piecewise_graphs
             graphed_text = "yes" if graphed else "no"
             lines.append(f"{r.index:>3}  {r.name:<12} {r.kind:<20} {group:<6} {graphed_text:<8} {ops}")
         lines += ["", "captured sizes (CUDA graphs):"]

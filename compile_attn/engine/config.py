@@ -20,7 +20,7 @@ from compile_attn.attention.registry import check_backend_name
 from compile_attn.config import GraphConfig
 from compile_attn.engine.errors import EngineOptionError, UnknownEngineOptionError
 from compile_attn.errors import InvalidConfigError
-from compile_attn.graph_runner.mode import GraphMode
+from compile_attn.graph_mode import GraphMode
 
 # vLLM's dtype names; "auto" (or None) is bfloat16 on CUDA and float32 on the CPU.
 DTYPE_NAMES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.float16,

@@ -16,9 +16,10 @@ import torch
 
 from compile_attn.attention.base import AttentionBackend
 from compile_attn.batch import ForwardBatch
+from compile_attn.compiler.compiled_model import compile_model
 from compile_attn.config import GraphConfig
-from compile_attn.graph_runner.mode import GraphMode
-from compile_attn.graph_runner.runner import GraphRunner
+from compile_attn.graph_mode import GraphMode
+from compile_attn.graph_runner import GraphRunner
 from compile_attn.host_tensors import to_device
 
 logger = logging.getLogger(__name__)
@@ -36,17 +37,15 @@ class StepRunner:
         max_batch_size: int,
         max_num_tokens: int,
     ) -> None:
-        """``compile_options`` are GraphConfig fields (compiler, capture sizes, cache_dir, debug_dir, verify);
-        the same config drives the compile backend and the graph runner so their buckets agree."""
+        """``compile_options`` are GraphConfig fields (compiler, capture sizes, cache_dir, debug_dir, verify); one
+        config drives the graph runner (mode, buckets) and the compile backend (the rest: it captures the buckets
+        the runner's steps name)."""
         self.config = GraphConfig.from_options({**(compile_options or {}), "mode": graph_mode})
         self.graph_mode = self.config.mode
         self.compute_logits = getattr(model, "compute_logits", None)
         body = _HiddenStates(model) if self.compute_logits is not None else model
         if compile:
-            from compile_attn.compiler.compiled_model import compile_model
-
-            options = {k: getattr(self.config, k) for k in (compile_options or {})}
-            self.forward = compile_model(body, {**options, "mode": self.config.mode.value})
+            self.forward = compile_model(body, {k: getattr(self.config, k) for k in (compile_options or {})})
         else:
             self.forward = body
         self.runner = GraphRunner(

@@ -20,15 +20,8 @@ import torch
 from torch._library.custom_ops import OPDEFS
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from compile_attn.graph_runner.segments import (
-    CapturedGraph,
-    CudaSegment,
-    GraphCaptureError,
-    RecordedCall,
-    Step,
-    Tape,
-    weak_ref_tree,
-)
+from compile_attn.compiler.cuda_graph import CudaGraph, frozen_gc, graph_pool, weak_ref_tree
+from compile_attn.graph_runner.segments import CapturedGraph, GraphCaptureError, RecordedCall, Step, Tape
 from compile_attn.ops import is_split_op
 from compile_attn.ops.split_registry import split_op_python_impl
 
@@ -47,17 +40,17 @@ class SplitOpCapture(TorchDispatchMode):
     def __init__(self, device: torch.device, pool: Any, *, breaks: bool) -> None:
         super().__init__()
         self.cuda = device.type == "cuda"
-        self.pool = pool
+        self.pool = graph_pool() if self.cuda and pool is None else pool  # resolved before the capture begins
         self.breaks = breaks
         self.steps: list[Step] = []
         self.num_segments = 0
         self.num_breaks = 0
-        self._open: CudaSegment | Tape | None = None
+        self._open: CudaGraph | Tape | None = None
 
     # ------------------------------------------------------------------ segments
     def begin_segment(self) -> None:
         if self.cuda:
-            segment = CudaSegment(self.pool)
+            segment = CudaGraph(self.pool)
             segment.begin()
         else:
             segment = Tape()
@@ -127,7 +120,7 @@ def capture_segments(
     stream_ctx = torch.cuda.stream(stream) if mode.cuda and stream is not None else contextlib.nullcontext()
     if mode.cuda:  # the segments replay on the capture stream right away: pending work must be done
         torch.cuda.synchronize(device)
-    with stream_ctx:
+    with frozen_gc(), stream_ctx:
         mode.begin_segment()
         try:
             with mode:

@@ -12,19 +12,19 @@ from typing import Any
 
 import torch
 
+from compile_attn.compiler.cuda_graph import capture_graph, weak_ref_tree
 from compile_attn.graph_runner.breakable import capture_segments
-from compile_attn.graph_runner.segments import CapturedGraph, CudaSegment, RerunGraph, weak_ref_tree
+from compile_attn.graph_runner.segments import CapturedGraph, RerunGraph
 
 
 def capture_full(
     fn: Callable[[], Any], *, device: torch.device, pool: Any, stream: Any, traceable: bool
 ) -> CapturedGraph | RerunGraph:
-    """Capture ``fn()`` as one graph. ``traceable=False`` (compiled models) re-runs ``fn`` on CPU."""
+    """Capture ``fn()`` as one graph (the caller ran its warm-up). ``traceable=False`` (compiled models) re-runs
+    ``fn`` on CPU."""
     if device.type == "cuda":
-        segment = CudaSegment(pool)
-        with torch.cuda.graph(segment.graph, pool=pool, stream=stream):
-            out = fn()
-        return CapturedGraph([segment], weak_ref_tree(out))
+        graph, out = capture_graph(fn, pool=pool, stream=stream, warm_up=False, run=False)
+        return CapturedGraph([graph], weak_ref_tree(out))
     if traceable:
         return capture_segments(fn, device=device, breaks=False)
     fn()

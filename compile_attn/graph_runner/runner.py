@@ -3,17 +3,16 @@
 Decode batches fit a bucket of requests; extend and mixed batches a bucket of tokens. Per step the
 runner picks the mode (full graph, piecewise, breakable, or eager), pads the batch into its static
 buffers, calls ``backend.init_forward_metadata_out_graph`` on the padded view, replays, and returns the
-outputs sliced to the real token count. It sets the forward context's ``graph_mode`` so the compile
-backend's piecewise wrappers capture only when the step runs piecewise. See docs/graph_runner.md.
+outputs sliced to the real token count. It sets the forward context's ``graph_mode`` and ``bucket``: the compile
+backend's piecewise wrappers capture and replay only on piecewise steps, at the bucket the runner names (the
+runner owns the buckets). See docs/graph_runner.md.
 """
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,24 +20,28 @@ from torch.utils import _pytree as pytree
 from tqdm import tqdm
 
 from compile_attn.batch import ForwardBatch
-from compile_attn.compiler.graph_calls import DirectCall, record_graph_calls
+from compile_attn.compiler.cuda_graph import frozen_gc, graph_pool
+from compile_attn.config import GraphConfig
 from compile_attn.context import forward_context
+from compile_attn.graph_mode import GraphMode
 from compile_attn.graph_runner.breakable import capture_segments
 from compile_attn.graph_runner.full_graph import capture_full
-from compile_attn.graph_runner.memory_pool import get_graph_pool
-from compile_attn.graph_runner.plan import ExecMode, ModePlan, is_compiled, plan_modes
+from compile_attn.graph_runner.plan import ModePlan, is_compiled, plan_modes
 from compile_attn.graph_runner.replay_view import ReplayViews, next_bucket
-from compile_attn.graph_runner.segments import CapturedGraph, RerunGraph, capture_session
+from compile_attn.graph_runner.segments import CapturedGraph, RerunGraph
+from compile_attn.graph_runner.shortcuts import ModelCalls
 from compile_attn.graph_runner.static_buffers import StaticBuffers
 from compile_attn.graph_runner.stats import GraphRunnerStats
+from compile_attn.graph_runner.verify import verify_runner
+from compile_attn.graph_runner.warmup import warm_up
 
 if TYPE_CHECKING:
     from compile_attn.attention.base import AttentionBackend
-    from compile_attn.config import GraphConfig
 
 logger = logging.getLogger(__name__)
 
-Route = tuple[ExecMode, int]
+Route = tuple[GraphMode, int]
+_FULL, _PIECEWISE = GraphMode.FULL, GraphMode.PIECEWISE
 
 
 class GraphRunner:
@@ -59,35 +62,30 @@ class GraphRunner:
         max_batch_size: int,
         max_num_tokens: int,
     ) -> None:
-        from compile_attn.config import GraphConfig  # late: config imports graph_runner.mode
-
         self.model = model
         self.backend = backend
         self.config = config = config or GraphConfig()
         self.device = torch.device(backend.device)
         self.compiled = is_compiled(model)
         self.plan: ModePlan = plan_modes(
-            config.mode, backend.graph_support, compiled=self.compiled, backend_name=backend.name
+            config.mode, backend.supported_graph_mode(), compiled=self.compiled, backend_name=backend.name
         )
         decode_limit = min(max_batch_size, max_num_tokens)
         self.decode_buckets: tuple[int, ...] = (
             tuple(s for s in config.decode_batch_sizes if s <= decode_limit)
-            if self.plan.decode is not ExecMode.NONE
+            if self.plan.decode is not GraphMode.NONE
             else ()
         )
         self.extend_buckets: tuple[int, ...] = (
             tuple(s for s in config.prefill_token_sizes if s <= max_num_tokens)
-            if self.plan.extend is not ExecMode.NONE
+            if self.plan.extend is not GraphMode.NONE
             else ()
         )
         self.buffers = StaticBuffers(max_batch_size, max_num_tokens, self.device)
         self.views = ReplayViews(self.buffers, backend.get_cuda_graph_seq_len_fill_value())
         self.stats = GraphRunnerStats()
         self.captured = False
-        self._model_calls = 0  # calls of the model through run / run_eager (not capture)
-        self._guards_needed = False  # set if a call with guards skipped had to recompile
-        # per token count of a piecewise bucket: its direct graph call (None: the model allows none)
-        self._direct_calls: dict[int, DirectCall | None] = {}
+        self.model_calls = ModelCalls(model, config, self.stats, compiled=self.compiled)
         self._graphs: dict[Route, CapturedGraph | RerunGraph] = {}
         self._warned_fallback = False
         logger.info(
@@ -99,37 +97,16 @@ class GraphRunner:
             backend.name,
             self.device,
         )
-        self._check_piecewise_sizes()
-
-    def _check_piecewise_sizes(self) -> None:
-        """Warn when the compiled model's backend captures piecewise graphs at other sizes than this runner's
-        piecewise buckets: those buckets would run their pieces without graphs (slow, still correct)."""
-        options = getattr(self.model, "options", None) if self.compiled else None
-        if options is None or self.device.type != "cuda":
-            return
-        from compile_attn.compiler.backend import piecewise_capture_sizes
-        from compile_attn.config import GraphConfig
-
-        wanted = set(self.decode_buckets) if self.plan.decode is ExecMode.PIECEWISE else set()
-        wanted |= set(self.extend_buckets) if self.plan.extend is ExecMode.PIECEWISE else set()
-        missing = sorted(wanted - set(piecewise_capture_sizes(GraphConfig.from_options(options))))
-        if missing:
-            logger.warning(
-                "GraphRunner: piecewise buckets %s are not capture sizes of the compiled model (its options give "
-                "%s), so their pieces run without CUDA graphs; compile with the runner's sizes, e.g. "
-                "compile_model(model, {'mode': ..., 'decode_batch_sizes': ..., 'prefill_token_sizes': ...})",
-                missing, sorted(piecewise_capture_sizes(GraphConfig.from_options(options))),
-            )
 
     # ------------------------------------------------------------------ buckets and routing
-    def routes(self) -> list[tuple[ExecMode, str, int, int]]:
+    def routes(self) -> list[tuple[GraphMode, str, int, int]]:
         """Every graph route as ``(mode, kind, smallest batch, bucket)``; kind is "decode" or "extend"."""
         out = []
         for kind, mode, buckets in (
             ("decode", self.plan.decode, self.decode_buckets),
             ("extend", self.plan.extend, self.extend_buckets),
         ):
-            if mode is ExecMode.NONE:
+            if mode is GraphMode.NONE:
                 continue
             for lo, bucket in zip((0, *buckets), buckets):
                 out.append((mode, kind, lo + 1, bucket))
@@ -138,7 +115,7 @@ class GraphRunner:
     def capture_keys(self) -> list[Route]:
         """Graphs to capture, largest first (token-keyed graphs serve decode and extend alike)."""
         keys = {(mode, bucket) for mode, _, _, bucket in self.routes()}
-        return sorted(keys, key=lambda k: (-k[1], k[0] is not ExecMode.FULL))
+        return sorted(keys, key=lambda k: (-k[1], k[0] is not GraphMode.FULL))
 
     def route(self, fb: ForwardBatch) -> Route | None:
         """``(mode, bucket)`` for this batch, or None to run it eagerly."""
@@ -150,7 +127,7 @@ class GraphRunner:
             mode, bucket = self.plan.extend, next_bucket(self.extend_buckets, fb.num_tokens)
             if fb.batch_size > self.buffers.max_batch_size:
                 bucket = None
-        if mode is ExecMode.NONE:
+        if mode is GraphMode.NONE:
             return None
         if bucket is None:
             self._count_fallback(fb)
@@ -183,14 +160,14 @@ class GraphRunner:
         if keys:
             self.backend.init_cuda_graph_state(self.buffers.max_batch_size, self.buffers.max_num_tokens)
         cuda = self.device.type == "cuda"
-        pool = get_graph_pool() if cuda else None
+        pool = graph_pool() if cuda else None
         stream = torch.cuda.Stream(self.device) if cuda else None
         start = time.perf_counter()
         if cuda:  # torch.cuda.graph empties the cache per capture: start and end empty so only graphs count
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
         free_before = torch.cuda.mem_get_info(self.device)[0] if cuda else 0
-        with torch.inference_mode(), capture_session(self.device):
+        with torch.inference_mode(), frozen_gc():  # gc collected once, then frozen for every capture
             for i, (mode, bucket) in enumerate(tqdm(keys, desc="capturing graphs", unit="graph", leave=False, disable=not keys)):
                 begin = time.perf_counter()
                 self._capture_one(mode, bucket, pool, stream)
@@ -204,7 +181,7 @@ class GraphRunner:
             self.stats.graph_memory_bytes = max(free_before - torch.cuda.mem_get_info(self.device)[0], 0)
         self.stats.capture_seconds = time.perf_counter() - start
         self.views.mark_all_dirty()
-        self.captured = True
+        self.captured = self.model_calls.armed = True
         logger.info(
             "captured %d graphs (%s) in %.2f s (%s; the first graph, with the model's first call: %.2f s) using "
             "%.1f MiB of graph memory",
@@ -218,8 +195,6 @@ class GraphRunner:
         if warm_up:
             self.warm_up()
         if self.config.verify and keys:
-            from compile_attn.graph_runner.verify import verify_runner
-
             verify_runner(self)
         return self.stats
 
@@ -227,15 +202,13 @@ class GraphRunner:
         """Run dummy batches of every shape class through ``run`` (default ``self.run``) after capture: cached
         prefixes, mixed steps, eager batches over the largest buckets, on a GPU every alignment of the step's index
         tensors (see ``graph_runner.warmup``). Step statistics are unchanged; returns the batches run."""
-        from compile_attn.graph_runner.warmup import warm_up
-
         if not self.captured:
             raise RuntimeError("GraphRunner.warm_up() runs after capture(): call runner.capture() first")
         return warm_up(self, run)
 
-    def _capture_one(self, mode: ExecMode, bucket: int, pool: Any, stream: Any) -> None:
+    def _capture_one(self, mode: GraphMode, bucket: int, pool: Any, stream: Any) -> None:
         backend, model = self.backend, self.model
-        full = mode is ExecMode.FULL
+        full = mode is GraphMode.FULL
         fill = backend.get_cuda_graph_seq_len_fill_value()
         view = self.buffers.dummy_decode(bucket, fill) if full else self.buffers.dummy_extend(bucket)
         backend.init_forward_metadata_out_graph(view, in_capture=True)
@@ -247,8 +220,8 @@ class GraphRunner:
                 backend.init_forward_metadata_in_graph(view)
             return model(view.input_ids, view.positions)
 
-        with forward_context(view, backend, graph_mode=mode.value):
-            if mode is ExecMode.PIECEWISE:  # the compile backend's wrappers warm up and capture this size
+        with forward_context(view, backend, graph_mode=mode, bucket=bucket):
+            if mode is GraphMode.PIECEWISE:  # the compile backend's wrappers warm up and capture this bucket
                 step()
             else:
                 step()  # warm-up: lazy initialisation (kernel compiles, library handles) happens outside the capture
@@ -287,94 +260,24 @@ class GraphRunner:
             else self.views.extend_view(fb, bucket)
         )
         self.backend.init_forward_metadata_out_graph(view)
-        if mode is not ExecMode.FULL:
+        if mode is not _FULL:
             self.backend.init_forward_metadata_in_graph(view)
-        with forward_context(view, self.backend, graph_mode=mode.value):
-            if mode is ExecMode.PIECEWISE:
-                out = self._call_piecewise(view)
+        with forward_context(view, self.backend, graph_mode=mode, bucket=bucket):
+            if mode is _PIECEWISE:
+                out = self.model_calls.piecewise(view)
             else:
                 out = self._graphs[route].replay()
         self.stats.runs[mode.value] += 1
         return _slice_tokens(out, bucket, fb.num_tokens)
 
-    def _skipping_guards(self) -> bool:
-        """Whether calls of the compiled model run with Dynamo's guards off (``GraphConfig.skip_guards``): after
-        capture, once the model has run (piecewise steps pass the static buffers that capture passed, so its graph
-        exists), and unless a call showed that guards are needed."""
-        return bool(self.captured and self.compiled and self._model_calls and self.config.skip_guards
-                    and not self.config.verify and not self._guards_needed and _CAN_SKIP_GUARDS)
-
-    def _guard_stance(self) -> contextlib.AbstractContextManager:
-        """Dynamo guards off for a call of the compiled model where ``_skipping_guards``, else a no-op."""
-        return _skip_guards() if self._skipping_guards() else contextlib.nullcontext()
-
-    def _call_piecewise(self, fb: ForwardBatch) -> Any:
-        """The compiled model on a piecewise bucket's static inputs: directly (``GraphConfig.direct_calls``)
-        once a step of this bucket ran through Dynamo with guards skipped and allowed it."""
-        tokens = fb.input_ids.shape[0]
-        direct = self._direct_calls.get(tokens, _UNTRIED)
-        if direct is None:  # looked for: the model allows none
-            return self._call_model(fb, skip_guards=True)
-        if direct is not _UNTRIED:
-            self.stats.direct_calls += 1
-            return direct()
-        if not (self.config.direct_calls and self._skipping_guards()):
-            return self._call_model(fb, skip_guards=True)
-        with record_graph_calls() as calls:
-            out = self._call_model(fb, skip_guards=True)
-        direct = DirectCall.from_record(calls, out) if not self._guards_needed else None
-        if direct is not None:
-            self._direct_calls[tokens] = direct
-        else:
-            logger.debug("GraphRunner: no direct calls at %d tokens (the model ran %d graph(s), returned %s)",
-                         tokens, len(calls), type(out).__name__)
-            self._direct_calls[tokens] = None  # not tried again
-        return out
-
-    def _call_model(self, fb: ForwardBatch, skip_guards: bool) -> Any:
-        """The model on ``fb``'s tokens; ``skip_guards``: without Dynamo's guard evaluation where allowed. Eager
-        steps keep the guards: their inputs are the batch's own tensors (e.g. inference tensors where capture
-        passed normal ones), which can need a graph of their own."""
-        stance = self._guard_stance() if skip_guards else contextlib.nullcontext()
-        try:
-            with stance:
-                out = self.model(fb.input_ids, fb.positions)
-        except RuntimeError as exc:
-            # torch refuses to recompile under skip_guard_eval_unsafe (it raises before running the new frame).
-            # Run again with guards on, from now on: K/V stores of a partial first attempt are rewritten with the
-            # same values.
-            if isinstance(stance, contextlib.nullcontext) or "skip_guard_eval_unsafe" not in str(exc):
-                raise
-            logger.warning("GraphRunner: the compiled model needed a recompile with guards skipped (%s); "
-                           "evaluating guards from now on", str(exc).splitlines()[0])
-            self._guards_needed = True
-            self._direct_calls.clear()  # they skip Dynamo entirely: not after a step showed it is needed
-            out = self.model(fb.input_ids, fb.positions)
-        self._model_calls += 1
-        return out
-
     @torch.inference_mode()
     def run_eager(self, fb: ForwardBatch) -> Any:
         """Run one step without graphs (the reference the graphs are checked against)."""
         self.backend.init_forward_metadata(fb)
-        with forward_context(fb, self.backend, graph_mode=ExecMode.NONE.value):
-            out = self._call_model(fb, skip_guards=False)
-        self.stats.runs[ExecMode.NONE.value] += 1
+        with forward_context(fb, self.backend, graph_mode=GraphMode.NONE):
+            out = self.model_calls(fb, skip_guards=False)
+        self.stats.runs[GraphMode.NONE.value] += 1
         return out
-
-
-_CAN_SKIP_GUARDS = "skip_guard_eval_unsafe" in inspect.signature(torch.compiler.set_stance).parameters
-
-
-_UNTRIED = object()  # a bucket whose direct call was not looked for yet
-
-
-@contextlib.contextmanager
-def _skip_guards() -> Iterator[None]:
-    # Entered lazily: constructing torch.compiler.set_stance already switches the stance (it restores the
-    # previous one on exit), so it must not be built outside the ``with``.
-    with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-        yield
 
 
 def _slice_tokens(out: Any, bucket_tokens: int, real_tokens: int) -> Any:

@@ -1,5 +1,5 @@
-"""Captured graphs as a list of replayable steps: CUDA graph segments, eager op calls, and (on CPU)
-op tapes that stand in for CUDA graphs.
+"""Captured graphs as a list of replayable steps: CUDA graph segments (``compiler.cuda_graph.CudaGraph``), eager op
+calls, and (on CPU) op tapes that stand in for CUDA graphs.
 
 A ``CapturedGraph`` replays its steps in order and returns the capture-time output tensors, whose
 contents the replay has just refreshed. On CUDA, tensors held after capture are weak references
@@ -11,11 +11,7 @@ semantics as a CUDA graph, so CPU tests catch stale metadata the way a GPU would
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import logging
-import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -45,26 +41,6 @@ class GraphCaptureError(CompileAttnError, RuntimeError):
 
 class Step(Protocol):
     def replay(self) -> None: ...
-
-
-# ---------------------------------------------------------------------------------------- weak refs
-def weak_ref_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A tensor aliasing ``t``'s memory without keeping it alive (CUDA graph pool memory only)."""
-    storage = t.untyped_storage()
-    alias = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), t.device, storage.nbytes())
-    return torch.empty(0, dtype=t.dtype, device=t.device).set_(alias, t.storage_offset(), t.shape, t.stride())
-
-
-def weak_ref_tree(tree: Any, keep: set[int] | None = None) -> Any:
-    """``weak_ref_tensor`` on every CUDA tensor of a pytree, except storages listed in ``keep``."""
-    keep = keep or set()
-
-    def conv(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.is_cuda and x.untyped_storage().data_ptr() not in keep:
-            return weak_ref_tensor(x)
-        return x
-
-    return pytree.tree_map(conv, tree)
 
 
 # ---------------------------------------------------------------------------------------- op calls
@@ -129,25 +105,6 @@ class Tape:
                 call.replay()
 
 
-class CudaSegment:
-    """One ``torch.cuda.CUDAGraph`` captured into the shared pool."""
-
-    def __init__(self, pool: Any) -> None:
-        self.graph = torch.cuda.CUDAGraph()
-        self.pool = pool
-
-    def begin(self) -> None:
-        self.graph.capture_begin(pool=self.pool)
-
-    def end(self) -> None:
-        with warnings.catch_warnings():  # a segment between two adjacent split ops may be empty; that is fine
-            warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
-            self.graph.capture_end()
-
-    def replay(self) -> None:
-        self.graph.replay()
-
-
 @dataclass
 class CapturedGraph:
     """Steps (graph segments and eager calls) replayed in order; ``output`` holds the forward's result."""
@@ -173,17 +130,3 @@ class RerunGraph:
 
     def replay(self) -> Any:
         return self.fn()
-
-
-# ---------------------------------------------------------------------------------------- session
-@contextlib.contextmanager
-def capture_session(device: torch.device) -> Iterator[None]:
-    """Around a series of captures: collect garbage once, then freeze gc so captures do not pay for it."""
-    gc.collect()
-    gc.freeze()
-    try:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        yield
-    finally:
-        gc.unfreeze()

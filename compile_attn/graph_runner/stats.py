@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 @dataclass
 class GraphRunnerStats:
-    """What the runner did. Counter keys are ExecMode values: "full", "piecewise", "breakable", "none".
+    """What the runner did. Counter keys are the values of the GraphModes steps run in: "full", "piecewise",
+    "breakable", "none".
 
     captures: graphs captured per mode (piecewise: one dummy run per bucket, the compile backend
     captures inside it). runs: steps run per mode; "none" counts every eager step, fallbacks included.

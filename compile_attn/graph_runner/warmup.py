@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from compile_attn.batch import ForwardBatch
-from compile_attn.graph_runner.plan import ExecMode
+from compile_attn.graph_mode import GraphMode
 
 
 if TYPE_CHECKING:
@@ -85,7 +85,7 @@ def warmup_shapes(runner: GraphRunner) -> list[Shape]:
             extend(min(3, bucket), bucket)
     # Decode: the sizes that run eagerly (over the largest bucket, or all without decode graphs); on a GPU also
     # one padded batch per bucket.
-    lo = runner.decode_buckets[-1] if runner.plan.decode is not ExecMode.NONE and runner.decode_buckets else 0
+    lo = runner.decode_buckets[-1] if runner.plan.decode is not GraphMode.NONE and runner.decode_buckets else 0
     decode = decode_sizes(lo, min(max_bs, max_tokens), variants, thresholds=cuda)
     if cuda:
         decode += [max(b - 1, 1) for b in runner.decode_buckets]

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
+from compile_attn.config import host_shortcuts_enabled
 from compile_attn.passes.split import is_split_node
 
 logger = logging.getLogger(__name__)
@@ -248,6 +249,8 @@ def bind_fused_weights(split_gm: fx.GraphModule, fused: Sequence[FusedWeight]) -
     split_gm.recompile()
     # The forward reads each as ``self.<name>`` on every call; a buffer is found by ``Module.__getattr__`` (a
     # Python lookup per read, two reads per layer per step). The same tensor in the instance dict is a
-    # plain attribute read. ``split_gm`` is never moved or converted (``Module._apply``) after this.
-    for weight in fused:
-        split_gm.__dict__[weight.name] = weight.tensor
+    # plain attribute read. ``split_gm`` is never moved or converted (``Module._apply``) after this. A host
+    # shortcut (``config.host_shortcuts_enabled``; the precedence it relies on is pinned in test_host_shortcuts).
+    if host_shortcuts_enabled():
+        for weight in fused:
+            split_gm.__dict__[weight.name] = weight.tensor

@@ -36,11 +36,13 @@ def run_step(
     input_ids: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
     kv_dtype: torch.dtype = torch.float32,
+    bucket: int | None = None,
 ) -> torch.Tensor:
     """One extend step of fresh requests (random cached prefixes of the same seed) on a fresh KV cache.
 
     ``input_ids`` / ``positions``, when given, are the tensors passed to the model (e.g. static buffers):
-    the step's ids and positions are copied into them first.
+    the step's ids and positions are copied into them first. ``bucket``: run it as a graph runner's piecewise step
+    of that bucket (the forward context names the mode and the bucket), so piecewise wrappers capture or replay.
     """
     gen = torch.Generator().manual_seed(seed)
     kv = KVCache(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
@@ -65,7 +67,8 @@ def run_step(
         input_ids.copy_(fb.input_ids)
     if positions is not None:
         positions.copy_(fb.positions)
-    with forward_context(fb, backend), torch.no_grad():
+    mode = None if bucket is None else "piecewise"
+    with forward_context(fb, backend, graph_mode=mode, bucket=bucket), torch.no_grad():
         ids = fb.input_ids if input_ids is None else input_ids
         out = model(ids, fb.positions if positions is None else positions)
     return out.clone()

@@ -14,10 +14,12 @@ import pytest
 import torch
 from tests.compiler.compile_helpers import SMALL, GatedMLP, run_step, toy_model
 
-from compile_attn.compiler import compile_counters, piecewise_capture_sizes, resolve_config
-from compile_attn.config import GraphConfig
+from compile_attn.compiler import compile_counters, resolve_config
+from compile_attn.config import GraphConfig, host_shortcuts_enabled
 
 ROOT = Path(__file__).resolve().parents[2]
+# the toy model's three attention pieces call the op's body directly, unless COMPILE_ATTN_HOST_SHORTCUTS=0
+DIRECT_SPLIT_CALLS = 3 if host_shortcuts_enabled() else 0
 
 
 @pytest.fixture(autouse=True)
@@ -32,7 +34,7 @@ def test_inductor_pieces_match_eager_and_identical_layers_compile_once():
     compiled = torch.compile(model, backend="compile_attn", dynamic=True, options={"cache_dir": None})
     # 3 layers: [first, attn, middle, attn, middle, attn, last]; the two middle pieces are identical
     with compile_counters.expect(graphs_seen=1, floats_specialized=2, pieces_split=7, split_op_pieces=3,
-                                 pieces_compiled=3, pieces_reused=1, split_calls_direct=3):
+                                 pieces_compiled=3, pieces_reused=1, split_calls_direct=DIRECT_SPLIT_CALLS):
         out = run_step(compiled, SMALL, 11, seed=3)
     torch.testing.assert_close(out, run_step(model, SMALL, 11, seed=3), rtol=1e-5, atol=1e-5)
     with compile_counters.expect():  # other token counts (>= 2: Dynamo specializes 1) reuse the code
@@ -75,7 +77,7 @@ def test_compile_model_compiles_once_for_every_token_count_and_every_input_offse
 
     model = toy_model()
     compiled = compile_model(model, {"compiler": "eager", "cache_dir": None})
-    with compile_counters.expect(graphs_seen=1, pieces_split=7, split_op_pieces=3, split_calls_direct=3):
+    with compile_counters.expect(graphs_seen=1, pieces_split=7, split_op_pieces=3, split_calls_direct=DIRECT_SPLIT_CALLS):
         for num_tokens in (5, 1, 6, 1, 17):
             out = run_step(compiled, SMALL, num_tokens, seed=num_tokens)
             torch.testing.assert_close(out, run_step(model, SMALL, num_tokens, seed=num_tokens), rtol=1e-6, atol=1e-6)
@@ -171,12 +173,16 @@ def test_options_and_config_object():
         resolve_config({"config": {"compiler": "eager"}})
 
 
-def test_capture_sizes_follow_the_graph_mode():
-    config = GraphConfig(decode_batch_sizes=(1, 2), prefill_token_sizes=(16, 32))
-    assert piecewise_capture_sizes(config) == (16, 32)  # default: decode runs as a full graph
-    assert piecewise_capture_sizes(config.replace(mode="piecewise")) == (1, 2, 16, 32)
-    assert piecewise_capture_sizes(config.replace(mode="full")) == ()
-    assert piecewise_capture_sizes(config.replace(mode="none")) == ()
+def test_debug_dir_env_is_the_default_and_an_explicit_none_writes_no_dump(tmp_path, monkeypatch):
+    """$COMPILE_ATTN_DEBUG_DIR is read once, as GraphConfig.debug_dir's default: a config made with
+    ``debug_dir=None`` dumps nothing even while it is set."""
+    monkeypatch.setenv("COMPILE_ATTN_DEBUG_DIR", str(tmp_path / "env"))
+    assert GraphConfig().debug_dir == str(tmp_path / "env")
+    model = toy_model()
+    compiled = torch.compile(model, backend="compile_attn", dynamic=True,
+                             options={"compiler": "eager", "debug_dir": None, "cache_dir": None})
+    torch.testing.assert_close(run_step(compiled, SMALL, 6, seed=0), run_step(model, SMALL, 6, seed=0))
+    assert not (tmp_path / "env").exists()
 
 
 def test_entry_point_names_the_backend():

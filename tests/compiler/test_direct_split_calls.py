@@ -6,7 +6,7 @@ import torch
 from torch import fx
 
 import compile_attn
-from compile_attn.compiler.direct_split_calls import direct_split_piece
+from compile_attn.compiler.shortcuts import direct_split_piece
 from compile_attn.ops.attention import attention as attention_body
 
 torch.library.define("direct_test::double", "(Tensor x, Tensor(a!) out) -> ()")

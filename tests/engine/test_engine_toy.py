@@ -74,7 +74,7 @@ def test_no_dynamo_compile_after_capture(model: ToyDecoder, graph_mode: str) -> 
     outs = llm.generate(PROMPTS, SamplingParams(max_new_tokens=6))
     delta = compile_counters.delta(before)
     assert delta.get("graphs_seen", 0) == 0 and delta.get("recompiles", 0) == 0, delta
-    assert not llm.step_runner.runner._guards_needed
+    assert not llm.step_runner.runner.model_calls.guards_needed
     for prompt, out in zip(PROMPTS, outs):
         assert out.token_ids == greedy_by_recompute(model, prompt, 6)
 

@@ -69,7 +69,8 @@ class CountingBackend(TorchNativeBackend):
         super().init_forward_metadata_in_graph(fb)
 
     def forward(self, q, k, v, layer, fb, out, save_kv_cache=True) -> None:
-        self.calls.append(("forward", fb.graph_bucket, get_forward_context().graph_mode))
+        mode = get_forward_context().graph_mode  # a GraphMode; recorded by its value ("full", "piecewise", ...)
+        self.calls.append(("forward", fb.graph_bucket, None if mode is None else mode.value))
         super().forward(q, k, v, layer, fb, out, save_kv_cache)
 
     def names(self) -> list[str]:

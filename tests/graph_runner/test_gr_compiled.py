@@ -9,10 +9,11 @@ import pytest
 import torch
 from tests.graph_runner.gr_helpers import CountingBackend, Twin, eager_reference, make_model, run_scenario
 
-from compile_attn.config import GraphConfig
+from compile_attn.config import GraphConfig, host_shortcuts_enabled
 from compile_attn.context import forward_context
-from compile_attn.graph_runner import ExecMode, GraphRunner
-from compile_attn.graph_runner import runner as runner_module
+from compile_attn.graph_mode import GraphMode
+from compile_attn.graph_runner import GraphRunner
+from compile_attn.graph_runner import shortcuts as shortcuts_module
 
 
 @pytest.mark.parametrize("mode", ["piecewise", "full_and_piecewise"])
@@ -26,9 +27,9 @@ def test_compiled_model_matches_eager(mode: str) -> None:
         mode=mode, decode_batch_sizes=(1, 2, 4), prefill_token_sizes=(16, 32), cache_dir=None
     )
     runner = GraphRunner(compiled, backend, config, max_batch_size=4, max_num_tokens=32)
-    assert runner.plan.extend is ExecMode.PIECEWISE
+    assert runner.plan.extend is GraphMode.PIECEWISE
     runner.capture()
-    piecewise_buckets = {b for m, b in runner.capture_keys() if m is ExecMode.PIECEWISE}
+    piecewise_buckets = {b for m, b in runner.capture_keys() if m is GraphMode.PIECEWISE}
     assert runner.stats.captures["piecewise"] == len(piecewise_buckets)
     backend.calls.clear()
     run_scenario(
@@ -43,6 +44,11 @@ def test_compiled_model_matches_eager(mode: str) -> None:
     assert modes <= expected and "piecewise" in modes
 
 
+NEEDS_SHORTCUTS = pytest.mark.skipif(not host_shortcuts_enabled(),
+                                     reason="checks a host shortcut; COMPILE_ATTN_HOST_SHORTCUTS=0 turns it off")
+
+
+@NEEDS_SHORTCUTS
 def test_piecewise_steps_skip_dynamo_guards_and_fall_back_to_guards_on_a_recompile(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -60,15 +66,15 @@ def test_piecewise_steps_skip_dynamo_guards_and_fall_back_to_guards_on_a_recompi
     runner = GraphRunner(compiled, backend, config, max_batch_size=4, max_num_tokens=32)
     runner.capture()
     run_scenario(runner, model, ref_backend, twin, [("extend", 20), ("decode", 3), ("extend", 9), ("decode", 4)])
-    assert runner._model_calls > 0 and not runner._guards_needed
+    assert runner.model_calls.count > 0 and not runner.model_calls.guards_needed
     # backend="eager" returns no GraphEntry: no direct calls, looked for once per bucket and not again
-    assert runner.stats.direct_calls == 0 and set(runner._direct_calls.values()) == {None}
+    assert runner.stats.direct_calls == 0 and set(runner.model_calls.direct.values()) == {None}
     looked = []
-    record = runner_module.record_graph_calls
-    monkeypatch.setattr(runner_module, "record_graph_calls", lambda: (looked.append(1), record())[1])
+    record = shortcuts_module.record_graph_calls
+    monkeypatch.setattr(shortcuts_module, "record_graph_calls", lambda: (looked.append(1), record())[1])
     run_scenario(runner, model, ref_backend, twin, [("decode", 3), ("decode", 4)])
     assert not looked
-    assert not isinstance(runner._guard_stance(), contextlib.nullcontext)
+    assert not isinstance(runner.model_calls.guard_stance(), contextlib.nullcontext)
     assert not torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe  # restored after every step
 
     step = twin.decode_step(2)
@@ -76,8 +82,8 @@ def test_piecewise_steps_skip_dynamo_guards_and_fall_back_to_guards_on_a_recompi
     fb.input_ids = fb.input_ids.to(torch.int32)  # a dtype no compiled graph has seen: needs a recompile
     backend.init_forward_metadata(fb)
     with torch.no_grad(), forward_context(fb, backend, graph_mode="none"):
-        out = runner._call_model(fb, skip_guards=True)
-    assert runner._guards_needed and isinstance(runner._guard_stance(), contextlib.nullcontext)
+        out = runner.model_calls(fb, skip_guards=True)
+    assert runner.model_calls.guards_needed and isinstance(runner.model_calls.guard_stance(), contextlib.nullcontext)
     torch.testing.assert_close(out, eager_reference(model, ref_backend, step.ref_batch), atol=1e-5, rtol=1e-5)
     assert not torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe
 
@@ -89,10 +95,11 @@ def test_verify_keeps_dynamo_guards() -> None:
     runner = GraphRunner(torch.compile(model, backend="eager", dynamic=True),
                          CountingBackend(twin.caches[0], model.attention_layers()), config, max_batch_size=4,
                          max_num_tokens=16)
-    runner.captured, runner._model_calls = True, 1
-    assert isinstance(runner._guard_stance(), contextlib.nullcontext)
+    runner.model_calls.armed, runner.model_calls.count = True, 1
+    assert isinstance(runner.model_calls.guard_stance(), contextlib.nullcontext)
 
 
+@NEEDS_SHORTCUTS
 @pytest.mark.parametrize("direct_calls", [True, False])
 def test_piecewise_steps_call_the_compiled_graph_directly_after_a_buckets_first_step(direct_calls: bool) -> None:
     """GraphConfig.direct_calls: a model compiled with backend="compile_attn" runs one graph per step and returns its
@@ -114,21 +121,21 @@ def test_piecewise_steps_call_the_compiled_graph_directly_after_a_buckets_first_
     run_scenario(runner, model, CountingBackend(twin.caches[1], layers), twin, plan)
     piecewise_steps = runner.stats.runs["piecewise"]
     if not direct_calls:
-        assert runner.stats.direct_calls == 0 and not runner._direct_calls
+        assert runner.stats.direct_calls == 0 and not runner.model_calls.direct
         return
     # buckets 32 (extends of 20, 9 and 30 tokens: 9 pads to 16), 16, and 4, 1, 2 (decodes): the first step of each
     # after the runner's first model call goes through Dynamo, every later one directly
-    first_steps = len(runner._direct_calls) + 1
-    assert all(d is not None for d in runner._direct_calls.values()), runner._direct_calls
+    first_steps = len(runner.model_calls.direct) + 1
+    assert all(d is not None for d in runner.model_calls.direct.values()), runner.model_calls.direct
     # the graph's generated forward itself, not a lazily recompiled module's first-call hook
-    assert {d.fn.__name__ for d in runner._direct_calls.values()} == {"forward"}
+    assert {d.fn.__name__ for d in runner.model_calls.direct.values()} == {"forward"}
     assert runner.stats.direct_calls == piecewise_steps - first_steps > 0
 
 
 def test_a_direct_call_needs_one_graph_call_that_returned_the_models_output() -> None:
     """DirectCall.from_record: one call of one graph, the model's result one of its outputs (as it was); repeating
     the call recomputes that output from its arguments' current contents."""
-    from compile_attn.compiler.graph_calls import DirectCall, GraphEntry, record_graph_calls
+    from compile_attn.compiler.shortcuts import DirectCall, GraphEntry, record_graph_calls
 
     entry = GraphEntry(torch.fx.symbolic_trace(lambda x, w: (x * w, x + w)))
     x, w = torch.ones(3), torch.full((3,), 2.0)

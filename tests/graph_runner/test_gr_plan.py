@@ -8,23 +8,23 @@ import pytest
 import torch
 from tests.graph_runner.gr_helpers import SMALL, CountingBackend, Twin, make_model, run_scenario
 
-from compile_attn import GraphSupport
 from compile_attn.config import GraphConfig
-from compile_attn.graph_runner import ExecMode, GraphMode, GraphRunner, plan_modes
+from compile_attn.graph_runner import GraphMode, GraphRunner, plan_modes
 from compile_attn.graph_runner.plan import is_compiled
 
-F, P, B, N = ExecMode.FULL, ExecMode.PIECEWISE, ExecMode.BREAKABLE, ExecMode.NONE
+F, P, B, N = GraphMode.FULL, GraphMode.PIECEWISE, GraphMode.BREAKABLE, GraphMode.NONE
+FULL_DECODE = GraphMode.FULL_AND_PIECEWISE  # what a backend declares when decode can be one full graph
 
 
 @pytest.mark.parametrize(
     ("mode", "support", "compiled", "decode", "extend"),
     [
-        (GraphMode.NONE, GraphSupport.ALWAYS_FULL, True, N, N),
-        (GraphMode.FULL, GraphSupport.DECODE_FULL, False, F, N),
-        (GraphMode.FULL_AND_PIECEWISE, GraphSupport.DECODE_FULL, True, F, P),
-        (GraphMode.FULL_AND_PIECEWISE, GraphSupport.DECODE_FULL, False, F, B),
-        (GraphMode.PIECEWISE, GraphSupport.DECODE_FULL, True, P, P),
-        (GraphMode.BREAKABLE, GraphSupport.DECODE_FULL, False, B, B),
+        (GraphMode.NONE, FULL_DECODE, True, N, N),
+        (GraphMode.FULL, FULL_DECODE, False, F, N),
+        (GraphMode.FULL_AND_PIECEWISE, FULL_DECODE, True, F, P),
+        (GraphMode.FULL_AND_PIECEWISE, FULL_DECODE, False, F, B),
+        (GraphMode.PIECEWISE, FULL_DECODE, True, P, P),
+        (GraphMode.BREAKABLE, FULL_DECODE, False, B, B),
     ],
 )
 def test_plan_without_downgrade_logs_nothing_unexpected(
@@ -40,17 +40,17 @@ def test_plan_without_downgrade_logs_nothing_unexpected(
 @pytest.mark.parametrize(
     ("mode", "support", "compiled", "decode", "extend", "why"),
     [
-        (GraphMode.FULL_AND_PIECEWISE, GraphSupport.NEVER, True, N, N, "graph_support NEVER"),
+        (GraphMode.FULL_AND_PIECEWISE, GraphMode.NONE, True, N, N, "graph_support none"),
         (
             GraphMode.FULL_AND_PIECEWISE,
-            GraphSupport.PIECEWISE_ONLY,
+            GraphMode.PIECEWISE,
             True,
             P,
             P,
-            "graph_support PIECEWISE_ONLY",
+            "graph_support piecewise",
         ),
-        (GraphMode.FULL, GraphSupport.PIECEWISE_ONLY, True, P, N, "graph_support PIECEWISE_ONLY"),
-        (GraphMode.BREAKABLE, GraphSupport.DECODE_FULL, True, P, P, "torch.compile'd"),
+        (GraphMode.FULL, GraphMode.PIECEWISE, True, P, N, "graph_support piecewise"),
+        (GraphMode.BREAKABLE, FULL_DECODE, True, P, P, "torch.compile'd"),
     ],
 )
 def test_downgrades_log_one_line_saying_why(mode, support, compiled, decode, extend, why, caplog) -> None:
@@ -61,7 +61,7 @@ def test_downgrades_log_one_line_saying_why(mode, support, compiled, decode, ext
 
 
 class PiecewiseOnlyBackend(CountingBackend):
-    graph_support = GraphSupport.PIECEWISE_ONLY
+    graph_support = GraphMode.PIECEWISE
 
 
 def test_piecewise_only_backend_runs_decode_breakable_with_correct_results() -> None:
@@ -110,3 +110,29 @@ def test_buckets_are_clipped_to_the_static_buffers() -> None:
     )
     assert runner.decode_buckets == (1, 2, 4, 8, 16)
     assert runner.extend_buckets == (16, 32, 64)
+
+
+def test_one_mode_splits_into_what_runs_for_decode_and_for_mixed_batches() -> None:
+    """GraphMode's table (docs/graph_runner.md): each requested mode's decode and mixed routine."""
+    table = {"none": ("none", "none"), "piecewise": ("piecewise", "piecewise"), "full": ("full", "none"),
+             "full_and_piecewise": ("full", "piecewise"), "breakable": ("breakable", "breakable")}
+    assert {m.value: (m.decode_mode().value, m.mixed_mode().value) for m in GraphMode} == table
+    assert GraphMode.parse("FULL_AND_PIECEWISE") is GraphMode.FULL_AND_PIECEWISE
+    with pytest.raises(ValueError, match="choose one of none, piecewise, full, full_and_piecewise, breakable"):
+        GraphMode.parse("fast")
+
+
+def test_backends_declare_graph_support_on_the_class_only() -> None:
+    """No attention backend assigns ``graph_support`` on an instance (``supported_graph_mode`` narrows it)."""
+    import ast
+    from pathlib import Path
+
+    import compile_attn.attention as attention_package
+
+    root = Path(attention_package.__file__).parent
+    assigned = [f"{path.name}:{node.lineno}" for path in root.rglob("*.py")
+                for node in ast.walk(ast.parse(path.read_text()))
+                if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign))
+                for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                if isinstance(target, ast.Attribute) and target.attr == "graph_support"]
+    assert not assigned, assigned

@@ -12,7 +12,7 @@ from tests.graph_runner.gr_helpers import CountingBackend, Twin, make_model
 
 from compile_attn.config import GraphConfig
 from compile_attn.graph_runner import GraphRunner
-from compile_attn.graph_runner.plan import ExecMode
+from compile_attn.graph_mode import GraphMode
 from compile_attn.graph_runner.warmup import warmup_shapes
 from compile_attn.kv_cache import PAD_SLOT
 
@@ -38,7 +38,7 @@ def test_warm_up_reaches_every_route_and_writes_only_the_scratch_slot() -> None:
     assert runner.warm_up(run) == len(seen) > 0
     graph = [s for s in seen if s[4] is not None]
     eager = [s for s in seen if s[4] is None]
-    assert any(m == "MIXED" and r[0] is ExecMode.BREAKABLE for m, _, _, _, r in graph), seen
+    assert any(m == "MIXED" and r[0] is GraphMode.BREAKABLE for m, _, _, _, r in graph), seen
     assert any(m == "EXTEND" and prefix for m, _, _, prefix, _ in graph), seen  # a chunked prefill
     assert any(m != "DECODE" and t > 32 for m, _, t, _, _ in eager), seen  # over the largest token bucket
     assert any(m == "DECODE" and b > 4 for m, b, _, _, _ in eager), seen  # over the largest decode bucket
@@ -53,7 +53,7 @@ def _fake_runner(device: str, decode=(1, 2, 4, 8), extend=(16, 32, 64), max_bs=1
     return SimpleNamespace(
         device=torch.device(device), buffers=SimpleNamespace(max_batch_size=max_bs, max_num_tokens=max_tokens),
         backend=SimpleNamespace(kv_cache=SimpleNamespace(max_context=max_context)),
-        plan=SimpleNamespace(decode=ExecMode.FULL, extend=ExecMode.PIECEWISE),
+        plan=SimpleNamespace(decode=GraphMode.FULL, extend=GraphMode.PIECEWISE),
         decode_buckets=tuple(decode), extend_buckets=tuple(extend),
     )
 

@@ -19,7 +19,7 @@ from compile_attn import (
     BackendUnavailableError,
     ForwardBatch,
     ForwardMode,
-    GraphSupport,
+    GraphMode,
     KVCache,
     UnsupportedConfigError,
     create_backend,
@@ -186,8 +186,9 @@ def _kv(**kw) -> KVCache:
 def test_registered_by_name_with_interpreted_kernels_it_declares_piecewise_only() -> None:
     backend = create_backend("triton", _kv(), [AttentionLayer(0, 8, 2, 64)])
     assert isinstance(backend, TritonBackend) and backend.name == "triton"
-    assert TritonBackend.graph_support is GraphSupport.DECODE_FULL
-    assert backend.graph_support is GraphSupport.PIECEWISE_ONLY  # no graph can record interpreted kernels
+    assert TritonBackend.graph_support is GraphMode.FULL_AND_PIECEWISE
+    assert backend.supported_graph_mode() is GraphMode.PIECEWISE  # no graph can record interpreted kernels
+    assert "graph_support" not in vars(backend)  # declared by the class, never overwritten per instance
     assert backend.get_cuda_graph_seq_len_fill_value() == 1
 
 

@@ -14,7 +14,10 @@ The short path is used only where it mirrors the installed Triton exactly: compi
 kernels, a ``JITFunction.run`` that launches with ``kernel.run(..., *bound_args.values())`` (every parameter,
 constexprs included: the Triton versions this project supports), no launch hooks installed (profilers such as
 proton), every parameter passed explicitly, and a ``CompiledKernel`` returned synchronously. Otherwise every
-call goes through ``kernel[grid]``.
+call goes through ``kernel[grid]``. This is the attention layer's host shortcut: off (every launch through
+``kernel[grid]``) when ``$COMPILE_ATTN_HOST_SHORTCUTS`` is 0 at the time a launcher is made (``config.py``), and
+tied to Triton's internals (the source of ``JITFunction.run``, ``CompiledKernel.run``'s arguments, where launch
+hooks live): tests/test_host_shortcuts.py pins them.
 
 ``CachedLaunch.bind`` goes one step further for a caller that knows its launch repeats exactly (a decode layer
 between piecewise graphs, over static buffers): the returned ``BoundLaunch`` holds the launcher and the argument
@@ -32,6 +35,8 @@ import triton
 from triton.compiler import CompiledKernel
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
+
+from compile_attn.config import host_shortcuts_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +138,7 @@ class CachedLaunch:
         self.fast = 0
         self.slow = 0
         self._cache: dict[tuple, tuple[Any, tuple]] = {}
-        self._usable = _SHORT_PATH and isinstance(kernel, JITFunction)
+        self._usable = _SHORT_PATH and isinstance(kernel, JITFunction) and host_shortcuts_enabled()
         self._names = list(getattr(kernel, "arg_names", ()))
 
     def __call__(self, grid: Sequence[int], *args: Any, **kwargs: Any) -> None:

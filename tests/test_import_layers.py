@@ -1,0 +1,170 @@
+"""The package's import graph has no cycles: not between modules, and not between its layers (the top-level
+modules and subpackages of ``compile_attn``), and no layer imports one above it.
+
+Every ``import`` / ``from ... import`` statement of every module is read with ``ast``, at module level and inside
+functions alike (a function-level import that closes a cycle is still a cycle, only a deferred one). Imports
+under ``if TYPE_CHECKING:`` never run and are left out. Nothing is imported to build the graph.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+PACKAGE = "compile_attn"
+ROOT = Path(__file__).resolve().parents[1] / PACKAGE
+# The layers the library reads in, lowest first; a module may import from its own layer and the ones below.
+# Top-level modules (config, context, batch, errors, ...) are the lowest layer, "base".
+LAYER_ORDER = ("base", "ops", "passes", "attention", "compiler", "graph_runner", "engine")
+
+
+def module_names() -> dict[str, Path]:
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _runtime_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    """Import statements that can run (module level and in functions), without ``if TYPE_CHECKING:`` bodies."""
+    found: list[ast.Import | ast.ImportFrom] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.append(node)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def import_edges() -> dict[str, set[str]]:
+    """module -> the compile_attn modules it imports (``from pkg import name`` means ``pkg.name`` when that is a
+    module, else ``pkg``)."""
+    modules = module_names()
+    edges: dict[str, set[str]] = defaultdict(set)
+    for name, path in modules.items():
+        is_package = path.name == "__init__.py"
+        for node in _runtime_imports(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                base = node.module or ""
+                if node.level:  # relative import
+                    anchor = name.split(".") if is_package else name.split(".")[:-1]
+                    anchor = anchor[: len(anchor) - (node.level - 1)]
+                    base = ".".join(anchor + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            for target in targets:
+                while target and target not in modules:  # "import compile_attn.x.y" names module x.y
+                    target = target.rpartition(".")[0]
+                if target.split(".")[0] == PACKAGE and target != name:
+                    edges[name].add(target)
+    return edges
+
+
+def layer_of(module: str) -> str:
+    """``compile_attn.<sub>`` for a subpackage's modules, ``compile_attn.<module>`` for a top-level module."""
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of the directed graph ``edges`` as a path ``[a, b, ..., a]``, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(edges):
+        if start not in state and (cycle := visit(start)):
+            return cycle
+    return None
+
+
+def _layer_edges(edges: dict[str, set[str]]) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = defaultdict(set)
+    for src, targets in edges.items():
+        for dst in targets:
+            if layer_of(src) != layer_of(dst) and PACKAGE not in (src, dst):  # the facade is not a layer
+                out[layer_of(src)].add(layer_of(dst))
+    return out
+
+
+def _witness(edges: dict[str, set[str]], src_layer: str, dst_layer: str) -> str:
+    return next(f"{s} -> {d}" for s, ts in sorted(edges.items()) for d in sorted(ts)
+                if layer_of(s) == src_layer and layer_of(d) == dst_layer)
+
+
+def test_the_graph_builder_sees_known_imports() -> None:
+    """The check itself: imports in functions, relative imports and ``from pkg import module`` are all found."""
+    edges = import_edges()
+    assert f"{PACKAGE}.ops.split_registry" in edges[f"{PACKAGE}.ops.attention"]  # from pkg.mod import name
+    assert f"{PACKAGE}.ops.attention" in edges[f"{PACKAGE}.ops"]  # a package __init__ re-exporting
+    assert f"{PACKAGE}.attention.triton_ops" in edges[f"{PACKAGE}.attention.triton_backend"]  # inside a function
+    assert f"{PACKAGE}.graph_runner.runner" not in edges[f"{PACKAGE}.graph_runner.verify"]  # TYPE_CHECKING only
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}}) is None
+
+
+def test_no_import_cycle_between_modules() -> None:
+    cycle = find_cycle(import_edges())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_no_import_cycle_between_layers() -> None:
+    edges = import_edges()
+    layers = _layer_edges(edges)
+    cycle = find_cycle(layers)
+    if cycle is not None:
+        steps = [_witness(edges, a, b) for a, b in zip(cycle, cycle[1:])]
+        pytest.fail("import cycle between layers: " + " -> ".join(cycle) + "\n  " + "\n  ".join(steps))
+
+
+def layer_ranks(edges: dict[str, set[str]]) -> dict[str, int]:
+    """Rank of each ranked layer: its index in LAYER_ORDER; a top-level module that a ranked subpackage imports is
+    "base" (rank 0). Applications on top (cli, bench, server, hf, models) are not ranked."""
+    rank = {f"{PACKAGE}.{name}": i for i, name in enumerate(LAYER_ORDER) if name != "base"}
+    for src, targets in _layer_edges(edges).items():
+        if src in rank:
+            for dst in targets:
+                if dst not in rank and dst.count(".") == 1 and not module_names()[dst].name == "__init__.py":
+                    rank[dst] = 0
+    return rank
+
+
+def test_no_layer_imports_a_layer_above_it() -> None:
+    """base (config, context, batch, ...) -> ops -> passes -> attention -> compiler -> graph_runner -> engine:
+    every import between ranked layers points down (or stays in the layer)."""
+    edges = import_edges()
+    rank = layer_ranks(edges)
+    assert rank[f"{PACKAGE}.config"] == 0 and rank[f"{PACKAGE}.context"] == 0
+    upward = sorted(_witness(edges, src, dst) for src, targets in _layer_edges(edges).items() if src in rank
+                    for dst in targets if dst in rank and rank[dst] > rank[src])
+    assert not upward, "imports of a higher layer: " + "; ".join(upward)
