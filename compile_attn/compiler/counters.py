@@ -28,7 +28,8 @@ class CompileCounters:
     replays_refused: replays declined because an input lives at another address than at capture
     (the piece ran without its graph). linear_groups_fused: groups of shared-input linear layers run
     as one GEMM (see ``compile_attn.passes.fuse_linears``). split_calls_direct: split-op calls that the
-    compiled model makes to the op's Python body, not through ``torch.ops`` (see ``compiler.direct_split_calls``).
+    compiled model makes to the op's Python body, not through ``torch.ops`` (a host shortcut, see
+    ``compiler.shortcuts.direct_split_piece``).
     pieces_compiled_static: extra compiles of a piece at one of ``GraphConfig.compile_sizes`` (static shapes;
     cache hits count under cache_hits); static_piece_calls: calls that ran such an artifact;
     linears_as_reductions: one-row linear calls those static pieces run as reductions (``compile_sizes``).
