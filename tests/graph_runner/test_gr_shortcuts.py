@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gr_helpers import CountingBackend, Twin, make_model, run_scenario
+from tests.graph_runner.gr_helpers import CountingBackend, Twin, make_model, run_scenario
 from torch import fx
 
 from compile_attn.compiler import compile_counters
