@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP app: /v1/completions and /v1/chat/completions (whole or streamed as server-sent events in
-OpenAI's chunk format), /v1/models and /health, on an AsyncLLM. Refused requests get OpenAI's error body; a
+OpenAI's chunk format), /v1/models, /health and /metrics (Prometheus), on an AsyncLLM. Refused requests get OpenAI's error body; a
 disconnecting client aborts its requests, freeing their KV.
 """
 
@@ -14,11 +14,12 @@ from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from compile_attn.engine.async_engine import AsyncLLM, Delta, EngineOverloadedError, EngineStoppedError, RequestStream
 from compile_attn.engine.errors import InvalidRequestError
 from compile_attn.engine.llm import sample_seed
+from compile_attn.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from compile_attn.server.protocol import APIError, Parsed, parse
 
 
@@ -27,6 +28,8 @@ def create_app(engine: AsyncLLM, model_name: str) -> FastAPI:
     app = FastAPI(title="compile_attn")
     llm = engine.llm
     max_context = llm.kv_cache.max_context
+    metrics = ServerMetrics(engine, model_name)
+    app.state.metrics = metrics
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -37,6 +40,10 @@ def create_app(engine: AsyncLLM, model_name: str) -> FastAPI:
     async def health() -> JSONResponse:
         ok = engine.alive
         return JSONResponse({"status": "ok" if ok else "stopped"}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -49,13 +56,16 @@ def create_app(engine: AsyncLLM, model_name: str) -> FastAPI:
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise APIError(f"the request body is not valid JSON: {exc}") from None
         req = parse(body, chat=chat, tokenizer=llm.tokenizer, model_name=model_name, max_context=max_context)
+        start = time.perf_counter()
         streams = await _submit_all(engine, req)
+        metrics.prompt_tokens.inc(len(req.prompt_ids))
+        samples = [metrics.observe(s, start) for s in streams]
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         if req.stream:
-            return StreamingResponse(_sse(streams, req, rid, created, model_name, chat),
+            return StreamingResponse(_sse(samples, streams, req, rid, created, model_name, chat),
                                      media_type="text/event-stream")
-        return await _whole(streams, rid, created, model_name, chat)
+        return await _whole(samples, streams, rid, created, model_name, chat)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -101,14 +111,15 @@ def _choice(chat: bool, index: int, text: str, finish: str | None, *, delta: boo
     return {"index": index, key: msg, "logprobs": None, "finish_reason": finish}
 
 
-async def _whole(streams: list[RequestStream], rid: str, created: int, model: str, chat: bool) -> dict:
-    async def collect(s: RequestStream) -> tuple[str, Delta]:
+async def _whole(samples: list[AsyncIterator[Delta]], streams: list[RequestStream], rid: str, created: int,
+                 model: str, chat: bool) -> dict:
+    async def collect(s: AsyncIterator[Delta]) -> tuple[str, Delta]:
         text, last = "", None
         async for d in s:
             text, last = text + d.text, d
         return text, last
 
-    results = await _gather_or_abort([collect(s) for s in streams], streams)
+    results = await _gather_or_abort([collect(s) for s in samples], streams)
     choices = [_choice(chat, k, text, last.finish_reason, delta=False) for k, (text, last) in enumerate(results)]
     prompt = results[0][1].num_prompt_tokens
     usage = _usage(prompt, sum(last.num_output_tokens for _, last in results))
@@ -127,13 +138,13 @@ async def _gather_or_abort(coros: list, streams: list[RequestStream]) -> list:
             s.abort()
 
 
-async def _sse(streams: list[RequestStream], req: Parsed, rid: str, created: int, model: str,
+async def _sse(samples: list[AsyncIterator[Delta]], streams: list[RequestStream], req: Parsed, rid: str, created: int, model: str,
                chat: bool) -> AsyncIterator[str]:
     """Server-sent events: one chunk per Delta of any sample, the usage chunk if asked, then ``[DONE]``."""
     obj = "chat.completion.chunk" if chat else "text_completion"
     merged: asyncio.Queue = asyncio.Queue()
 
-    async def pump(k: int, s: RequestStream) -> None:
+    async def pump(k: int, s: AsyncIterator[Delta]) -> None:
         async for d in s:
             await merged.put((k, d))
         await merged.put((k, None))
@@ -144,7 +155,7 @@ async def _sse(streams: list[RequestStream], req: Parsed, rid: str, created: int
             body["usage"] = usage
         return f"data: {json.dumps(body)}\n\n"
 
-    tasks = [asyncio.ensure_future(pump(k, s)) for k, s in enumerate(streams)]
+    tasks = [asyncio.ensure_future(pump(k, s)) for k, s in enumerate(samples)]
     try:
         if chat:
             yield chunk([{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
