@@ -52,7 +52,7 @@ def parse(body: Any, *, chat: bool, tokenizer: Any, model_name: str, max_context
             raise APIError(f"{key} is not supported by this server yet; leave it out", key)
     if body.get("model") != model_name:
         raise APIError(f"model {body.get('model')!r} is not served here; this server serves {model_name!r} "
-                       f"(see GET /v1/models)", "model", status=404, code="model_not_found")
+                       f"(see GET /v1/models)", "model", code="model_not_found")
     ids = _chat_ids(body, tokenizer) if chat else _prompt_ids(body, tokenizer)
     field = "messages" if chat else "prompt"
     if len(ids) >= max_context:
@@ -62,10 +62,11 @@ def parse(body: Any, *, chat: bool, tokenizer: Any, model_name: str, max_context
         n = 1
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 16:
         raise APIError(f"n must be an int in [1, 16], got {n!r}", "n")
-    stream = bool(body.get("stream", False))
+    stream = _flag(body, "stream")
     opts = body.get("stream_options") or {}
     if not isinstance(opts, dict):
         raise APIError(f"stream_options must be an object, got {opts!r}", "stream_options")
+    include_usage = _flag(opts, "include_usage", "stream_options.include_usage")
     values: dict[str, Any] = dict(OPENAI_DEFAULTS)
     for key, value in body.items():
         if key in SAMPLING_FIELDS and value is not None:
@@ -84,7 +85,14 @@ def parse(body: Any, *, chat: bool, tokenizer: Any, model_name: str, max_context
                        f"{max_context} tokens; ask for at most {room}", _openai_name("max_tokens", body))
     if values.get("stop") and tokenizer is None:
         raise APIError("stop strings need a tokenizer and this model has none", "stop")
-    return Parsed(ids, SamplingParams(**values), n, stream, bool(opts.get("include_usage", False)))
+    return Parsed(ids, SamplingParams(**values), n, stream, include_usage)
+
+
+def _flag(body: dict, key: str, name: str | None = None) -> bool:
+    value = body.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise APIError(f"{name or key} must be true or false, got {value!r:.40}", name or key)
+    return bool(value)
 
 
 def _openai_name(field: str, body: dict) -> str:
@@ -107,8 +115,23 @@ def _prompt_ids(body: dict, tokenizer: Any) -> list[int]:
 
 
 def _chat_ids(body: dict, tokenizer: Any) -> list[int]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        raise APIError(f"messages must be a non-empty list of {{'role': ..., 'content': ...}} objects, got "
+                       f"{messages!r:.80}", "messages")
+    for j, m in enumerate(messages):
+        content = m.get("content")
+        if isinstance(content, list):  # OpenAI's content parts: text only here
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise APIError(f"messages[{j}].content: only text parts ({{'type': 'text', 'text': ...}}) are "
+                               f"supported, got {content!r:.80}", "messages")
+            messages[j] = {**m, "content": "".join(p["text"] for p in content)}
+        elif content is not None and not isinstance(content, str):
+            raise APIError(f"messages[{j}].content must be a string or a list of text parts, got {content!r:.40}",
+                           "messages")
     try:
-        (conv,) = split_conversations(body.get("messages"))
+        (conv,) = split_conversations(messages)
         text = render_chat(tokenizer, conv)
     except NoChatTemplateError as exc:
         raise APIError(str(exc), "messages") from None

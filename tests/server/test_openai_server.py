@@ -98,6 +98,19 @@ BAD = [
     ("/v1/chat/completions", dict(messages=[]), "messages"),
     ("/v1/chat/completions", dict(messages=[{"content": "hi"}]), "messages"),
     ("/v1/chat/completions", dict(messages=MESSAGES, logprobs=True), "logprobs"),
+    ("/v1/completions", dict(model="other", prompt=PROMPT), "model"),
+    ("/v1/completions", dict(model=None, prompt=PROMPT), "model"),
+    ("/v1/completions", dict(prompt=PROMPT, max_tokens=0), "max_tokens"),
+    ("/v1/completions", dict(prompt=PROMPT, max_tokens=2.5), "max_tokens"),
+    ("/v1/chat/completions", dict(messages=MESSAGES, max_completion_tokens=600), "max_completion_tokens"),
+    ("/v1/completions", dict(prompt=PROMPT, temperature="hot"), "temperature"),
+    ("/v1/completions", dict(prompt=[5, 10**9]), "prompt"),
+    ("/v1/completions", dict(prompt=PROMPT, stream="yes"), "stream"),
+    ("/v1/completions", dict(prompt=PROMPT, stream=True, stream_options={"include_usage": 1}),
+     "stream_options.include_usage"),
+    ("/v1/completions", dict(prompt=PROMPT, stop=[1, 2]), "stop"),
+    ("/v1/chat/completions", dict(messages="hello"), "messages"),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": 5}]), "messages"),
 ]
 
 
@@ -110,13 +123,22 @@ def test_bad_request_is_400_naming_the_field(served: Served, path: str, body: di
     served.wait_idle()
 
 
-def test_malformed_json_and_unknown_model(served: Served) -> None:
-    status, err = _post(served, "/v1/completions", b'{"model": "tiny", "prompt": ')
-    assert status == 400 and "JSON" in err["error"]["message"]
-    with pytest.raises(openai.NotFoundError) as info:
-        served.client().completions.create(model="other", prompt=PROMPT, max_tokens=4)
-    assert info.value.body["param"] == "model"
-    assert served.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=4).usage.completion_tokens > 0
+def test_malformed_json_unknown_model_and_streamed_bad_requests(served: Served) -> None:
+    for body in (b'{"model": "tiny", "prompt": ', b"[1, 2]", b"\xff\xfe"):
+        status, err = _post(served, "/v1/completions", body)
+        assert status == 400 and err["error"]["type"] == "invalid_request_error", err
+    assert "JSON" in _post(served, "/v1/completions", b"{")[1]["error"]["message"]
+    client = served.client()
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="other", prompt=PROMPT, max_tokens=4)
+    assert info.value.body["param"] == "model" and info.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as info:  # refused before any event is streamed
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=-0.5, stream=True)
+    assert info.value.body["param"] == "temperature"
+    assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4).usage.completion_tokens > 0
+    assert client.chat.completions.create(model=MODEL, max_tokens=3, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "What does"}, {"type": "text", "text": " it do?"}]}]
+    ).usage.completion_tokens > 0
     served.wait_idle()
 
 
@@ -162,16 +184,27 @@ def test_concurrent_streaming_load(served: Served) -> None:
 
 
 def test_overloaded_is_503_with_retry_after(served: Served) -> None:
+    """Two long streams fill a queue of two; a third request gets 503 with Retry-After at once; once they are
+    closed, requests are served again and the KV pool is fresh."""
     limit = served.engine.max_pending
-    served.engine.max_pending = 0  # every new request is past the limit
+    served.engine.max_pending = 2
+    client = served.client()
+    streams = []
     try:
+        for _ in range(2):
+            streams.append(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=400, stream=True,
+                                                     extra_body={"ignore_eos": True}))
+            next(iter(streams[-1]))  # admitted and generating
         req = urllib.request.Request(served.url + "/v1/completions", headers={"Content-Type": "application/json"},
                                      data=json.dumps({"model": MODEL, "prompt": PROMPT}).encode())
         with pytest.raises(urllib.error.HTTPError) as info:
             urllib.request.urlopen(req, timeout=10)
-        assert info.value.code == 503 and info.value.headers["Retry-After"]
+        assert info.value.code == 503 and int(info.value.headers["Retry-After"]) >= 1
         assert "max_pending" in json.loads(info.value.read())["error"]["message"]
     finally:
+        for s in streams:
+            s.close()
+        served.wait_idle()
         served.engine.max_pending = limit
     assert served.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).usage.completion_tokens
     served.wait_idle()
