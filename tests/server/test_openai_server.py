@@ -219,3 +219,28 @@ def test_serve_subcommand_checks_options() -> None:
     args = build_parser().parse_args(["serve", "some/model", "--max-batch-size", "4", "--no-compile"])
     args.prepare(args)
     assert (args.host, args.port, args.max_batch_size, args.no_compile) == ("127.0.0.1", 8000, 4, True)
+
+
+def test_chat_n_seeded_streamed_with_usage(served: Served) -> None:
+    """n = 2 seeded chat samples: whole, streamed (with the usage chunk) and LLM.chat agree sample by sample; usage
+    counts the prompt once and every sample's tokens; without include_usage no chunk carries usage."""
+    client = served.client()
+    kw = dict(model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0.9, seed=123, n=2,
+              extra_body={"ignore_eos": True, "top_k": 50})
+    ref = served.reference.chat(MESSAGES, SamplingParams(max_tokens=10, temperature=0.9, top_k=50, seed=123, n=2,
+                                                         ignore_eos=True))[0]
+    want = [o.text for o in ref.outputs]
+    assert want[0] != want[1]
+    whole = client.chat.completions.create(**kw)
+    assert [c.message.content for c in sorted(whole.choices, key=lambda c: c.index)] == want
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(ref.prompt_token_ids), 20)
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert all(c.usage is None for c in chunks[:-1]) and chunks[-1].choices == []
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (len(ref.prompt_token_ids), 20)
+    for k in range(2):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == k]
+        assert "".join(c.delta.content or "" for c in mine) == want[k]
+        assert [c.finish_reason for c in mine if c.finish_reason] == ["length"]
+    plain = list(client.chat.completions.create(stream=True, **kw))
+    assert all(c.usage is None for c in plain) and all(c.choices for c in plain)
+    served.wait_idle()
