@@ -93,7 +93,7 @@ async def _submit_all(engine: AsyncLLM, req: Parsed) -> list[RequestStream]:
         if isinstance(exc, EngineStoppedError):
             raise APIError(str(exc), status=503, type="server_error") from None
         if isinstance(exc, InvalidRequestError):
-            field = "max_tokens" if "max_new_tokens" in str(exc) else "prompt"
+            field = getattr(exc, "param", None) or ("max_tokens" if "max_new_tokens" in str(exc) else "prompt")
             raise APIError(str(exc), field) from None
         raise
     return streams

@@ -14,10 +14,11 @@ from compile_attn.engine.sampling_params import SamplingParams
 # OpenAI name -> SamplingParams field
 SAMPLING_FIELDS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "temperature": "temperature",
                    "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed", "stop": "stop",
-                   "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids"}
-IGNORED = {"model", "prompt", "messages", "stream", "stream_options", "n", "user"}
-UNSUPPORTED = {"logprobs", "top_logprobs", "echo", "best_of", "logit_bias", "presence_penalty", "frequency_penalty",
-               "repetition_penalty", "suffix", "tools", "tool_choice", "response_format", "functions",
+                   "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids",
+                   "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+                   "repetition_penalty": "repetition_penalty"}
+IGNORED = {"model", "prompt", "messages", "stream", "stream_options", "n", "user", "logprobs", "top_logprobs"}
+UNSUPPORTED = {"echo", "best_of", "logit_bias", "suffix", "tools", "tool_choice", "response_format", "functions",
                "function_call", "parallel_tool_calls"}
 OPENAI_DEFAULTS = {"temperature": 1.0}  # OpenAI's default, not the engine's greedy 0.0
 
@@ -73,6 +74,9 @@ def parse(body: Any, *, chat: bool, tokenizer: Any, model_name: str, max_context
             values[SAMPLING_FIELDS[key]] = value
         elif key not in IGNORED and key not in SAMPLING_FIELDS and key not in UNSUPPORTED:
             raise APIError(f"unknown parameter {key!r}", key)
+    logprobs = _chat_logprobs(body) if chat else body.get("logprobs")
+    if logprobs is not None:
+        values["logprobs"] = logprobs
     room = max_context - len(ids)
     values.setdefault("max_tokens", 16 if not chat else room)
     for key, value in values.items():  # each field alone first, so the error names the one at fault
@@ -96,7 +100,19 @@ def _flag(body: dict, key: str, name: str | None = None) -> bool:
 
 
 def _openai_name(field: str, body: dict) -> str:
+    if field == "logprobs" and "top_logprobs" in body:
+        return "top_logprobs"
     return next((k for k, v in SAMPLING_FIELDS.items() if v == field and k in body), field)
+
+
+def _chat_logprobs(body: dict) -> int | None:
+    """Chat's ``logprobs`` (a bool) and ``top_logprobs`` (an int) as SamplingParams.logprobs."""
+    on, top = body.get("logprobs"), body.get("top_logprobs")
+    if on is not None and not isinstance(on, bool):
+        raise APIError(f"logprobs must be true or false for chat completions, got {on!r:.40}", "logprobs")
+    if top is not None and not on:
+        raise APIError("top_logprobs needs logprobs=true", "top_logprobs")
+    return (0 if top is None else top) if on else None
 
 
 def _prompt_ids(body: dict, tokenizer: Any) -> list[int]:

@@ -111,6 +111,16 @@ BAD = [
     ("/v1/completions", dict(prompt=PROMPT, stop=[1, 2]), "stop"),
     ("/v1/chat/completions", dict(messages="hello"), "messages"),
     ("/v1/chat/completions", dict(messages=[{"role": "user", "content": 5}]), "messages"),
+    ("/v1/completions", dict(prompt=PROMPT, logprobs=30), "logprobs"),
+    ("/v1/completions", dict(prompt=PROMPT, presence_penalty=0.5), "presence_penalty"),
+    ("/v1/completions", dict(prompt=PROMPT, presence_penalty=2.5), "presence_penalty"),
+    ("/v1/completions", dict(prompt=PROMPT, frequency_penalty=0.1), "frequency_penalty"),
+    ("/v1/completions", dict(prompt=PROMPT, repetition_penalty=1.2), "repetition_penalty"),
+    ("/v1/completions", dict(prompt=PROMPT, repetition_penalty=0), "repetition_penalty"),
+    ("/v1/chat/completions", dict(messages=MESSAGES, logprobs=True, top_logprobs=3), "logprobs"),
+    ("/v1/chat/completions", dict(messages=MESSAGES, logprobs=True, top_logprobs=21), "top_logprobs"),
+    ("/v1/chat/completions", dict(messages=MESSAGES, top_logprobs=2), "top_logprobs"),
+    ("/v1/chat/completions", dict(messages=MESSAGES, logprobs=1), "logprobs"),
 ]
 
 
@@ -136,6 +146,9 @@ def test_malformed_json_unknown_model_and_streamed_bad_requests(served: Served) 
         client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=-0.5, stream=True)
     assert info.value.body["param"] == "temperature"
     assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4).usage.completion_tokens > 0
+    neutral = dict(presence_penalty=0, frequency_penalty=0.0, extra_body={"repetition_penalty": 1.0})
+    assert client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, logprobs=False,
+                                          **neutral).usage.completion_tokens == 2
     assert client.chat.completions.create(model=MODEL, max_tokens=3, messages=[
         {"role": "user", "content": [{"type": "text", "text": "What does"}, {"type": "text", "text": " it do?"}]}]
     ).usage.completion_tokens > 0
