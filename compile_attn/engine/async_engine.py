@@ -37,7 +37,9 @@ class EngineStoppedError(CompileAttnError, RuntimeError):
 @dataclass
 class Delta:
     """What one request produced since the last Delta: its new token ids and text, and, on the last one, why it
-    finished. ``num_prompt_tokens`` / ``num_output_tokens`` count the whole request so far."""
+    finished. ``num_prompt_tokens`` / ``num_output_tokens`` count the whole request so far. ``logprobs``: one
+    ``dict[int, Logprob]`` per new token when the request asked for them (``SamplingParams.logprobs``) and the
+    step records them in ``Request.logprobs``; else None."""
 
     token_ids: list[int]
     text: str
@@ -45,6 +47,7 @@ class Delta:
     finish_reason: str | None
     num_prompt_tokens: int
     num_output_tokens: int
+    logprobs: list | None = None
 
 
 class _Stream:
@@ -259,6 +262,10 @@ class AsyncLLM:
                 text = stream.detok.finish(final)
             else:
                 text = stream.detok.push(new)
+        recorded = getattr(req, "logprobs", None)  # per output token, when the step computes them
+        logprobs = None
+        if recorded is not None and req.params.logprobs is not None:
+            logprobs = list(recorded[stream.sent_tokens: stream.sent_tokens + len(new)])
         stream.sent_tokens += len(new)
         reason = (req.finish_reason or "abort") if finished else None
-        return Delta(new, text, finished, reason, num_prompt, stream.sent_tokens)
+        return Delta(new, text, finished, reason, num_prompt, stream.sent_tokens, logprobs)

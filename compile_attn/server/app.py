@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from compile_attn.engine.async_engine import AsyncLLM, Delta, EngineOverloadedError, EngineStoppedError, RequestStream
 from compile_attn.engine.errors import InvalidRequestError
 from compile_attn.engine.llm import sample_seed
+from compile_attn.server import logprobs_format
 from compile_attn.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from compile_attn.server.protocol import APIError, Parsed, parse
 
@@ -63,9 +64,9 @@ def create_app(engine: AsyncLLM, model_name: str) -> FastAPI:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         if req.stream:
-            return StreamingResponse(_sse(samples, streams, req, rid, created, model_name, chat),
+            return StreamingResponse(_sse(samples, streams, req, rid, created, model_name, chat, llm.tokenizer),
                                      media_type="text/event-stream")
-        return await _whole(samples, streams, rid, created, model_name, chat)
+        return await _whole(samples, streams, req, rid, created, model_name, chat, llm.tokenizer)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -103,26 +104,50 @@ def _usage(prompt: int, completion: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _choice(chat: bool, index: int, text: str, finish: str | None, *, delta: bool) -> dict[str, Any]:
+def _choice(chat: bool, index: int, text: str, finish: str | None, *, delta: bool,
+            logprobs: dict | None = None) -> dict[str, Any]:
     if not chat:
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
     key = "delta" if delta else "message"
     msg = {"role": "assistant", "content": text} if not delta or text else {}
-    return {"index": index, key: msg, "logprobs": None, "finish_reason": finish}
+    return {"index": index, key: msg, "logprobs": logprobs, "finish_reason": finish}
 
 
-async def _whole(samples: list[AsyncIterator[Delta]], streams: list[RequestStream], rid: str, created: int,
-                 model: str, chat: bool) -> dict:
-    async def collect(s: AsyncIterator[Delta]) -> tuple[str, Delta]:
+class _LogprobsFormatter:
+    """One sample's Deltas' logprobs in OpenAI's form (completions' text offsets run on across Deltas)."""
+
+    def __init__(self, chat: bool, tokenizer: Any, num_top: int | None) -> None:
+        self.chat, self.tokenizer, self.num_top, self.offset = chat, tokenizer, num_top, 0
+        self.parts: list[dict] = []
+
+    def __call__(self, d: Delta) -> dict | None:
+        if d.logprobs is None or self.num_top is None:
+            return None
+        if self.chat:
+            part = logprobs_format.chat_logprobs(d.logprobs, d.token_ids, self.tokenizer, self.num_top)
+        else:
+            part = logprobs_format.completion_logprobs(d.logprobs, d.token_ids, self.tokenizer, self.num_top,
+                                                       self.offset)
+            self.offset += sum(map(len, part["tokens"]))
+        self.parts.append(part)
+        return part
+
+
+async def _whole(samples: list[AsyncIterator[Delta]], streams: list[RequestStream], req: Parsed, rid: str,
+                 created: int, model: str, chat: bool, tokenizer: Any) -> dict:
+    async def collect(s: AsyncIterator[Delta]) -> tuple[str, Delta, dict | None]:
         text, last = "", None
+        fmt = _LogprobsFormatter(chat, tokenizer, req.params.logprobs)
         async for d in s:
             text, last = text + d.text, d
-        return text, last
+            fmt(d)
+        return text, last, logprobs_format.merge(chat, fmt.parts)
 
     results = await _gather_or_abort([collect(s) for s in samples], streams)
-    choices = [_choice(chat, k, text, last.finish_reason, delta=False) for k, (text, last) in enumerate(results)]
+    choices = [_choice(chat, k, text, last.finish_reason, delta=False, logprobs=lp)
+               for k, (text, last, lp) in enumerate(results)]
     prompt = results[0][1].num_prompt_tokens
-    usage = _usage(prompt, sum(last.num_output_tokens for _, last in results))
+    usage = _usage(prompt, sum(last.num_output_tokens for _, last, _ in results))
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": model, "choices": choices, "usage": usage}
 
@@ -138,8 +163,8 @@ async def _gather_or_abort(coros: list, streams: list[RequestStream]) -> list:
             s.abort()
 
 
-async def _sse(samples: list[AsyncIterator[Delta]], streams: list[RequestStream], req: Parsed, rid: str, created: int, model: str,
-               chat: bool) -> AsyncIterator[str]:
+async def _sse(samples: list[AsyncIterator[Delta]], streams: list[RequestStream], req: Parsed, rid: str, created: int,
+               model: str, chat: bool, tokenizer: Any) -> AsyncIterator[str]:
     """Server-sent events: one chunk per Delta of any sample, the usage chunk if asked, then ``[DONE]``."""
     obj = "chat.completion.chunk" if chat else "text_completion"
     merged: asyncio.Queue = asyncio.Queue()
@@ -161,14 +186,16 @@ async def _sse(samples: list[AsyncIterator[Delta]], streams: list[RequestStream]
             yield chunk([{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None} for k in range(req.n)])
         open_, prompt, outputs = req.n, 0, [0] * req.n
+        formats = [_LogprobsFormatter(chat, tokenizer, req.params.logprobs) for _ in range(req.n)]
         while open_:
             k, d = await merged.get()
             if d is None:
                 open_ -= 1
                 continue
             prompt, outputs[k] = d.num_prompt_tokens, d.num_output_tokens
-            if d.text or d.finished:
-                yield chunk([_choice(chat, k, d.text, d.finish_reason, delta=True)])
+            lp = formats[k](d)
+            if d.text or d.finished or lp:
+                yield chunk([_choice(chat, k, d.text, d.finish_reason, delta=True, logprobs=lp)])
         for t in tasks:
             t.result()  # re-raise a sample's failure
         if req.include_usage:
