@@ -105,12 +105,16 @@ def _usage(prompt: int, completion: int) -> dict[str, int]:
 
 
 def _choice(chat: bool, index: int, text: str, finish: str | None, *, delta: bool,
-            logprobs: dict | None = None) -> dict[str, Any]:
+            logprobs: dict | None = None, token_ids: list[int] | None = None) -> dict[str, Any]:
     if not chat:
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-    key = "delta" if delta else "message"
-    msg = {"role": "assistant", "content": text} if not delta or text else {}
-    return {"index": index, key: msg, "logprobs": logprobs, "finish_reason": finish}
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+    else:
+        key = "delta" if delta else "message"
+        msg = {"role": "assistant", "content": text} if not delta or text else {}
+        choice = {"index": index, key: msg, "logprobs": logprobs, "finish_reason": finish}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return choice
 
 
 class _LogprobsFormatter:
@@ -135,19 +139,21 @@ class _LogprobsFormatter:
 
 async def _whole(samples: list[AsyncIterator[Delta]], streams: list[RequestStream], req: Parsed, rid: str,
                  created: int, model: str, chat: bool, tokenizer: Any) -> dict:
-    async def collect(s: AsyncIterator[Delta]) -> tuple[str, Delta, dict | None]:
-        text, last = "", None
+    async def collect(s: AsyncIterator[Delta]) -> tuple[str, Delta, dict | None, list[int]]:
+        text, last, ids = "", None, []
         fmt = _LogprobsFormatter(chat, tokenizer, req.params.logprobs)
         async for d in s:
             text, last = text + d.text, d
+            ids += d.token_ids
             fmt(d)
-        return text, last, logprobs_format.merge(chat, fmt.parts)
+        return text, last, logprobs_format.merge(chat, fmt.parts), ids
 
     results = await _gather_or_abort([collect(s) for s in samples], streams)
-    choices = [_choice(chat, k, text, last.finish_reason, delta=False, logprobs=lp)
-               for k, (text, last, lp) in enumerate(results)]
+    choices = [_choice(chat, k, text, last.finish_reason, delta=False, logprobs=lp,
+                       token_ids=ids if req.return_token_ids else None)
+               for k, (text, last, lp, ids) in enumerate(results)]
     prompt = results[0][1].num_prompt_tokens
-    usage = _usage(prompt, sum(last.num_output_tokens for _, last, _ in results))
+    usage = _usage(prompt, sum(r[1].num_output_tokens for r in results))
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": model, "choices": choices, "usage": usage}
 
@@ -194,8 +200,9 @@ async def _sse(samples: list[AsyncIterator[Delta]], streams: list[RequestStream]
                 continue
             prompt, outputs[k] = d.num_prompt_tokens, d.num_output_tokens
             lp = formats[k](d)
-            if d.text or d.finished or lp:
-                yield chunk([_choice(chat, k, d.text, d.finish_reason, delta=True, logprobs=lp)])
+            ids = d.token_ids if req.return_token_ids else None
+            if d.text or d.finished or lp or ids:
+                yield chunk([_choice(chat, k, d.text, d.finish_reason, delta=True, logprobs=lp, token_ids=ids)])
         for t in tasks:
             t.result()  # re-raise a sample's failure
         if req.include_usage:

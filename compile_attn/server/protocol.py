@@ -17,7 +17,8 @@ SAMPLING_FIELDS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tok
                    "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids",
                    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
                    "repetition_penalty": "repetition_penalty"}
-IGNORED = {"model", "prompt", "messages", "stream", "stream_options", "n", "user", "logprobs", "top_logprobs"}
+IGNORED = {"model", "prompt", "messages", "stream", "stream_options", "n", "user", "logprobs", "top_logprobs",
+           "return_token_ids"}
 UNSUPPORTED = {"echo", "best_of", "logit_bias", "suffix", "tools", "tool_choice", "response_format", "functions",
                "function_call", "parallel_tool_calls"}
 OPENAI_DEFAULTS = {"temperature": 1.0}  # OpenAI's default, not the engine's greedy 0.0
@@ -42,6 +43,7 @@ class Parsed:
     n: int
     stream: bool
     include_usage: bool
+    return_token_ids: bool = False  # vLLM's extension: each choice (and chunk) carries its token ids
 
 
 def parse(body: Any, *, chat: bool, tokenizer: Any, model_name: str, max_context: int) -> Parsed:
@@ -89,7 +91,7 @@ def parse(body: Any, *, chat: bool, tokenizer: Any, model_name: str, max_context
                        f"{max_context} tokens; ask for at most {room}", _openai_name("max_tokens", body))
     if values.get("stop") and tokenizer is None:
         raise APIError("stop strings need a tokenizer and this model has none", "stop")
-    return Parsed(ids, SamplingParams(**values), n, stream, include_usage)
+    return Parsed(ids, SamplingParams(**values), n, stream, include_usage, _flag(body, "return_token_ids"))
 
 
 def _flag(body: dict, key: str, name: str | None = None) -> bool:

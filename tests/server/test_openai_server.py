@@ -257,3 +257,17 @@ def test_chat_n_seeded_streamed_with_usage(served: Served) -> None:
     plain = list(client.chat.completions.create(stream=True, **kw))
     assert all(c.usage is None for c in plain) and all(c.choices for c in plain)
     served.wait_idle()
+
+
+def test_return_token_ids_whole_and_streamed(served: Served) -> None:
+    """vLLM's return_token_ids: each choice (and chunk) carries its output token ids, those generate returns."""
+    ref = served.reference.generate(PROMPT, SamplingParams(max_tokens=7, ignore_eos=True))[0]
+    body = dict(model=MODEL, prompt=PROMPT, max_tokens=7, temperature=0, ignore_eos=True, return_token_ids=True)
+    status, whole = _post(served, "/v1/completions", json.dumps(body).encode())
+    assert status == 200 and whole["choices"][0]["token_ids"] == ref.token_ids
+    chunks = list(served.client().completions.create(stream=True, extra_body={"ignore_eos": True,
+                                                                              "return_token_ids": True},
+                                                     **{k: body[k] for k in ("model", "prompt", "max_tokens",
+                                                                             "temperature")}))
+    assert [t for c in chunks for t in (c.choices[0].model_extra or {}).get("token_ids", [])] == ref.token_ids
+    served.wait_idle()
