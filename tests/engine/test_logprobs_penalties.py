@@ -131,3 +131,34 @@ def test_shape_errors_name_the_argument() -> None:
                         torch.ones(3))
     with pytest.raises(ValueError, match="num_top"):
         compute_logprobs(logits, torch.zeros(2, dtype=torch.int64), V + 1)
+
+
+def test_penalty_state_follows_requests_through_rows() -> None:
+    """Requests take rows, sample for a few steps (counted on the device), one is preempted and restarts in another
+    row with its outputs so far; the penalised logits match the float64 reference of each request's own lists."""
+    from compile_attn.engine.sampling.penalties import PenaltyState
+
+    rng = random.Random(3)
+    state = PenaltyState(max_rows=4, vocab_size=V, device="cpu")
+    prompts, outputs = random_rows(rng, 3)
+    outputs = [[] for _ in prompts]
+    rows = [2, 0, 3]
+    for r, p in zip(rows, prompts):
+        state.start(r, torch.tensor(p))
+    params = [(0.4, 0.3, 1.2), (-0.5, 0.0, 0.9), (0.0, 1.0, 1.0)]
+    presence, frequency, repetition = (torch.tensor(x) for x in zip(*params))
+    gen = torch.Generator().manual_seed(3)
+    for step in range(12):
+        if step == 6:  # request 1 preempted: row 0 freed, later restarted in row 1 from its prompt and outputs
+            state.start(0, torch.tensor([1, 2, 3]))  # someone else's request took row 0
+            rows[1] = 1
+            state.start(1, torch.tensor(prompts[1]), torch.tensor(outputs[1], dtype=torch.int64))
+        logits = torch.randn(3, V, generator=gen) * 2
+        got = state.apply(logits, torch.tensor(rows), presence, frequency, repetition)
+        for i in range(3):
+            want = ref_penalised(logits[i].double().tolist(), prompts[i], outputs[i], *params[i])
+            assert got[i].tolist() == pytest.approx(want, abs=1e-5)
+        tokens = got.argmax(-1) if step % 2 else torch.tensor([rng.randrange(4) for _ in range(3)])
+        state.record(torch.tensor(rows), tokens)
+        for i, t in enumerate(tokens.tolist()):
+            outputs[i].append(t)

@@ -3,8 +3,9 @@
 The inputs are per-row token statistics kept on the device: ``output_counts[R, V]`` (how often each token occurs in
 a request's output so far) and ``prompt_mask[R, V]`` (whether it occurs in the prompt), one row per request slot.
 ``count_tokens`` builds them from token ids, ``add_tokens`` counts a step's sampled tokens without leaving the
-device (no host sync), and ``apply_penalties`` rewrites the logits of the batch's rows. Nothing here decides which
-rows need penalties: the caller passes only those rows, or neutral values for the others.
+device (no host sync), and ``apply_penalties`` rewrites the logits of the batch's rows; ``PenaltyState`` holds the
+statistics per request row for an engine. Nothing here decides which rows need penalties: the caller passes only
+those rows, or neutral values for the others.
 """
 
 from __future__ import annotations
@@ -53,3 +54,36 @@ def apply_penalties(logits: torch.Tensor, output_counts: torch.Tensor, prompt_ma
     scale = torch.where(seen, repetition.float()[:, None], 1.0)
     out = torch.where(out > 0, out / scale, out * scale)
     return out - frequency.float()[:, None] * counts - presence.float()[:, None] * (counts > 0)
+
+
+class PenaltyState:
+    """The per-request-row statistics that penalties read, kept on the device for ``max_rows`` rows (the KV
+    cache's request rows) and a vocabulary of ``vocab_size``: ``output_counts[max_rows, V]`` (int32) and
+    ``prompt_mask[max_rows, V]`` (bool). ``start`` fills a row when a request takes it (its prompt, and its outputs
+    so far after a preemption), ``record`` counts a step's sampled tokens without a host sync, ``apply`` penalises
+    the logits of a step's rows."""
+
+    def __init__(self, max_rows: int, vocab_size: int, device: torch.device | str) -> None:
+        self.output_counts = torch.zeros(max_rows, vocab_size, dtype=torch.int32, device=device)
+        self.prompt_mask = torch.zeros(max_rows, vocab_size, dtype=torch.bool, device=device)
+
+    def start(self, row: int, prompt_ids: torch.Tensor, output_ids: torch.Tensor | None = None) -> None:
+        """Row ``row`` now holds a request with these prompt (and, after a preemption, output) token ids (int64,
+        1-D, on the device or the host)."""
+        device = self.output_counts.device
+        self.output_counts[row].zero_()
+        self.prompt_mask[row].zero_()
+        self.prompt_mask[row, prompt_ids.to(device)] = True
+        if output_ids is not None and output_ids.numel():
+            ids = output_ids.to(device)
+            add_tokens(self.output_counts, torch.full_like(ids, row), ids)
+
+    def record(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """A step sampled ``token_ids[B]`` for the requests in ``rows[B]`` (int64 device tensors)."""
+        add_tokens(self.output_counts, rows, token_ids)
+
+    def apply(self, logits: torch.Tensor, rows: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor,
+              repetition: torch.Tensor) -> torch.Tensor:
+        """``apply_penalties`` for the step's ``logits[B, V]``, whose row i belongs to request row ``rows[i]``."""
+        return apply_penalties(logits, self.output_counts[rows], self.prompt_mask[rows], presence, frequency,
+                               repetition)
