@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from compile_attn.engine.errors import InvalidRequestError, RequestTypeError
-from compile_attn.engine.sampling_params import SamplingParams, check_wired
+from compile_attn.engine.sampling_params import SamplingParams
 
 _PROMPT_KINDS = ("a string (with a tokenizer), a list or tuple of token ids, or a 1-D integer tensor or NumPy array")
 
@@ -66,8 +66,7 @@ def split_prompts(prompts: Any) -> list[Any]:
 
 
 def split_params(params: Any, num_prompts: int) -> list[SamplingParams]:
-    """SamplingParams for each prompt from None, one SamplingParams or dict (for every prompt), or one per prompt;
-    options the step does not compute yet are refused here (``check_wired``)."""
+    """SamplingParams for each prompt from None, one SamplingParams or dict (for every prompt), or one per prompt."""
     if params is None or isinstance(params, (SamplingParams, Mapping)):
         return [_as_params(params)] * num_prompts
     if isinstance(params, Sequence) and not isinstance(params, (str, bytes)):
@@ -82,12 +81,9 @@ def _as_params(params: Any) -> SamplingParams:
     if params is None:
         return SamplingParams()
     if isinstance(params, SamplingParams):
-        check_wired(params)
         return params
     if isinstance(params, Mapping):
-        out = SamplingParams.from_mapping(params)
-        check_wired(out)
-        return out
+        return SamplingParams.from_mapping(params)
     raise RequestTypeError(
         f"sampling params must be a SamplingParams or a dict of its fields (e.g. {{'max_new_tokens': 8}}), "
         f"got {type(params).__name__} {_short(params)}"

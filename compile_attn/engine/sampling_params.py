@@ -57,10 +57,6 @@ ALIASES = {"max_tokens": "max_new_tokens"}  # vLLM's names for fields spelt diff
 MAX_LOGPROBS = 20  # top logprobs per token at most (vLLM's default max_logprobs, OpenAI's top_logprobs limit)
 PENALTY_RANGE = 2.0  # presence / frequency penalties lie in [-2, 2], as OpenAI and vLLM define them
 
-# Fields SamplingParams accepts and checks but that the engine's step does not compute yet, with their neutral
-# value: a request setting one is refused at admission (check_wired) rather than silently ignored. Remove a name
-# once the step computes it; remove check_wired when this is empty.
-NOT_WIRED = {"logprobs": None, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 
 
 @dataclass(frozen=True, init=False)
@@ -86,9 +82,9 @@ class SamplingParams:
     Next to vLLM: ``max_tokens=`` is accepted as vLLM's name for ``max_new_tokens`` (and read back as
     ``.max_tokens``); giving both with different values is refused. The default temperature is 0.0 (greedy)
     where vLLM's is 1.0: pass ``temperature=1.0`` for vLLM's default sampling. vLLM's ``prompt_logprobs`` and
-    ``best_of`` are not supported: a value other than their neutral one is refused by name. Until the engine's
-    step computes them, ``logprobs`` and the penalties are checked here but refused when a request is admitted
-    (see ``check_wired``).
+    ``best_of`` are not supported: a value other than their neutral one is refused by name. ``logprobs`` (0-20 top
+    tokens besides the sampled one, from the model's raw logits) and the presence / frequency / repetition
+    penalties (applied before temperature and filters) take vLLM's names and ranges.
     """
 
     max_new_tokens: int = 16
@@ -178,18 +174,6 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         """Some presence, frequency or repetition penalty is on."""
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-
-
-def check_wired(params: SamplingParams) -> None:
-    """Refuse, naming the field, a request that sets an option the engine's step does not compute yet
-    (``NOT_WIRED``); InvalidRequestError with ``param`` set to the field's name."""
-    for name, neutral in NOT_WIRED.items():
-        value = getattr(params, name)
-        if value != neutral:
-            err = InvalidRequestError(f"{name}={value!r}: not computed by this engine's sampling step yet; leave it "
-                                      f"unset ({neutral!r})")
-            err.param = name
-            raise err
 
 
 def _refuse_unsupported(values: Mapping[str, Any]) -> None:

@@ -42,10 +42,7 @@ def add_parser(sub: argparse._SubParsersAction, formatter_class: type[argparse.H
     p.add_argument("--offline", action="store_true",
                    help="first time LLM.generate on the same workload, and report each rate against it")
     add_engine_options(p, device_help="cuda or cpu (default: cuda if there is one)", max_batch_size=256,
-                       max_num_tokens=8192)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="the engine's share of the GPU")
-    p.add_argument("--page-size", type=int, default=1, help="KV cache page size in tokens")
-    p.add_argument("--max-context", type=int, default=None, help="default: the workload's longest request")
+                       max_num_tokens=8192, max_context_help="default: the workload's longest request")
     p.add_argument("--out", default=None, help="write JSON here (results, with the command, versions and commit)")
     p.set_defaults(func=cmd_bench_serve, prepare=prepare, subparser=p)
 
@@ -90,7 +87,7 @@ def prepare(args: argparse.Namespace) -> None:
         device=device, backend=args.backend, graph_mode=args.graph_mode, compile=not args.no_compile,
         max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens, kv_cache_tokens=args.kv_cache_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization, page_size=args.page_size, max_context=args.max_context,
-        hf=False)
+        overlap=not args.no_overlap, hf=False)
     args.cfg = ServingBenchConfig(engine=engine, url=args.url, served_model_name=args.served_model_name,
                                   vocab_size=args.vocab_size, request_rates=_rates(args.request_rates),
                                   max_concurrency=args.max_concurrency, num_warmup=args.num_warmup,

@@ -162,19 +162,6 @@ def test_unimplemented_vllm_options_are_refused_by_name(toy_llm: LLM, name: str,
     assert_kv_empty(toy_llm)
 
 
-@pytest.mark.parametrize(("name", "value"), [("logprobs", 1), ("logprobs", 0), ("presence_penalty", 0.5),
-                                             ("frequency_penalty", -0.2), ("repetition_penalty", 1.1)])
-def test_options_the_step_does_not_compute_yet_are_refused_at_admission(toy_llm: LLM, name: str,
-                                                                        value: object) -> None:
-    params = SamplingParams(**{name: value})  # checked and kept ...
-    assert getattr(params, name) == value
-    for given in (params, {name: value}, [params]):  # ... but refused before anything is queued
-        with pytest.raises(InvalidRequestError, match=f"{name}={value!r}: not computed") as info:
-            toy_llm.generate([[1, 2]], given)
-        assert info.value.param == name
-    assert_kv_empty(toy_llm)
-
-
 @pytest.mark.parametrize(("kw", "message"), [
     (dict(logprobs=21), r"logprobs must be in \[0, 20\]"), (dict(logprobs=-1), r"logprobs must be in"),
     (dict(logprobs=1.0), "logprobs must be an int"), (dict(presence_penalty=2.5), r"presence_penalty must be in \[-2"),

@@ -13,7 +13,7 @@ import pytest
 
 from compile_attn.cli import build_parser, main
 from compile_attn.server.load_client import RequestRecord, load_and_summarize, percentile, run_load, summarize
-from conftest import MODEL, Served
+from tests.server.conftest import MODEL, Served
 
 
 def test_percentile_and_summary_against_numpy() -> None:

@@ -8,7 +8,7 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import MODEL, Served
+from tests.server.conftest import MODEL, Served
 
 
 def scrape(served: Served) -> dict[str, float]:

@@ -90,14 +90,12 @@ BAD = [
     ("/v1/completions", dict(prompt=PROMPT, max_tokens=600), "max_tokens"),
     ("/v1/completions", dict(prompt="word " * 600), "prompt"),
     ("/v1/completions", dict(prompt=PROMPT, temperature=-1), "temperature"),
-    ("/v1/completions", dict(prompt=PROMPT, logprobs=2), "logprobs"),
     ("/v1/completions", dict(prompt=PROMPT, top_p=1.5), "top_p"),
     ("/v1/completions", dict(prompt=""), "prompt"),
     ("/v1/completions", dict(prompt=PROMPT, n=0), "n"),
     ("/v1/completions", dict(prompt=PROMPT, frobnicate=1), "frobnicate"),
     ("/v1/chat/completions", dict(messages=[]), "messages"),
     ("/v1/chat/completions", dict(messages=[{"content": "hi"}]), "messages"),
-    ("/v1/chat/completions", dict(messages=MESSAGES, logprobs=True), "logprobs"),
     ("/v1/completions", dict(model="other", prompt=PROMPT), "model"),
     ("/v1/completions", dict(model=None, prompt=PROMPT), "model"),
     ("/v1/completions", dict(prompt=PROMPT, max_tokens=0), "max_tokens"),
@@ -112,12 +110,8 @@ BAD = [
     ("/v1/chat/completions", dict(messages="hello"), "messages"),
     ("/v1/chat/completions", dict(messages=[{"role": "user", "content": 5}]), "messages"),
     ("/v1/completions", dict(prompt=PROMPT, logprobs=30), "logprobs"),
-    ("/v1/completions", dict(prompt=PROMPT, presence_penalty=0.5), "presence_penalty"),
     ("/v1/completions", dict(prompt=PROMPT, presence_penalty=2.5), "presence_penalty"),
-    ("/v1/completions", dict(prompt=PROMPT, frequency_penalty=0.1), "frequency_penalty"),
-    ("/v1/completions", dict(prompt=PROMPT, repetition_penalty=1.2), "repetition_penalty"),
     ("/v1/completions", dict(prompt=PROMPT, repetition_penalty=0), "repetition_penalty"),
-    ("/v1/chat/completions", dict(messages=MESSAGES, logprobs=True, top_logprobs=3), "logprobs"),
     ("/v1/chat/completions", dict(messages=MESSAGES, logprobs=True, top_logprobs=21), "top_logprobs"),
     ("/v1/chat/completions", dict(messages=MESSAGES, top_logprobs=2), "top_logprobs"),
     ("/v1/chat/completions", dict(messages=MESSAGES, logprobs=1), "logprobs"),
@@ -270,4 +264,36 @@ def test_return_token_ids_whole_and_streamed(served: Served) -> None:
                                                      **{k: body[k] for k in ("model", "prompt", "max_tokens",
                                                                              "temperature")}))
     assert [t for c in chunks for t in (c.choices[0].model_extra or {}).get("token_ids", [])] == ref.token_ids
+    served.wait_idle()
+
+
+def test_logprobs_and_penalties_match_generate(served: Served) -> None:
+    """Completions with logprobs and penalties, whole and streamed, give the reference LLM's tokens and logprobs;
+    chat's logprobs carry the same values in chat's shape."""
+    client = served.client()
+    sp = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2, presence_penalty=0.4, frequency_penalty=0.6,
+                        repetition_penalty=1.3)
+    ref = served.reference.generate(PROMPT, sp)[0].outputs[0]
+    plain = served.reference.generate(PROMPT, SamplingParams(max_tokens=12, ignore_eos=True))[0]
+    assert ref.token_ids != plain.token_ids, "the penalties were meant to change the output"
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, logprobs=2, presence_penalty=0.4,
+              frequency_penalty=0.6, extra_body={"ignore_eos": True, "repetition_penalty": 1.3})
+    whole = client.completions.create(**kw).choices[0]
+    assert whole.text == ref.text
+    want = [lp[t].logprob for t, lp in zip(ref.token_ids, ref.logprobs)]
+    assert whole.logprobs.token_logprobs == pytest.approx(want, abs=1e-6)
+    assert all(len(top) == 2 for top in whole.logprobs.top_logprobs)
+    for top, lp in zip(whole.logprobs.top_logprobs, ref.logprobs):
+        best = sorted(((e.rank, e.logprob) for t, e in lp.items() if e.rank <= 2))
+        assert sorted(top.values(), reverse=True)[:len(best)] == pytest.approx([v for _, v in best], abs=1e-6)
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kw) if c.choices]
+    streamed = [v for c in chunks if c.logprobs for v in c.logprobs.token_logprobs]
+    assert "".join(c.text for c in chunks) == ref.text and streamed == pytest.approx(want, abs=1e-6)
+    chat_ref = served.reference.chat(MESSAGES, SamplingParams(max_tokens=6, ignore_eos=True, logprobs=2))[0]
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True,
+                                          top_logprobs=2, extra_body={"ignore_eos": True}).choices[0]
+    got = [c.logprob for c in chat.logprobs.content]
+    assert got == pytest.approx([lp[t].logprob for t, lp in zip(chat_ref.token_ids, chat_ref.outputs[0].logprobs)],
+                                abs=1e-6)
+    assert all(len(c.top_logprobs) == 2 for c in chat.logprobs.content)
     served.wait_idle()

@@ -52,18 +52,31 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
     return StepLogprobs(token_ids, sampled, rank, top_ids, top_logprobs)
 
 
-def to_host(step: StepLogprobs, num_top: Sequence[int]) -> list[dict[int, Logprob]]:
-    """Per row, the dict vLLM returns for one output token: the sampled token first, then the row's ``num_top[i]``
-    likeliest (at most the ``k`` computed; a token in both appears once). One device-to-host copy."""
-    rows, k = step.top_ids.shape
-    if len(num_top) != rows or any(n < 0 or n > k for n in num_top):
-        raise ValueError(f"num_top must give {rows} counts in [0, {k}], got {list(num_top)}")
-    packed = torch.cat([step.token_ids[:, None].double(), step.sampled[:, None].double(),
-                        step.rank[:, None].double(), step.top_ids.double(), step.top_logprobs.double()], dim=1)
+def pack(step: StepLogprobs) -> torch.Tensor:
+    """The step's log-probabilities as one float64 device tensor ``[B, 3 + 2k]`` (token id, its logprob, its rank,
+    the top ids, the top logprobs), so that they reach the host in one copy. Token ids < 2**53 are exact."""
+    return torch.cat([step.token_ids[:, None].double(), step.sampled[:, None].double(), step.rank[:, None].double(),
+                      step.top_ids.double(), step.top_logprobs.double()], dim=1)
+
+
+def unpack(rows: Sequence[Sequence[float]], num_top: Sequence[int]) -> list[dict[int, Logprob]]:
+    """Per row of ``pack``'s host copy, the dict vLLM returns for one output token: the sampled token first, then the
+    row's ``num_top[i]`` likeliest (at most the ``k`` packed; a token in both appears once)."""
     out = []
-    for row, n in zip(packed.cpu().tolist(), num_top):  # ids < 2**53: exact in float64
+    for row, n in zip(rows, num_top):
+        k = (len(row) - 3) // 2
+        if not 0 <= n <= k:
+            raise ValueError(f"num_top must be in [0, {k}] (the top tokens computed), got {n}")
         entry = {int(row[0]): Logprob(row[1], int(row[2]))}
         for j in range(n):
             entry.setdefault(int(row[3 + j]), Logprob(row[3 + k + j], j + 1))
         out.append(entry)
     return out
+
+
+def to_host(step: StepLogprobs, num_top: Sequence[int]) -> list[dict[int, Logprob]]:
+    """``unpack`` of ``pack(step)``: one device-to-host copy (which waits for the device)."""
+    rows, k = step.top_ids.shape
+    if len(num_top) != rows or any(n < 0 or n > k for n in num_top):
+        raise ValueError(f"num_top must give {rows} counts in [0, {k}], got {list(num_top)}")
+    return unpack(pack(step).cpu().tolist(), num_top)
