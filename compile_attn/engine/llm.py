@@ -51,6 +51,7 @@ class LLM:
     the weights, a profile run's activations and a CUDA graph reserve; on the CPU to ``max_batch_size *
     max_context`` capped by host memory (see engine/kv_sizing.py). ``dtype``: a floating torch.dtype or one of
     vLLM's names ("auto" = None: bfloat16 on CUDA, float32 on the CPU; "bfloat16", "float16", "float32").
+    ``enable_prefix_cache`` keeps computed KV in a radix tree so that prompts starting alike reuse it.
     """
 
     def __init__(
@@ -72,6 +73,7 @@ class LLM:
         compile_options: dict | None = None,
         capture: bool = True,
         overlap: bool = True,
+        enable_prefix_cache: bool = True,
     ) -> None:
         check_backend_name(attn_backend)  # a misspelt name or mode fails here, not after the model has loaded
         graphs = GraphMode.parse(graph_mode) is not GraphMode.NONE
@@ -93,6 +95,7 @@ class LLM:
         ).num_tokens
         self.kv_cache = KVCache.for_layers(layers, max_requests=max_batch_size, max_context=max_context,
                                            num_tokens=kv_cache_tokens, page_size=page_size, dtype=dtype, device=device)
+        self.kv_cache.enable_prefix_cache(enable_prefix_cache)  # reuse computed prompts' KV (see prefix_cache.py)
         self.backend = create_backend(attn_backend, self.kv_cache, layers)
         self.scheduler = Scheduler(self.kv_cache, max_batch_size, max_num_tokens)
         self.step_runner = StepRunner(
