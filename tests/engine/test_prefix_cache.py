@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -168,3 +169,17 @@ def test_second_generate_computes_only_each_prompts_last_token(toy: ToyDecoder) 
     llm.kv_cache.enable_prefix_cache(False)
     llm.generate(prompts, params)
     assert counter.take() == sum(map(len, prompts)) + len(prompts) * 3  # off: every prompt token again
+
+
+def test_cached_pages_are_evicted_before_anyone_is_preempted(toy: ToyDecoder) -> None:
+    llm = LLM(toy, graph_mode="none", compile=False, max_batch_size=4, max_num_tokens=64, max_context=48,
+              kv_cache_tokens=48, page_size=4, device="cpu")
+    cache = llm.kv_cache.prefix_cache
+    llm.generate([STEMS[0][:30]], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert page_account(llm.kv_cache).cached_only >= 7  # the prompt's 7 whole pages at least, of 12
+    prompts = [STEMS[1][:14], [(5 * j + 2) % 53 for j in range(14)]]  # nothing in common with the first
+    outs = llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))  # 10 pages: some must be evicted
+    assert [o.token_ids for o in outs] == [greedy_by_recompute(toy, p, 4) for p in prompts]
+    assert llm.scheduler.num_preemptions == 0 and cache.num_hit_tokens == 0
+    _, left = cache.tree.match(np.array(STEMS[0][:30]))
+    assert len(left) < 7  # the first prompt's pages made the room
