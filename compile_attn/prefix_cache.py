@@ -120,8 +120,7 @@ class PrefixCache:
                 own[borrowed + i] = cached[borrowed + i]
             self._write_table(row, (dup + borrowed).tolist(), theirs[dup])
         self.tree.pin(leaf)
-        if node is not self.tree.root:
-            self.tree.unpin(node)
+        self.tree.unpin(node)
         self._held[row] = (leaf, num_pages)
 
     def _write_table(self, row: int, page_indices: range | list[int], pages: array.array | np.ndarray) -> None:
@@ -142,8 +141,7 @@ class PrefixCache:
         if held is None:
             return pages
         node, borrowed = held
-        if node is not self.tree.root:
-            self.tree.unpin(node)
+        self.tree.unpin(node)
         return pages[borrowed:]
 
     def evict(self, num_pages: int) -> int:

@@ -56,8 +56,7 @@ class RadixTree:
 
     def __init__(self, page_size: int) -> None:
         self.page_size = page_size
-        self.root = Node(np.empty(0, dtype=np.int64), array.array("q"), None)
-        self.root.ref = 1  # never evicted
+        self.root = Node(np.empty(0, dtype=np.int64), array.array("q"), None)  # never pinned, never evicted
         self.evictable_pages = 0  # pages of unpinned nodes: what eviction can free
         self.num_pages = 0  # pages in the tree
         self._clock = itertools.count(1)
@@ -120,15 +119,15 @@ class RadixTree:
         return node, have
 
     def pin(self, node: Node) -> None:
-        """Hold ``node`` and every node above it: none of them is evicted until ``unpin``."""
-        while node is not None:
+        """Hold ``node`` and every node above it: none of them is evicted until ``unpin`` (the root: no-op)."""
+        while node is not self.root:
             if node.ref == 0:
                 self.evictable_pages -= len(node.pages)
             node.ref += 1
             node = node.parent
 
     def unpin(self, node: Node) -> None:
-        while node is not None:
+        while node is not self.root:
             node.ref -= 1
             assert node.ref >= 0, "a radix tree node was unpinned more often than pinned"
             if node.ref == 0:
