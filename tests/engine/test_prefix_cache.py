@@ -8,23 +8,17 @@ and 4) get the recompute reference's tokens, and every page is accounted for aft
 
 from __future__ import annotations
 
-import os
-import sys
-
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "hf"))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from greedy_reference import greedy_by_recompute  # noqa: E402
-from hf_tiny_models import FAMILIES, build_pair  # noqa: E402
-
-from compile_attn.engine import LLM, SamplingParams  # noqa: E402
-from compile_attn.models import ToyDecoder, ToyDecoderConfig  # noqa: E402
-from compile_attn.prefix_cache import page_account  # noqa: E402
+from compile_attn.engine import LLM, SamplingParams
+from compile_attn.models import ToyDecoder, ToyDecoderConfig
+from compile_attn.prefix_cache import page_account
+from tests.greedy_reference import greedy_by_recompute
+from tests.hf.hf_tiny_models import FAMILIES, build_pair
 
 SHARED = [(7 * j + 3) % 96 for j in range(21)]
 FIRST = SHARED + [5, 6, 7]
