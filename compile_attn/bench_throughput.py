@@ -166,8 +166,6 @@ def engine_round(llm, workload: Workload) -> dict:
     while llm.has_work():
         t0 = time.perf_counter()
         kind = _step(llm, finished)
-        seconds[kind] += time.perf_counter() - t0
-        steps[kind] += 1
         for r in finished:  # a multi-turn conversation's next prompt: this one, its answer, the user's new tokens
             i, k = turn[id(r)]
             if k < workload.turns(i):
@@ -175,6 +173,8 @@ def engine_round(llm, workload: Workload) -> dict:
                 turn[id(nxt)] = (i, k + 1)
                 requests.append(nxt)
         finished.clear()
+        seconds[kind] += time.perf_counter() - t0
+        steps[kind] += 1
     _sync(llm.device.type)
     wall = time.perf_counter() - start
     generated = sum(r.num_output for r in requests)
