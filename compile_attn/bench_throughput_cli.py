@@ -9,7 +9,7 @@ import logging
 
 import torch
 
-from compile_attn.bench_workloads import WORKLOADS
+from compile_attn.bench_workloads import ALL_WORKLOADS
 from compile_attn.cli_options import add_engine_options
 
 
@@ -19,7 +19,7 @@ def add_parser(sub: argparse._SubParsersAction, formatter_class: type[argparse.H
                        description="Run a seeded workload through compile_attn.LLM twice (right after start-up, then "
                                    "again) and through HF transformers' generate_batch: tok/s, steps and time per "
                                    "step kind, GPU busy fraction, start-up time.")
-    p.add_argument("workload", choices=WORKLOADS,
+    p.add_argument("workload", choices=ALL_WORKLOADS,
                    help="nanovllm: nano-vllm's bench (256 prompts of 100-1024 random ids, 100-1024 new tokens, "
                         "temperature 0.6); fixed: N x (P prompt + O new), greedy; shared-prefix: N (256) prompts of "
                         "one P-token (2,048) system prompt + 32 own tokens, O (128) new, greedy; multi-turn: N (64) "

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 from compile_attn.errors import CompileAttnError
 
-WORKLOADS = ("nanovllm", "fixed", "shared-prefix", "multi-turn")
+WORKLOADS = ("nanovllm", "fixed", "shared-prefix")  # every prompt known up front: any client can send them
+ALL_WORKLOADS = (*WORKLOADS, "multi-turn")  # a multi-turn prompt needs the answer before it (the throughput driver)
 PREFIX_WORKLOADS = ("shared-prefix", "multi-turn")  # run with the prefix cache on and off
 
 
@@ -145,4 +146,4 @@ def build(name: str, vocab_size: int, *, num_seqs: int | None = None, prompt_len
         return shared_prefix(vocab_size=vocab_size, **sizes)
     if name == "multi-turn":
         return multi_turn(vocab_size=vocab_size, **sizes)
-    raise WorkloadError(f"unknown workload {name!r}; choose among {', '.join(WORKLOADS)}")
+    raise WorkloadError(f"unknown workload {name!r}; choose among {', '.join(ALL_WORKLOADS)}")
