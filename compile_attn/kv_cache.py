@@ -6,7 +6,9 @@ the page holding it. Page 0 and request row 0 are reserved scratch: padded token
 slot), so padding never touches a live request's KV. Allocation is all-or-nothing: when it cannot be
 satisfied, a KVCacheExhaustedError is raised and nothing changed. The cache also answers whether a batch
 fits it (``issued``, ``check_rows``, ``check_slots``, from ``kv_batch_checks``: see ``ForwardBatch.check``). Index formats built from
-the request table live in ``kv_index``.
+the request table live in ``kv_index``. With a prefix cache (``enable_prefix_cache``, see ``prefix_cache``) a row's
+first pages may be borrowed from its radix tree: freeing the row returns only its own pages, and an allocation
+evicts pages only the tree holds when the free ones run short.
 """
 
 from __future__ import annotations
