@@ -6,9 +6,7 @@ the page holding it. Page 0 and request row 0 are reserved scratch: padded token
 slot), so padding never touches a live request's KV. Allocation is all-or-nothing: when it cannot be
 satisfied, a KVCacheExhaustedError is raised and nothing changed. The cache also answers whether a batch
 fits it (``issued``, ``check_rows``, ``check_slots``, from ``kv_batch_checks``: see ``ForwardBatch.check``). Index formats built from
-the request table live in ``kv_index``. With a prefix cache (``enable_prefix_cache``, see ``prefix_cache``) a row's
-first pages may be borrowed from its radix tree: freeing the row returns only its own pages, and an allocation
-evicts pages only the tree holds when the free ones run short.
+the request table live in ``kv_index``.
 """
 
 from __future__ import annotations
@@ -27,10 +25,10 @@ from compile_attn.arg_checks import kv_dtype, positive_int
 from compile_attn.errors import InvalidBatchError, KVCacheExhaustedError
 from compile_attn.host_tensors import ragged_arange, repeat_each, to_device
 from compile_attn.kv_batch_checks import BatchChecks
-from compile_attn.prefix_cache import PrefixCache
 
 if TYPE_CHECKING:
     from compile_attn.layer import AttentionLayer
+    from compile_attn.prefix_cache import PrefixCache
 
 logger = logging.getLogger(__name__)
 
@@ -259,8 +257,12 @@ class KVCache(BatchChecks):
         return self.available_pages * self.page_size
 
     def enable_prefix_cache(self, enabled: bool = True) -> None:
-        """Keep computed KV in a radix tree for later requests to reuse (see prefix_cache.py); False drops what
-        it holds and turns it off (only while no request row holds pages)."""
+        """Keep computed KV in a radix tree for later requests to reuse (see prefix_cache.py): a row's first pages
+        may then be borrowed from it, freeing a row returns only its own pages, and an allocation evicts pages only
+        the tree holds when the free ones run short. False drops what it holds and turns it off (only while no
+        request row holds pages)."""
+        from compile_attn.prefix_cache import PrefixCache  # it reaches into this module's rows: imported late
+
         if enabled and self.prefix_cache is None:
             self.prefix_cache = PrefixCache(self)
         elif not enabled and self.prefix_cache is not None:

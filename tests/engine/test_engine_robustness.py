@@ -27,8 +27,8 @@ from compile_attn.engine import (
     SamplingParams,
 )
 from compile_attn.errors import CompileAttnError
-from compile_attn.models import ToyDecoder, ToyDecoderConfig
 from compile_attn.prefix_cache import page_account
+from compile_attn.models import ToyDecoder, ToyDecoderConfig
 from greedy_reference import greedy_by_recompute
 
 VOCAB = 256
