@@ -51,7 +51,8 @@ class LLM:
     before the model loads; an unknown keyword is refused with the closest option names.
     ``overlap`` (on by default) keeps one step in flight: the host schedules and launches step N+1 while the device
     runs step N, and reads step N's tokens after (see ``step`` and engine/in_flight.py); ``overlap=False`` reads
-    each step's tokens before scheduling the next. Both give the same tokens.
+    each step's tokens before scheduling the next. Both give the same tokens. ``enable_prefix_cache`` (on by
+    default) keeps computed KV in a radix tree so that prompts starting alike reuse it (see prefix_cache.py).
     """
 
     def __init__(self, model: Any, *, tokenizer: Any = None, config: EngineConfig | None = None,
@@ -67,6 +68,7 @@ class LLM:
         self.kv_cache = KVCache.for_layers(layers, max_batch_size=config.max_batch_size, max_context=max_context,
                                            kv_cache_tokens=kv_cache_tokens, page_size=config.page_size, dtype=dtype,
                                            device=device)
+        self.kv_cache.enable_prefix_cache(config.enable_prefix_cache)  # reuse computed prompts' KV
         self.backend = create_backend(config.attn_backend, self.kv_cache, layers)
         self.scheduler = Scheduler(self.kv_cache, config.max_batch_size, config.max_num_tokens)
         self.step_runner = StepRunner(
