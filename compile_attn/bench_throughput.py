@@ -2,8 +2,10 @@
 ``rounds`` times (the first right after start-up), next to HF transformers' continuous batching on the same
 workload. Behind ``compile-attn throughput``; results print as a markdown table and JSON.
 
-Each round queues every request with ``LLM.add_request`` and calls ``LLM.step`` until the scheduler is empty,
-timing each step (a step ends with its one host sync) under its ForwardMode. GPU busy fraction comes from the
+Each round queues every request with ``LLM.add_request`` (a multi-turn workload queues each conversation's next
+turn when the turn before finishes) and calls ``LLM.step`` until the scheduler is empty, timing each step (a step
+ends with its one host sync) under its ForwardMode. Each round starts with an empty prefix cache and reports its
+hit rate; the prefix-cache workloads run their rounds again with the cache off, on the same engine. GPU busy fraction comes from the
 profiler's kernel intervals over short windows of steps in one more round after the timed ones, since a
 profiler session slows later work in the same process.
 """
@@ -38,6 +40,7 @@ class ThroughputConfig:
     graph_mode: str = "full_and_piecewise"
     compile: bool = True
     overlap: bool = True
+    prefix_cache: bool = True  # the prefix-cache workloads also run with it off unless this is False
     max_batch_size: int = 256
     max_num_tokens: int = 8192
     kv_cache_tokens: int | None = None  # None: sized from gpu_memory_utilization
@@ -68,7 +71,10 @@ def run(cfg: ThroughputConfig) -> dict:
     result["engine"] = engine | {"gpu_busy": busy}
     model = None  # the engine's adapter changed the model's attention: HF gets a fresh one
     _release(cfg.device)
-    if cfg.hf:
+    if cfg.hf and workload.follow_ups:
+        result["hf"] = {"skipped": "generate_batch takes every prompt at once; a multi-turn prompt needs the answer "
+                                   "before it"}
+    elif cfg.hf:
         from compile_attn import bench_hf_batch
 
         # what the engine left behind on the device (HF's KV cache takes its share of what is free)
@@ -97,7 +103,8 @@ def _run_engine(model: object, workload: Workload, cfg: ThroughputConfig, dtype:
     llm = LLM(model, attn_backend=cfg.backend, graph_mode=cfg.graph_mode, compile=cfg.compile,
               max_batch_size=cfg.max_batch_size, max_num_tokens=cfg.max_num_tokens,
               kv_cache_tokens=cfg.kv_cache_tokens, gpu_memory_utilization=cfg.gpu_memory_utilization, max_context=cfg.max_context or workload.longest,
-              page_size=cfg.page_size, device=cfg.device, dtype=dtype, overlap=cfg.overlap)
+              page_size=cfg.page_size, device=cfg.device, dtype=dtype, overlap=cfg.overlap,
+              enable_prefix_cache=cfg.prefix_cache)
     _sync(cfg.device)
     engine = dict(system=f"compile_attn {llm.backend.name} {llm.step_runner.graph_mode.value}"
                          + ("" if cfg.overlap else " no-overlap"), overlap=cfg.overlap,
@@ -108,6 +115,12 @@ def _run_engine(model: object, workload: Workload, cfg: ThroughputConfig, dtype:
     for _ in range(cfg.rounds):
         engine["rounds"].append(engine_round(llm, workload))
         logger.info("round %d: %s", len(engine["rounds"]), engine["rounds"][-1])
+    if cfg.prefix_cache and workload.name in bench_workloads.PREFIX_WORKLOADS:  # the same rounds, cache off
+        llm.kv_cache.enable_prefix_cache(False)
+        for _ in range(cfg.rounds):
+            engine["rounds"].append(engine_round(llm, workload))
+            logger.info("round %d (prefix cache off): %s", len(engine["rounds"]), engine["rounds"][-1])
+        llm.kv_cache.enable_prefix_cache(True)
     busy: list | dict = []
     if cfg.device == "cuda" and cfg.profile_steps > 0:
         try:
@@ -125,27 +138,44 @@ def _sampling_params(workload: Workload) -> list:
             for n in workload.output_lens]
 
 
-def _step(llm) -> str:
-    """One ``llm.step()``; the ForwardMode it ran, by name ("idle" when nothing was scheduled)."""
+def _step(llm, finished: list | None = None) -> str:
+    """One ``llm.step()`` (its finished requests appended to ``finished``); the ForwardMode it ran, by name ("idle"
+    when nothing was scheduled)."""
     before = dict(llm.steps_by_mode)
-    llm.step()
+    done = llm.step()
+    if finished is not None:
+        finished += done
     return next((m.name.lower() for m, n in llm.steps_by_mode.items() if n != before.get(m, 0)), "idle")
 
 
 def engine_round(llm, workload: Workload) -> dict:
-    """The whole workload through ``llm``: wall time, tok/s, and steps and seconds per step kind. With overlap a
+    """The whole workload through ``llm``: wall time, tok/s, steps and seconds per step kind, and the prefix cache's
+    hit rate (tokens found cached over tokens of the requests that looked) and prompt tokens it saved. With overlap a
     ``step()`` call launches one step and waits for the one before, so its time is counted for the kind it launched."""
     params = _sampling_params(workload)
     preemptions = llm.scheduler.num_preemptions
+    cache = llm.kv_cache.prefix_cache
+    if cache is not None:
+        cache.clear()  # each round on its own: nothing cached by the round before
+    looked, hits = (cache.num_lookup_tokens, cache.num_hit_tokens) if cache is not None else (0, 0)
     _sync(llm.device.type)
     start = time.perf_counter()
     requests = [llm.add_request(p, sp) for p, sp in zip(workload.prompts, params)]
+    turn = {id(r): (i, 1) for i, r in enumerate(requests)}  # request -> (conversation, turn)
     steps: Counter[str] = Counter()
     seconds: Counter[str] = Counter()
     last = "idle"
+    finished: list = []
     while llm.has_work():
         t0 = time.perf_counter()
-        kind = _step(llm)
+        kind = _step(llm, finished)
+        for r in finished:  # a multi-turn conversation's next prompt: this one, its answer, the user's new tokens
+            i, k = turn[id(r)]
+            if k < workload.turns(i):
+                nxt = llm.add_request(list(r.token_ids) + workload.follow_ups[i][k - 1], params[i])
+                turn[id(nxt)] = (i, k + 1)
+                requests.append(nxt)
+        finished.clear()
         if kind == "idle":  # with overlap, the last call only reads the last step's tokens: that step's time
             seconds[last] += time.perf_counter() - t0
             continue
@@ -161,7 +191,10 @@ def engine_round(llm, workload: Workload) -> dict:
                 total_tok_s=(workload.prompt_tokens + generated) / wall, steps=sum(steps.values()),
                 steps_by_kind=dict(steps), seconds_by_kind=dict(seconds),
                 ms_per_step_by_kind={k: 1e3 * seconds[k] / steps[k] for k in steps},
-                preemptions=llm.scheduler.num_preemptions - preemptions)
+                preemptions=llm.scheduler.num_preemptions - preemptions, prefix_cache=cache is not None,
+                prefix_hit_rate=(cache.num_hit_tokens - hits) / max(1, cache.num_lookup_tokens - looked)
+                if cache is not None else 0.0,
+                prefill_tokens_saved=cache.num_hit_tokens - hits if cache is not None else 0)
 
 
 def gpu_busy(llm, workload: Workload, window: int, round_steps: int) -> list[dict]:
@@ -238,21 +271,26 @@ def to_markdown(result: dict) -> str:
         f"{engine['kv_cache_tokens']:,} tokens ({engine['kv_mib']:.0f} MiB), page size {cfg['page_size']}",
         "",
         "| system | round | wall s | output tok/s | total tok/s | steps | decode: steps, ms each | "
-        "extend: steps, ms each | mixed: steps, ms each | preemptions |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "extend: steps, ms each | mixed: steps, ms each | preemptions | prefix cache: hit rate, tokens saved |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    on_rounds = sum(r.get("prefix_cache", True) for r in engine["rounds"])
     for i, r in enumerate(engine["rounds"]):
         kinds = [f"{r['steps_by_kind'].get(k, 0)}, {r['ms_per_step_by_kind'].get(k, 0.0):.1f}"
                  for k in ("decode", "extend", "mixed")]
-        lines.append(f"| {engine['system']} | {_round_name(i)} | {r['wall_s']:.2f} | {r['output_tok_s']:,.0f} | "
-                     f"{r['total_tok_s']:,.0f} | {r['steps']} | {' | '.join(kinds)} | {r['preemptions']} |")
+        on = r.get("prefix_cache", True)
+        system = engine["system"] + ("" if on else ", prefix cache off")
+        cached = f"{100 * r['prefix_hit_rate']:.1f}%, {r['prefill_tokens_saved']:,}" if on else "off"
+        lines.append(f"| {system} | {_round_name(i if on or not on_rounds else i - on_rounds)} | {r['wall_s']:.2f} | "
+                     f"{r['output_tok_s']:,.0f} | {r['total_tok_s']:,.0f} | {r['steps']} | {' | '.join(kinds)} | "
+                     f"{r['preemptions']} | {cached} |")
     hf = result.get("hf")
     if hf is not None and "skipped" in hf:
-        lines.append(f"| HF generate_batch | - | skipped: {hf['skipped']} | | | | | | | |")
+        lines.append(f"| HF generate_batch | - | skipped: {hf['skipped']} | | | | | | | | |")
     elif hf is not None:
         for i, r in enumerate(hf["rounds"]):
             lines.append(f"| HF generate_batch ({hf['attn_implementation']}) | {_round_name(i)} | {r['wall_s']:.2f} | "
-                         f"{r['output_tok_s']:,.0f} | {r['total_tok_s']:,.0f} | - | - | - | - | - |")
+                         f"{r['output_tok_s']:,.0f} | {r['total_tok_s']:,.0f} | - | - | - | - | - | - |")
     starts = [f"LLM(...) {engine['startup_s']:.1f} s"]
     if result["model_build_s"] is not None:
         starts.insert(0, f"random model built on {cfg['device']} in {result['model_build_s']:.1f} s (before LLM(...))")

@@ -9,7 +9,7 @@ import logging
 
 import torch
 
-from compile_attn.bench_workloads import WORKLOADS
+from compile_attn.bench_workloads import ALL_WORKLOADS
 from compile_attn.cli_options import add_engine_options, check_engine_options
 
 
@@ -19,12 +19,19 @@ def add_parser(sub: argparse._SubParsersAction, formatter_class: type[argparse.H
                        description="Run a seeded workload through compile_attn.LLM twice (right after start-up, then "
                                    "again) and through HF transformers' generate_batch: tok/s, steps and time per "
                                    "step kind, GPU busy fraction, start-up time.")
-    p.add_argument("workload", choices=WORKLOADS,
+    p.add_argument("workload", choices=ALL_WORKLOADS,
                    help="nanovllm: nano-vllm's bench (256 prompts of 100-1024 random ids, 100-1024 new tokens, "
-                        "temperature 0.6); fixed: N x (P prompt + O new), greedy")
-    p.add_argument("--num-seqs", type=int, default=None, help="requests (default: nanovllm 256, fixed 256)")
+                        "temperature 0.6); fixed: N x (P prompt + O new), greedy; shared-prefix: N (256) prompts of "
+                        "one P-token (2,048) system prompt + 32 own tokens, O (128) new, greedy; multi-turn: N (64) "
+                        "conversations x 4 turns, a first prompt of P (1,024) tokens, each turn resending the history "
+                        "and the answer (O, 128 tokens) + P/8 new tokens, greedy. The last two run with the prefix "
+                        "cache on, then off")
+    p.add_argument("--num-seqs", type=int, default=None,
+                   help="requests; multi-turn: conversations (default: 256; multi-turn 64)")
     p.add_argument("--prompt-len", "--max-input", dest="prompt_len", type=int, default=None,
-                   help="prompt tokens; nanovllm: the longest prompt (default: nanovllm 1024, fixed 256)")
+                   help="prompt tokens; nanovllm: the longest prompt; shared-prefix: the shared system prompt; "
+                        "multi-turn: the first turn's (default: nanovllm 1024, fixed 256, shared-prefix 2048, "
+                        "multi-turn 1024)")
     p.add_argument("--output-len", "--max-output", dest="output_len", type=int, default=None,
                    help="new tokens; nanovllm: the longest output (default: nanovllm 1024, fixed 128)")
     p.add_argument("--temperature", type=float, default=None,
@@ -72,7 +79,8 @@ def prepare(args: argparse.Namespace) -> None:
         device=device, backend=args.backend, graph_mode=args.graph_mode, compile=not args.no_compile,
         max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens, kv_cache_tokens=args.kv_cache_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization, page_size=args.page_size, max_context=args.max_context,
-        overlap=not args.no_overlap, rounds=args.rounds, profile_steps=args.profile_steps,
+        overlap=not args.no_overlap, prefix_cache=not args.no_prefix_cache,
+        rounds=args.rounds, profile_steps=args.profile_steps,
         hf=not args.no_hf, hf_rounds=args.hf_rounds, hf_max_memory_percent=args.hf_max_memory_percent,
     )
     if device == "cpu" and not args.tiny and args.model is None:

@@ -2,17 +2,21 @@
 request, one temperature, EOS ignored so every request generates exactly its output length.
 
 ``nanovllm`` draws what nano-vllm's ``bench.py`` draws, in the same order, from Python's ``random`` seeded with 0;
-``fixed`` is N prompts of P random ids and O new tokens each, greedy.
+``fixed`` is N prompts of P random ids and O new tokens each, greedy. Two exercise the prefix cache: ``shared-prefix``
+(N prompts behind one system prompt) and ``multi-turn`` (conversations whose every turn resends the history and the
+previous answer, so a turn's prompt exists only once the answer before it is generated).
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from compile_attn.errors import CompileAttnError
 
-WORKLOADS = ("nanovllm", "fixed")
+WORKLOADS = ("nanovllm", "fixed", "shared-prefix")  # every prompt known up front: any client can send them
+ALL_WORKLOADS = (*WORKLOADS, "multi-turn")  # a multi-turn prompt needs the answer before it (the throughput driver)
+PREFIX_WORKLOADS = ("shared-prefix", "multi-turn")  # run with the prefix cache on and off
 
 
 class WorkloadError(CompileAttnError, ValueError):
@@ -21,29 +25,43 @@ class WorkloadError(CompileAttnError, ValueError):
 
 @dataclass(frozen=True)
 class Workload:
-    """``prompts[i]`` (token ids) generates ``output_lens[i]`` tokens at ``temperature`` (0: greedy)."""
+    """``prompts[i]`` (token ids) generates ``output_lens[i]`` tokens at ``temperature`` (0: greedy). A multi-turn
+    workload has ``follow_ups[i]``: the user's tokens of each later turn of conversation ``i``, whose prompt is the
+    turn before's prompt, its answer (``output_lens[i]`` tokens) and these."""
 
     name: str
     prompts: list[list[int]]
     output_lens: list[int]
     temperature: float
+    follow_ups: list[list[list[int]]] = field(default_factory=list)
+
+    def turns(self, i: int) -> int:
+        return 1 + (len(self.follow_ups[i]) if self.follow_ups else 0)
+
+    def _prompt_lens(self, i: int) -> list[int]:
+        """The prompt length of each turn of conversation ``i`` (one turn without follow-ups)."""
+        lens = [len(self.prompts[i])]
+        for extra in self.follow_ups[i] if self.follow_ups else []:
+            lens.append(lens[-1] + self.output_lens[i] + len(extra))
+        return lens
 
     @property
     def num_seqs(self) -> int:
-        return len(self.prompts)
+        """Requests (a conversation's turns each count)."""
+        return sum(self.turns(i) for i in range(len(self.prompts)))
 
     @property
     def prompt_tokens(self) -> int:
-        return sum(map(len, self.prompts))
+        return sum(sum(self._prompt_lens(i)) for i in range(len(self.prompts)))
 
     @property
     def output_tokens(self) -> int:
-        return sum(self.output_lens)
+        return sum(o * self.turns(i) for i, o in enumerate(self.output_lens))
 
     @property
     def longest(self) -> int:
         """Tokens the longest request holds at its end (prompt + output)."""
-        return max(len(p) + o for p, o in zip(self.prompts, self.output_lens))
+        return max(self._prompt_lens(i)[-1] + o for i, o in enumerate(self.output_lens))
 
     def summary(self) -> dict:
         return dict(name=self.name, num_seqs=self.num_seqs, prompt_tokens=self.prompt_tokens,
@@ -83,9 +101,40 @@ def fixed(num_seqs: int = 256, prompt_len: int = 256, output_len: int = 128, voc
     return Workload("fixed", prompts, [output_len] * num_seqs, temperature=0.0)
 
 
+def shared_prefix(num_seqs: int = 256, prompt_len: int = 2048, unique_len: int = 32, output_len: int = 128,
+                  vocab_size: int = 10001, seed: int = 0) -> Workload:
+    """``num_seqs`` prompts of one system prompt (``prompt_len`` random ids) followed by ``unique_len`` random ids of
+    their own, ``output_len`` new tokens each, greedy."""
+    if min(num_seqs, prompt_len, unique_len, output_len, vocab_size) < 1:
+        raise WorkloadError(f"shared-prefix needs num_seqs, prompt_len, unique_len, output_len and vocab_size >= 1, "
+                            f"got {num_seqs}, {prompt_len}, {unique_len}, {output_len}, {vocab_size}")
+    rng = random.Random(seed)
+    high = min(10000, vocab_size - 1)
+    system = [rng.randint(0, high) for _ in range(prompt_len)]
+    prompts = [system + [rng.randint(0, high) for _ in range(unique_len)] for _ in range(num_seqs)]
+    return Workload("shared-prefix", prompts, [output_len] * num_seqs, temperature=0.0)
+
+
+def multi_turn(num_seqs: int = 64, prompt_len: int = 1024, turn_len: int | None = None, output_len: int = 128,
+               turns: int = 4, vocab_size: int = 10001, seed: int = 0) -> Workload:
+    """``num_seqs`` conversations of ``turns`` turns: the first prompt is ``prompt_len`` random ids, each later one
+    the history (the turn before's prompt and its ``output_len``-token answer) and ``turn_len`` new random ids
+    (default: an eighth of ``prompt_len``); greedy."""
+    turn_len = max(1, prompt_len // 8) if turn_len is None else turn_len
+    if min(num_seqs, prompt_len, turn_len, output_len, turns, vocab_size) < 1:
+        raise WorkloadError(f"multi-turn needs num_seqs, prompt_len, turn_len, output_len, turns and vocab_size "
+                            f">= 1, got {num_seqs}, {prompt_len}, {turn_len}, {output_len}, {turns}, {vocab_size}")
+    rng = random.Random(seed)
+    high = min(10000, vocab_size - 1)
+    prompts = [[rng.randint(0, high) for _ in range(prompt_len)] for _ in range(num_seqs)]
+    follow_ups = [[[rng.randint(0, high) for _ in range(turn_len)] for _ in range(turns - 1)] for _ in range(num_seqs)]
+    return Workload("multi-turn", prompts, [output_len] * num_seqs, temperature=0.0, follow_ups=follow_ups)
+
+
 def build(name: str, vocab_size: int, *, num_seqs: int | None = None, prompt_len: int | None = None,
           output_len: int | None = None) -> Workload:
-    """Workload ``name`` with its defaults, or the given sizes (nanovllm: the maximum prompt and output lengths)."""
+    """Workload ``name`` with its defaults, or the given sizes (nanovllm: the maximum prompt and output lengths;
+    shared-prefix: the shared system prompt; multi-turn: conversations and their first prompt)."""
     sizes = {k: v for k, v in dict(num_seqs=num_seqs, prompt_len=prompt_len, output_len=output_len).items()
              if v is not None}
     if name == "nanovllm":
@@ -93,4 +142,8 @@ def build(name: str, vocab_size: int, *, num_seqs: int | None = None, prompt_len
         return nanovllm(vocab_size=vocab_size, **{renamed.get(k, k): v for k, v in sizes.items()})
     if name == "fixed":
         return fixed(vocab_size=vocab_size, **sizes)
-    raise WorkloadError(f"unknown workload {name!r}; choose among {', '.join(WORKLOADS)}")
+    if name == "shared-prefix":
+        return shared_prefix(vocab_size=vocab_size, **sizes)
+    if name == "multi-turn":
+        return multi_turn(vocab_size=vocab_size, **sizes)
+    raise WorkloadError(f"unknown workload {name!r}; choose among {', '.join(ALL_WORKLOADS)}")

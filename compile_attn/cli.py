@@ -1,6 +1,7 @@
 """The ``compile-attn`` command: ``generate`` text with a model, ``info`` about this machine's backends, ``bench``
 decode steps and engine starts (``compile_attn.bench``, ``compile_attn.bench_engine``), ``throughput`` on a serving
-workload (``compile_attn.bench_throughput``)."""
+workload (``compile_attn.bench_throughput``), ``serve`` an OpenAI-compatible server and ``bench-serve`` it
+(``compile_attn.server``)."""
 
 from __future__ import annotations
 
@@ -187,6 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     from compile_attn.server.cli import add_parser as add_serve_parser
 
     add_serve_parser(sub, _ShowDefaults)
+    from compile_attn.server.bench_cli import add_parser as add_bench_serve_parser
+
+    add_bench_serve_parser(sub, _ShowDefaults)
     return parser
 
 

@@ -33,6 +33,9 @@ def add_engine_options(p: argparse.ArgumentParser, *, device_help: str, max_batc
                         "graphs leave (ignored with --kv-cache-tokens)")
     p.add_argument("--page-size", type=int, default=1, help="KV cache page size in tokens")
     p.add_argument("--max-context", type=int, default=max_context, help=max_context_help)
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="do not reuse the KV of prompts that start alike (default: a radix-tree prefix cache; "
+                        "`throughput` then also runs its prefix-cache workloads with it off)")
     p.add_argument("--no-overlap", action="store_true",
                    help="run each step to completion before scheduling the next (default: keep one step in flight)")
 
@@ -60,7 +63,7 @@ def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
 
     options = dict(attn_backend=args.backend, graph_mode=args.graph_mode, compile=not args.no_compile,
                    gpu_memory_utilization=args.gpu_memory_utilization, device=args.device,
-                   overlap=not args.no_overlap, **{name: getattr(args, name) for name in _SIZES})
+                   overlap=not args.no_overlap, enable_prefix_cache=not args.no_prefix_cache, **{name: getattr(args, name) for name in _SIZES})
     return EngineConfig(**{**options, **overrides})
 
 

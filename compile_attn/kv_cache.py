@@ -28,6 +28,7 @@ from compile_attn.page_allocator import PageAllocator
 
 if TYPE_CHECKING:
     from compile_attn.layer import AttentionLayer
+    from compile_attn.prefix_cache import PrefixCache
 
 logger = logging.getLogger(__name__)
 
@@ -185,6 +186,7 @@ class KVCache(BatchChecks):
         # What the last few alloc_extend calls returned: (out_cache_loc, rows, starts, extend_lens), see issued().
         self._issued: deque[tuple[weakref.ref, list[int], list[int], list[int]]] = deque(maxlen=4)
         self._generation = 0  # see generation
+        self.prefix_cache: PrefixCache | None = None  # see enable_prefix_cache
 
     @classmethod
     def for_layers(cls, layers: Sequence[AttentionLayer], **sizes: Any) -> KVCache:
@@ -199,8 +201,28 @@ class KVCache(BatchChecks):
         return self.req_to_token_pool.req_to_token
 
     @property
+    def available_pages(self) -> int:
+        """Pages an allocation can get: the free ones and those only the prefix cache holds (evicted on demand)."""
+        return self.allocator.available + (self.prefix_cache.evictable_pages if self.prefix_cache else 0)
+
+    @property
     def available_tokens(self) -> int:
-        return self.allocator.available * self.page_size
+        return self.available_pages * self.page_size
+
+    def enable_prefix_cache(self, enabled: bool = True) -> None:
+        """Keep computed KV in a radix tree for later requests to reuse (see prefix_cache.py): a row's first pages
+        may then be borrowed from it, freeing a row returns only its own pages, and an allocation evicts pages only
+        the tree holds when the free ones run short. False drops what it holds and turns it off (only while no
+        request row holds pages)."""
+        from compile_attn.prefix_cache import PrefixCache  # it reaches into this module's rows: imported late
+
+        if enabled and self.prefix_cache is None:
+            self.prefix_cache = PrefixCache(self)
+        elif not enabled and self.prefix_cache is not None:
+            if self._pages:
+                raise ValueError(f"cannot turn the prefix cache off while {len(self._pages)} request rows hold pages")
+            self.prefix_cache.clear()
+            self.prefix_cache = None
 
     def alloc_request(self) -> int:
         """Reserve a request row; its KV grows with ``alloc_extend``."""
@@ -223,8 +245,9 @@ class KVCache(BatchChecks):
         if len(set(rows)) != len(rows):
             raise ValueError(f"cannot free request rows {rows}: a row appears twice")
         pages = array.array("q")
-        for row in rows:
-            pages.extend(self._pages[row])
+        cache = self.prefix_cache
+        for row in rows:  # with a prefix cache, the pages a row borrowed from it stay cached
+            pages.extend(self._pages[row] if cache is None else cache.release(row, self._pages[row]))
         self.allocator.free(pages)
         for row in rows:
             del self._pages[row], self._lens[row]
@@ -274,6 +297,8 @@ class KVCache(BatchChecks):
             raise InvalidBatchError(f"a request row appears twice in one allocation: {rows}")
         per_row = [self.pages_needed(r, n) for r, n in zip(rows, extend_lens)]
         needed = sum(per_row)
+        if needed > self.allocator.available and self.prefix_cache is not None:
+            self.prefix_cache.evict(needed - self.allocator.available)
         if needed > self.allocator.available:
             raise KVCacheExhaustedError(
                 f"KV cache full: this batch needs {needed} pages ({needed * self.page_size} tokens), "

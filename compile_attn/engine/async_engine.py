@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from compile_attn.engine.detokenizer import IncrementalDetokenizer
 from compile_attn.engine.llm import LLM
 from compile_attn.engine.request import Request, RequestStatus
 from compile_attn.engine.sampling_params import SamplingParams
@@ -36,7 +37,9 @@ class EngineStoppedError(CompileAttnError, RuntimeError):
 @dataclass
 class Delta:
     """What one request produced since the last Delta: its new token ids and text, and, on the last one, why it
-    finished. ``num_prompt_tokens`` / ``num_output_tokens`` count the whole request so far."""
+    finished. ``num_prompt_tokens`` / ``num_output_tokens`` count the whole request so far. ``logprobs``: one
+    ``dict[int, Logprob]`` per new token when the request asked for them (``SamplingParams.logprobs``) and the
+    step records them in ``Request.logprobs``; else None."""
 
     token_ids: list[int]
     text: str
@@ -44,6 +47,7 @@ class Delta:
     finish_reason: str | None
     num_prompt_tokens: int
     num_output_tokens: int
+    logprobs: list | None = None
 
 
 class _Stream:
@@ -53,7 +57,7 @@ class _Stream:
         self.loop, self.out = loop, out
         self.req: Request | None = None
         self.sent_tokens = 0
-        self.sent_text = ""
+        self.detok: IncrementalDetokenizer | None = None  # the request's streamed text (None: no tokenizer)
         self.gone = False  # the consumer's event loop is closed: nobody will read more
 
     def put(self, item: Any) -> None:
@@ -205,6 +209,8 @@ class AsyncLLM:
                 stream.put(exc)
                 return
             self._active[stream.req.request_id] = stream
+            if self.llm.tokenizer is not None:
+                stream.detok = IncrementalDetokenizer(self.llm.tokenizer, stream.req.params.stop)
             stream.put(None)  # admitted
             if stream.gone:
                 self._abort(stream, None)
@@ -242,22 +248,25 @@ class AsyncLLM:
                 self._abort(stream, None)
 
     def _delta(self, stream: _Stream, *, finished: bool) -> Delta:
+        """The request's tokens since the last Delta and the text they made safe to send (see
+        IncrementalDetokenizer); the last Delta completes the text to the request's final text."""
         req = stream.req
-        out = req.output_ids
-        new = out[stream.sent_tokens:]
-        tok = self.llm.tokenizer
+        num_prompt = len(req.prompt_ids)
+        known = len(req.token_ids) - req.unresolved  # a step in flight's placeholders are not tokens yet
+        new = req.token_ids[num_prompt + stream.sent_tokens:known].tolist()
         text = ""
-        if tok is not None:
-            full = req.text if finished and req.text is not None else tok.decode(out, skip_special_tokens=True)
-            if not finished:  # hold back a broken UTF-8 character and what could start a stop string
-                full = full.rstrip("\ufffd")
-                hold = max(map(len, req.params.stop), default=1) - 1
-                full = full[:max(len(stream.sent_text), len(full) - hold)]
-            if full.startswith(stream.sent_text):
-                text = full[len(stream.sent_text):]
-            else:  # a re-decode changed text already sent (rare): send nothing new rather than repeat it
-                logger.warning("request %d: decoded text changed after it was sent", req.request_id)
-            stream.sent_text += text
-        stream.sent_tokens = len(out)
+        if stream.detok is not None:
+            if finished:
+                final = req.text
+                if final is None:
+                    final = self.llm.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+                text = stream.detok.finish(final)
+            else:
+                text = stream.detok.push(new)
+        recorded = getattr(req, "logprobs", None)  # per output token, when the step computes them
+        logprobs = None
+        if recorded is not None and req.params.logprobs is not None:
+            logprobs = list(recorded[stream.sent_tokens: stream.sent_tokens + len(new)])
+        stream.sent_tokens += len(new)
         reason = (req.finish_reason or "abort") if finished else None
-        return Delta(new, text, finished, reason, len(req.prompt_ids), len(out))
+        return Delta(new, text, finished, reason, num_prompt, stream.sent_tokens, logprobs)

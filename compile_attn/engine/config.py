@@ -43,6 +43,7 @@ class EngineConfig:
     dtype: a floating torch.dtype or one of vLLM's names ("auto" / None: bfloat16 on CUDA, float32 on the CPU).
     device: "cpu", "cuda" or "cuda:N" (None: CUDA when there is one).
     overlap: keep one step in flight (the host schedules step N+1 while the device runs step N).
+    enable_prefix_cache: keep computed KV in a radix tree so that prompts starting alike reuse it.
     """
 
     attn_backend: str = "auto"
@@ -59,6 +60,7 @@ class EngineConfig:
     dtype: str | torch.dtype | None = None
     device: str | torch.device | None = None
     overlap: bool = True
+    enable_prefix_cache: bool = True
 
     def __post_init__(self) -> None:
         check_backend_name(self.attn_backend)  # a misspelt name or mode fails here, not after the model has loaded

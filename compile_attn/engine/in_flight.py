@@ -34,15 +34,19 @@ class InFlightStep:
     tokens: torch.Tensor
     host: torch.Tensor
     ready: torch.cuda.Event | None
+    logprob_at: list[int]  # positions in ``requests`` of the rows of ``logprobs_host``
+    logprobs_host: torch.Tensor | None  # their packed log-probabilities (engine/step_extras.py), copied with tokens
 
     @classmethod
-    def launch(cls, requests: list[Request], tokens: torch.Tensor) -> InFlightStep:
-        """Start copying ``tokens`` to the host and put a placeholder at the end of each request's ``token_ids``."""
+    def launch(cls, requests: list[Request], tokens: torch.Tensor, logprobs: torch.Tensor | None = None,
+               logprob_at: list[int] | None = None) -> InFlightStep:
+        """Start copying ``tokens`` (and ``logprobs``) to the host and put a placeholder at the end of each
+        request's ``token_ids``."""
         ready = None
-        host = tokens
+        host, logprobs_host = tokens, logprobs
         if tokens.is_cuda:
-            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            host.copy_(tokens, non_blocking=True)
+            host = _to_pinned(tokens)
+            logprobs_host = None if logprobs is None else _to_pinned(logprobs)
             ready = torch.cuda.Event()
             ready.record()
         at = []
@@ -50,13 +54,20 @@ class InFlightStep:
             at.append(len(r.token_ids))
             r.token_ids.append(placeholder(i))
             r.unresolved += 1
-        return cls(requests, at, tokens, host, ready)
+        return cls(requests, at, tokens, host, ready, logprob_at or [], logprobs_host)
 
     def read(self) -> list[int]:
         """The sampled tokens on the host; waits for this step's device work (and only for it)."""
         if self.ready is not None:
             self.ready.synchronize()
         return self.host.tolist()
+
+
+def _to_pinned(t: torch.Tensor) -> torch.Tensor:
+    """An asynchronous copy of the device tensor ``t`` into fresh pinned host memory."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
 
 
 def has_placeholders(requests: list[Request], prefix_lens: list[int], extend_lens: list[int]) -> bool:

@@ -30,6 +30,9 @@ from compile_attn.engine import sampler
 from compile_attn.engine.sampling_params import SamplingParams
 from compile_attn.engine.scheduler import ScheduledStep, Scheduler
 from compile_attn.engine.step_runner import StepRunner
+from compile_attn.engine.sampling.penalties import PenaltyState
+from compile_attn.engine.sampling.logprobs import unpack as unpack_logprobs
+from compile_attn.engine.step_extras import StepExtras, start_penalty_rows
 from compile_attn.engine.step_sampling import forward_and_sample
 from compile_attn.engine.stop_strings import StopStringMatcher, backend_tokenizer
 from compile_attn.kv_cache import KVCache
@@ -48,7 +51,8 @@ class LLM:
     before the model loads; an unknown keyword is refused with the closest option names.
     ``overlap`` (on by default) keeps one step in flight: the host schedules and launches step N+1 while the device
     runs step N, and reads step N's tokens after (see ``step`` and engine/in_flight.py); ``overlap=False`` reads
-    each step's tokens before scheduling the next. Both give the same tokens.
+    each step's tokens before scheduling the next. Both give the same tokens. ``enable_prefix_cache`` (on by
+    default) keeps computed KV in a radix tree so that prompts starting alike reuse it (see prefix_cache.py).
     """
 
     def __init__(self, model: Any, *, tokenizer: Any = None, config: EngineConfig | None = None,
@@ -64,6 +68,7 @@ class LLM:
         self.kv_cache = KVCache.for_layers(layers, max_batch_size=config.max_batch_size, max_context=max_context,
                                            kv_cache_tokens=kv_cache_tokens, page_size=config.page_size, dtype=dtype,
                                            device=device)
+        self.kv_cache.enable_prefix_cache(config.enable_prefix_cache)  # reuse computed prompts' KV
         self.backend = create_backend(config.attn_backend, self.kv_cache, layers)
         self.scheduler = Scheduler(self.kv_cache, config.max_batch_size, config.max_num_tokens)
         self.step_runner = StepRunner(
@@ -84,6 +89,7 @@ class LLM:
         if config.capture and device.type == "cuda" and self.vocab_size:  # the sampler's kernels, before traffic
             sampler.warmup(device, self.vocab_size, config.max_batch_size, dtype=dtype)
         self.overlap = config.overlap
+        self.penalties: PenaltyState | None = None  # made when the first request with penalties arrives
         self._in_flight: deque[InFlightStep] = deque()  # launched steps whose tokens are not read yet (<= 1)
         self._lock = threading.Lock()  # held by each public call: one call at a time (see _exclusive)
         self._next_id = 0
@@ -200,6 +206,10 @@ class LLM:
                                           f"samples, or add_request n times with different seeds")
             if sp.stop:
                 backend_tokenizer(self.tokenizer)  # refused here, not at the first step, without a fast tokenizer
+            if sp.has_penalties and self.vocab_size is None:
+                raise InvalidRequestError("presence / frequency / repetition penalties need the model's vocabulary "
+                                          "size, which this model does not tell (no config.vocab_size); leave them "
+                                          "at 0, 0, 1")
             groups.append([Request(next_id + k, t, sp, seed=0, prompt=text) for k in range(sp.n)])
             next_id += sp.n
         requests = [r for group in groups for r in group]
@@ -210,6 +220,10 @@ class LLM:
                 req.seed = sample_seed(req.params.seed, k)
                 if req.params.stop:
                     req.stop_matcher = StopStringMatcher(self.tokenizer, req.params.stop)
+                if req.params.logprobs is not None:
+                    req.logprobs = []
+                if req.params.has_penalties and self.penalties is None:
+                    self.penalties = PenaltyState(self.kv_cache.req_to_token.shape[0], self.vocab_size, self.device)
                 self.scheduler.add(req)
         self._next_id = next_id
         return groups
@@ -267,8 +281,14 @@ class LLM:
             sampled = [i for i, (r, p, n) in enumerate(zip(step.requests, step.prefix_lens, step.extend_lens))
                        if p + n == len(r.token_ids)]
             reqs = [step.requests[i] for i in sampled]
-            tokens = forward_and_sample(self.step_runner, fb, reqs, sampled, self.device)
+            if self.penalties is not None:
+                start_penalty_rows(reqs, self.penalties, self._in_flight[-1].tokens if self._in_flight else None,
+                                   self.vocab_size, self.device)
+            extras = StepExtras.for_step(reqs, self.penalties, self.device)
+            tokens, logprobs = forward_and_sample(self.step_runner, fb, reqs, sampled, self.device, extras)
         except BaseException:
+            for r in step.requests if step is not None else ():
+                r.penalty_row = None  # its statistics may hold part of this step: count them again
             try:
                 self.scheduler.restore(state)
             except Exception:
@@ -276,7 +296,7 @@ class LLM:
             raise
         for r, n in zip(step.requests, step.extend_lens):
             r.num_cached += n
-        launched = InFlightStep.launch(reqs, tokens)
+        launched = InFlightStep.launch(reqs, tokens, logprobs, extras.logprob_at if extras else None)
         self._in_flight.append(launched)
         # A request at its length limit finishes with this token whatever it is: out of the next schedule now.
         self.scheduler.retire([r for r in reqs if self._at_length_limit(r, len(r.token_ids))])
@@ -289,9 +309,14 @@ class LLM:
         (their KV freed in one call; tokens computed for them by a later step are dropped)."""
         tokens = launched.read()
         self._in_flight.popleft()
+        logprobs = {}
+        if launched.logprobs_host is not None:
+            rows = [launched.requests[i] for i in launched.logprob_at]
+            entries = unpack_logprobs(launched.logprobs_host.tolist(), [r.params.logprobs for r in rows])
+            logprobs = dict(zip(launched.logprob_at, entries))
         vocab = self.vocab_size
         done = []
-        for r, at, tok in zip(launched.requests, launched.at, tokens):
+        for i, (r, at, tok) in enumerate(zip(launched.requests, launched.at, tokens)):
             if r.status is RequestStatus.FINISHED:  # aborted, or stopped by an earlier token: nothing to write
                 continue
             r.unresolved -= 1
@@ -303,6 +328,8 @@ class LLM:
                 done.append((r, "error"))
                 continue
             r.token_ids[at] = tok
+            if i in logprobs:
+                r.logprobs.append(logprobs[i])
             reason = self._stop_reason(r, tok, at + 1)
             if reason:
                 r.drop_unresolved()
@@ -339,7 +366,8 @@ class LLM:
             text = r.text
             if text is None and self.tokenizer is not None:
                 text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
-            outputs.append(CompletionOutput(k, text, r.output_ids, r.finish_reason or "length", r.stop_reason))
+            outputs.append(CompletionOutput(k, text, r.output_ids, r.finish_reason or "length", r.stop_reason,
+                                            None if r.logprobs is None else list(r.logprobs)))
         first = group[0]
         return RequestOutput(first.request_id, first.prompt, first.prompt_ids.tolist(), outputs,
                              finished=all(r.status is RequestStatus.FINISHED for r in group))

@@ -46,6 +46,8 @@ class Request:
     stop_matcher: Any = None  # a StopStringMatcher when the request has stop strings (set on admission)
     prompt: str | None = None  # the prompt as given, when it was a string
     unresolved: int = 0  # trailing placeholders in token_ids: tokens sampled by a step whose output is not read yet
+    logprobs: list | None = None  # per output token, a dict[int, Logprob] (when params.logprobs is set)
+    penalty_row: int | None = None  # the KV row whose penalty statistics describe this request (see step_extras)
 
     def __post_init__(self) -> None:
         if not isinstance(self.prompt_ids, array.array):
@@ -98,6 +100,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     stop_reason: int | str | None = None
+    logprobs: list | None = None  # per token, a dict[int, Logprob] (the sampled token and the top ones) if asked
 
 
 @dataclass

@@ -52,9 +52,11 @@ def check_real(name: str, value: object, hint: str = "") -> float:
 
 # vLLM's SamplingParams options that this engine does not implement, with the value that means "off": passing
 # the neutral value is accepted (ported code often spells defaults out), anything else is refused by name.
-UNSUPPORTED = {"logprobs": None, "prompt_logprobs": None, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-               "repetition_penalty": 1.0, "best_of": None}
+UNSUPPORTED = {"prompt_logprobs": None, "best_of": None}
 ALIASES = {"max_tokens": "max_new_tokens"}  # vLLM's names for fields spelt differently here
+MAX_LOGPROBS = 20  # top logprobs per token at most (vLLM's default max_logprobs, OpenAI's top_logprobs limit)
+PENALTY_RANGE = 2.0  # presence / frequency penalties lie in [-2, 2], as OpenAI and vLLM define them
+
 
 
 @dataclass(frozen=True, init=False)
@@ -66,17 +68,23 @@ class SamplingParams:
     in the output), or once the decoded output text contains one of the ``stop`` strings (the text is cut
     where the string starts; needs a tokenizer). ``n`` > 1 draws n independent samples of the prompt, each
     its own request; with a ``seed`` they use distinct seeds derived from it, so the call stays reproducible.
+    ``logprobs`` (None = off) returns, per output token, its log-probability and rank and the ``logprobs`` likeliest
+    tokens' (0: the sampled token only). ``presence_penalty`` / ``frequency_penalty`` (0 = off) lower the logits of
+    tokens the output already holds, by a constant / per occurrence; ``repetition_penalty`` (1 = off) divides the
+    positive logits and multiplies the negative ones of tokens in the prompt or the output.
 
     Ranges: max_new_tokens an int >= 1; temperature a finite number >= 0; top_k an int >= 0; top_p a finite number
     in (0, 1]; seed None or an int64; stop_token_ids ints >= 0; ignore_eos a bool; stop a string or a list of
-    non-empty strings; n an int >= 1. ``SamplingParams.from_mapping`` builds one from a dict (``LLM.generate``
+    non-empty strings; n an int >= 1; logprobs None or an int in [0, 20]; presence_penalty and frequency_penalty
+    finite numbers in [-2, 2]; repetition_penalty a finite number > 0. ``SamplingParams.from_mapping`` builds one from a dict (``LLM.generate``
     accepts dicts too).
 
     Next to vLLM: ``max_tokens=`` is accepted as vLLM's name for ``max_new_tokens`` (and read back as
     ``.max_tokens``); giving both with different values is refused. The default temperature is 0.0 (greedy)
-    where vLLM's is 1.0: pass ``temperature=1.0`` for vLLM's default sampling. vLLM's ``logprobs``,
-    ``prompt_logprobs``, ``best_of`` and presence / frequency / repetition penalties are not supported yet: a
-    value other than their neutral one is refused by name.
+    where vLLM's is 1.0: pass ``temperature=1.0`` for vLLM's default sampling. vLLM's ``prompt_logprobs`` and
+    ``best_of`` are not supported: a value other than their neutral one is refused by name. ``logprobs`` (0-20 top
+    tokens besides the sampled one, from the model's raw logits) and the presence / frequency / repetition
+    penalties (applied before temperature and filters) take vLLM's names and ranges.
     """
 
     max_new_tokens: int = 16
@@ -89,12 +97,17 @@ class SamplingParams:
     ignore_eos: bool = False
     stop: tuple[str, ...] = field(default_factory=tuple)
     n: int = 1
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __init__(self, max_new_tokens: int | None = None, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
                  stop_token_ids: Iterable[int] = (), ignore_eos: bool = False,
-                 stop: str | Iterable[str] | None = None, n: int = 1, *, max_tokens: int | None = None,
-                 **unsupported: Any) -> None:
+                 stop: str | Iterable[str] | None = None, n: int = 1, logprobs: int | None = None,
+                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0, *,
+                 max_tokens: int | None = None, **unsupported: Any) -> None:
         _refuse_unsupported(unsupported)
         if max_new_tokens is not None and max_tokens is not None and max_new_tokens != max_tokens:
             raise InvalidRequestError(f"max_tokens={max_tokens!r} and max_new_tokens={max_new_tokens!r} disagree; "
@@ -124,6 +137,17 @@ class SamplingParams:
         put("ignore_eos", bool(ignore_eos))
         put("stop", _check_stop_strings(stop))
         put("n", check_int("n", n, low=1, hint=" (samples per prompt)"))
+        put("logprobs", None if logprobs is None else
+            check_int("logprobs", logprobs, low=0, high=MAX_LOGPROBS, hint=" (top logprobs per token; None = off)"))
+        for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+            value = check_real(name, value, " (0 = off)")
+            if not -PENALTY_RANGE <= value <= PENALTY_RANGE:
+                raise InvalidRequestError(f"{name} must be in [-{PENALTY_RANGE:g}, {PENALTY_RANGE:g}] (0 = off), "
+                                          f"got {value}")
+            put(name, value)
+        put("repetition_penalty", check_real("repetition_penalty", repetition_penalty, " (1 = off)"))
+        if self.repetition_penalty <= 0:
+            raise InvalidRequestError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
 
     @property
     def max_tokens(self) -> int:
@@ -146,6 +170,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def has_penalties(self) -> bool:
+        """Some presence, frequency or repetition penalty is on."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
 
 def _refuse_unsupported(values: Mapping[str, Any]) -> None:
     """vLLM options not implemented here, given a value other than "off", are refused by name; other names too."""
@@ -157,7 +186,8 @@ def _refuse_unsupported(values: Mapping[str, Any]) -> None:
     if used:
         raise InvalidRequestError(f"{', '.join(used)}: not supported yet by compile_attn's sampler; leave "
                                   f"{'it' if len(used) == 1 else 'them'} unset (supported: temperature, top_k, "
-                                  f"top_p, min_p, seed, stop, stop_token_ids, n)")
+                                  f"top_p, min_p, seed, stop, stop_token_ids, n, logprobs, presence_penalty, "
+                                  f"frequency_penalty, repetition_penalty)")
 
 
 def _check_stop_strings(stop: object) -> tuple[str, ...]:

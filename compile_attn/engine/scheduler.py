@@ -6,6 +6,11 @@ requests prefill in the same step as others decode. KV pages for the step are re
 anything is allocated; when they run out, the most recently admitted request is preempted (its KV
 freed, to be recomputed later). Requests that could never fit are refused when added. ``snapshot`` /
 ``restore`` undo a step that failed (its rows and KV pages released), and ``abort`` drops requests.
+
+With the KV cache's prefix cache (``kv.prefix_cache``) a starting request takes its longest cached prefix and
+computes from there (always at least its last token, so that the step samples); the KV of prefill chunks,
+finished, retired and preempted requests goes into the cache, whose unpinned pages count as free: they are
+evicted before anyone is preempted.
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self._prefilled: list[Request] = []  # requests that ran prefill chunks in the last step: cached next step
 
     # ------------------------------------------------------------------ admission
     def check_fits(self, req: Request) -> None:
@@ -92,9 +98,19 @@ class Scheduler:
         slack = 0 if req.row is None else self.kv.room_in_last_page(req.row)
         return slack + free_pages * self.kv.page_size
 
+    def _cache(self, reqs: Sequence[Request]) -> None:
+        """Put the computed KV of ``reqs`` (those holding a row) into the prefix cache, if there is one."""
+        cache = self.kv.prefix_cache
+        if cache is None:
+            return
+        for r in reqs:
+            if r.row is not None:
+                cache.insert(r.row, r.token_ids[:min(r.num_cached, len(r.token_ids) - r.unresolved)])
+
     def _preempt(self, victim: Request) -> None:
         logger.info("KV cache full: preempting request %d (%d tokens cached) to recompute later",
                     victim.request_id, victim.num_cached)
+        self._cache([victim])  # what is left of it in the cache when it starts again is not recomputed
         self.kv.free_request(victim.row)
         victim.row, victim.num_cached = None, 0
         victim.status = RequestStatus.WAITING
@@ -105,6 +121,8 @@ class Scheduler:
 
     def schedule(self) -> ScheduledStep | None:
         """Choose this step's requests and token counts, allocate their KV slots. None when idle."""
+        self._cache([r for r in self._prefilled if r.status is RequestStatus.RUNNING])
+        self._prefilled = []
         while self.has_work():
             step = self._try_schedule()
             if step is not None:
@@ -120,7 +138,7 @@ class Scheduler:
         budget = self.max_num_tokens
 
         def free_pages() -> int:
-            return self.kv.allocator.available - reserved
+            return self.kv.available_pages - reserved
 
         preempted: set[int] = set()
         decoding = [r for r in self.running if r.is_decoding]
@@ -154,16 +172,25 @@ class Scheduler:
         else:
             candidates = [r for r in self.running if not r.is_decoding and id(r) not in chosen_ids]
             candidates += self.waiting
+        cache = self.kv.prefix_cache
         for req in candidates:
             if len(chosen) >= self.max_batch_size or budget == 0:
                 break
             if req.row is None and self.kv.req_to_token_pool.available == 0:
                 break
-            n = min(req.num_pending, budget, self._free_tokens_for(req, free_pages()))
+            match = None  # a starting request's cached prefix (pinned), its last token (or placeholder) left out
+            if req.row is None and cache is not None:
+                match = cache.match(req.token_ids, len(req.token_ids) - max(req.unresolved, 1))
+            start = req.num_cached if match is None else len(match.pages) * self.kv.page_size
+            n = min(len(req.token_ids) - start, budget, self._free_tokens_for(req, free_pages()))
             if n <= 0:
+                if match is not None:
+                    cache.unpin(match)
                 break
             if req.row is None:
                 req.row = self.kv.alloc_request()
+                if match is not None:
+                    req.num_cached = cache.attach(req.row, match, len(req.token_ids))
                 req.status = RequestStatus.RUNNING
                 self.waiting.remove(req)
                 self.running.append(req)
@@ -171,6 +198,7 @@ class Scheduler:
             chosen.append((req, n))
             chosen_ids.add(id(req))
             budget -= n
+            self._prefilled.append(req)
 
         if not chosen:
             return None
@@ -184,6 +212,7 @@ class Scheduler:
         may be running, retired (see ``retire``), or waiting after a preemption."""
         if not done:
             return
+        self._cache([req for req, _ in done])
         self.kv.free_requests([req.row for req, _ in done if req.row is not None])
         ids = set()
         for req, reason in done:
@@ -199,6 +228,7 @@ class Scheduler:
         is read. Safe on a GPU: a freed slot is reused only by a later step, which runs after this one."""
         if not reqs:
             return
+        self._cache(reqs)
         self.kv.free_requests([r.row for r in reqs])
         ids = {id(r) for r in reqs}
         for r in reqs:

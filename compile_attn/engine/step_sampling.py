@@ -14,21 +14,29 @@ import torch
 from compile_attn.batch import ForwardBatch
 from compile_attn.engine.request import Request
 from compile_attn.engine.sampler import SamplingPlan, sample
+from compile_attn.engine.step_extras import StepExtras
 from compile_attn.engine.step_runner import StepRunner
 from compile_attn.host_tensors import to_device, upload
 
 
 def forward_and_sample(runner: StepRunner, fb: ForwardBatch, reqs: list[Request], sampled: list[int],
-                       device: torch.device) -> torch.Tensor:
+                       device: torch.device, extras: StepExtras | None = None,
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """int64 device tensor of the next token of each request ``reqs[i]`` (row ``sampled[i]`` of the batch: the
-    request whose last token the step computes), after running ``fb`` through ``runner``."""
+    request whose last token the step computes), after running ``fb`` through ``runner``; and, when ``extras``
+    asks for them, the packed log-probabilities of the rows that want them (else None). ``extras`` also applies
+    the penalties before sampling."""
     ends = list(accumulate(fb.extend_seq_lens_cpu))
     keep = [ends[i] - 1 for i in sampled]
     every_row = len(keep) == fb.num_tokens  # the LM head runs on every row (a decode step): no index tensor
     temps = [r.params.temperature for r in reqs]
     if all(t <= 0 for t in temps):  # all greedy: no noise kernels and no parameter uploads
         keep_t = None if every_row else to_device([keep], torch.int64, device)[0]
-        return runner.run(fb, keep_t).argmax(dim=-1)  # a step that samples no row: logits [0, V], no tokens
+        raw = runner.run(fb, keep_t)  # a step that samples no row: logits [0, V], no tokens
+        if extras is None:
+            return raw.argmax(dim=-1), None
+        tokens = extras.penalise(raw).argmax(dim=-1)
+        return tokens, extras.after_sampling(raw, tokens)
     top_ks = [r.params.top_k for r in reqs]
     top_ps = [r.params.top_p for r in reqs]
     min_ps = [r.params.min_p for r in reqs]
@@ -47,4 +55,7 @@ def forward_and_sample(runner: StepRunner, fb: ForwardBatch, reqs: list[Request]
     temperature, *filters = upload(torch.tensor(floats, dtype=torch.float32), device).unbind(0)
     top_p = filters.pop(0) if plan.top_p_rows else None
     min_p = filters.pop(0) if plan.min_p_rows else None
-    return sample(logits, temperature, top_k, top_p, seeds, positions, min_p=min_p, plan=plan)
+    if extras is None:
+        return sample(logits, temperature, top_k, top_p, seeds, positions, min_p=min_p, plan=plan), None
+    tokens = sample(extras.penalise(logits), temperature, top_k, top_p, seeds, positions, min_p=min_p, plan=plan)
+    return tokens, extras.after_sampling(logits, tokens)

@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP app: /v1/completions and /v1/chat/completions (whole or streamed as server-sent events in
-OpenAI's chunk format), /v1/models and /health, on an AsyncLLM. Refused requests get OpenAI's error body; a
+OpenAI's chunk format), /v1/models, /health and /metrics (Prometheus), on an AsyncLLM. Refused requests get OpenAI's error body; a
 disconnecting client aborts its requests, freeing their KV.
 """
 
@@ -14,11 +14,13 @@ from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from compile_attn.engine.async_engine import AsyncLLM, Delta, EngineOverloadedError, EngineStoppedError, RequestStream
 from compile_attn.engine.errors import InvalidRequestError
 from compile_attn.engine.llm import sample_seed
+from compile_attn.server import logprobs_format
+from compile_attn.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from compile_attn.server.protocol import APIError, Parsed, parse
 
 
@@ -27,6 +29,8 @@ def create_app(engine: AsyncLLM, model_name: str) -> FastAPI:
     app = FastAPI(title="compile_attn")
     llm = engine.llm
     max_context = llm.kv_cache.max_context
+    metrics = ServerMetrics(engine, model_name)
+    app.state.metrics = metrics
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -37,6 +41,10 @@ def create_app(engine: AsyncLLM, model_name: str) -> FastAPI:
     async def health() -> JSONResponse:
         ok = engine.alive
         return JSONResponse({"status": "ok" if ok else "stopped"}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -49,13 +57,16 @@ def create_app(engine: AsyncLLM, model_name: str) -> FastAPI:
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise APIError(f"the request body is not valid JSON: {exc}") from None
         req = parse(body, chat=chat, tokenizer=llm.tokenizer, model_name=model_name, max_context=max_context)
+        start = time.perf_counter()
         streams = await _submit_all(engine, req)
+        metrics.prompt_tokens.inc(len(req.prompt_ids))
+        samples = [metrics.observe(s, start) for s in streams]
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         if req.stream:
-            return StreamingResponse(_sse(streams, req, rid, created, model_name, chat),
+            return StreamingResponse(_sse(samples, streams, req, rid, created, model_name, chat, llm.tokenizer),
                                      media_type="text/event-stream")
-        return await _whole(streams, rid, created, model_name, chat)
+        return await _whole(samples, streams, req, rid, created, model_name, chat, llm.tokenizer)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -83,7 +94,7 @@ async def _submit_all(engine: AsyncLLM, req: Parsed) -> list[RequestStream]:
         if isinstance(exc, EngineStoppedError):
             raise APIError(str(exc), status=503, type="server_error") from None
         if isinstance(exc, InvalidRequestError):
-            field = "max_tokens" if "max_new_tokens" in str(exc) else "prompt"
+            field = getattr(exc, "param", None) or ("max_tokens" if "max_new_tokens" in str(exc) else "prompt")
             raise APIError(str(exc), field) from None
         raise
     return streams
@@ -93,25 +104,56 @@ def _usage(prompt: int, completion: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _choice(chat: bool, index: int, text: str, finish: str | None, *, delta: bool) -> dict[str, Any]:
+def _choice(chat: bool, index: int, text: str, finish: str | None, *, delta: bool,
+            logprobs: dict | None = None, token_ids: list[int] | None = None) -> dict[str, Any]:
     if not chat:
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
-    key = "delta" if delta else "message"
-    msg = {"role": "assistant", "content": text} if not delta or text else {}
-    return {"index": index, key: msg, "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+    else:
+        key = "delta" if delta else "message"
+        msg = {"role": "assistant", "content": text} if not delta or text else {}
+        choice = {"index": index, key: msg, "logprobs": logprobs, "finish_reason": finish}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return choice
 
 
-async def _whole(streams: list[RequestStream], rid: str, created: int, model: str, chat: bool) -> dict:
-    async def collect(s: RequestStream) -> tuple[str, Delta]:
-        text, last = "", None
+class _LogprobsFormatter:
+    """One sample's Deltas' logprobs in OpenAI's form (completions' text offsets run on across Deltas)."""
+
+    def __init__(self, chat: bool, tokenizer: Any, num_top: int | None) -> None:
+        self.chat, self.tokenizer, self.num_top, self.offset = chat, tokenizer, num_top, 0
+        self.parts: list[dict] = []
+
+    def __call__(self, d: Delta) -> dict | None:
+        if d.logprobs is None or self.num_top is None:
+            return None
+        if self.chat:
+            part = logprobs_format.chat_logprobs(d.logprobs, d.token_ids, self.tokenizer, self.num_top)
+        else:
+            part = logprobs_format.completion_logprobs(d.logprobs, d.token_ids, self.tokenizer, self.num_top,
+                                                       self.offset)
+            self.offset += sum(map(len, part["tokens"]))
+        self.parts.append(part)
+        return part
+
+
+async def _whole(samples: list[AsyncIterator[Delta]], streams: list[RequestStream], req: Parsed, rid: str,
+                 created: int, model: str, chat: bool, tokenizer: Any) -> dict:
+    async def collect(s: AsyncIterator[Delta]) -> tuple[str, Delta, dict | None, list[int]]:
+        text, last, ids = "", None, []
+        fmt = _LogprobsFormatter(chat, tokenizer, req.params.logprobs)
         async for d in s:
             text, last = text + d.text, d
-        return text, last
+            ids += d.token_ids
+            fmt(d)
+        return text, last, logprobs_format.merge(chat, fmt.parts), ids
 
-    results = await _gather_or_abort([collect(s) for s in streams], streams)
-    choices = [_choice(chat, k, text, last.finish_reason, delta=False) for k, (text, last) in enumerate(results)]
+    results = await _gather_or_abort([collect(s) for s in samples], streams)
+    choices = [_choice(chat, k, text, last.finish_reason, delta=False, logprobs=lp,
+                       token_ids=ids if req.return_token_ids else None)
+               for k, (text, last, lp, ids) in enumerate(results)]
     prompt = results[0][1].num_prompt_tokens
-    usage = _usage(prompt, sum(last.num_output_tokens for _, last in results))
+    usage = _usage(prompt, sum(r[1].num_output_tokens for r in results))
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": model, "choices": choices, "usage": usage}
 
@@ -127,13 +169,13 @@ async def _gather_or_abort(coros: list, streams: list[RequestStream]) -> list:
             s.abort()
 
 
-async def _sse(streams: list[RequestStream], req: Parsed, rid: str, created: int, model: str,
-               chat: bool) -> AsyncIterator[str]:
+async def _sse(samples: list[AsyncIterator[Delta]], streams: list[RequestStream], req: Parsed, rid: str, created: int,
+               model: str, chat: bool, tokenizer: Any) -> AsyncIterator[str]:
     """Server-sent events: one chunk per Delta of any sample, the usage chunk if asked, then ``[DONE]``."""
     obj = "chat.completion.chunk" if chat else "text_completion"
     merged: asyncio.Queue = asyncio.Queue()
 
-    async def pump(k: int, s: RequestStream) -> None:
+    async def pump(k: int, s: AsyncIterator[Delta]) -> None:
         async for d in s:
             await merged.put((k, d))
         await merged.put((k, None))
@@ -144,20 +186,23 @@ async def _sse(streams: list[RequestStream], req: Parsed, rid: str, created: int
             body["usage"] = usage
         return f"data: {json.dumps(body)}\n\n"
 
-    tasks = [asyncio.ensure_future(pump(k, s)) for k, s in enumerate(streams)]
+    tasks = [asyncio.ensure_future(pump(k, s)) for k, s in enumerate(samples)]
     try:
         if chat:
             yield chunk([{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None} for k in range(req.n)])
         open_, prompt, outputs = req.n, 0, [0] * req.n
+        formats = [_LogprobsFormatter(chat, tokenizer, req.params.logprobs) for _ in range(req.n)]
         while open_:
             k, d = await merged.get()
             if d is None:
                 open_ -= 1
                 continue
             prompt, outputs[k] = d.num_prompt_tokens, d.num_output_tokens
-            if d.text or d.finished:
-                yield chunk([_choice(chat, k, d.text, d.finish_reason, delta=True)])
+            lp = formats[k](d)
+            ids = d.token_ids if req.return_token_ids else None
+            if d.text or d.finished or lp or ids:
+                yield chunk([_choice(chat, k, d.text, d.finish_reason, delta=True, logprobs=lp, token_ids=ids)])
         for t in tasks:
             t.result()  # re-raise a sample's failure
         if req.include_usage:

@@ -12,7 +12,7 @@ from compile_attn.cli_options import add_engine_options, check_engine_options, e
 def add_parser(sub: argparse._SubParsersAction, formatter_class: type[argparse.HelpFormatter]) -> None:
     p = sub.add_parser("serve", formatter_class=formatter_class, help="an OpenAI-compatible HTTP server",
                        description="Serve a local HF model over HTTP: /v1/completions, /v1/chat/completions "
-                                   "(streamed or not), /v1/models, /health.")
+                                   "(streamed or not), /v1/models, /health, /metrics.")
     p.add_argument("model", help="a local HF model directory")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
@@ -35,9 +35,10 @@ def prepare(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-pending must be >= 1, got {args.max_pending}")
     try:
         import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as exc:
-        raise ValueError(f"serve needs FastAPI and uvicorn ({exc}); pip install 'compile-attn[serve]'") from None
+        raise ValueError(f"serve needs FastAPI, uvicorn and prometheus_client ({exc}); pip install 'compile-attn[serve]'") from None
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -14,10 +14,12 @@ from compile_attn.engine.sampling_params import SamplingParams
 # OpenAI name -> SamplingParams field
 SAMPLING_FIELDS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "temperature": "temperature",
                    "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed", "stop": "stop",
-                   "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids"}
-IGNORED = {"model", "prompt", "messages", "stream", "stream_options", "n", "user"}
-UNSUPPORTED = {"logprobs", "top_logprobs", "echo", "best_of", "logit_bias", "presence_penalty", "frequency_penalty",
-               "repetition_penalty", "suffix", "tools", "tool_choice", "response_format", "functions",
+                   "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids",
+                   "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+                   "repetition_penalty": "repetition_penalty"}
+IGNORED = {"model", "prompt", "messages", "stream", "stream_options", "n", "user", "logprobs", "top_logprobs",
+           "return_token_ids"}
+UNSUPPORTED = {"echo", "best_of", "logit_bias", "suffix", "tools", "tool_choice", "response_format", "functions",
                "function_call", "parallel_tool_calls"}
 OPENAI_DEFAULTS = {"temperature": 1.0}  # OpenAI's default, not the engine's greedy 0.0
 
@@ -41,6 +43,7 @@ class Parsed:
     n: int
     stream: bool
     include_usage: bool
+    return_token_ids: bool = False  # vLLM's extension: each choice (and chunk) carries its token ids
 
 
 def parse(body: Any, *, chat: bool, tokenizer: Any, model_name: str, max_context: int) -> Parsed:
@@ -52,7 +55,7 @@ def parse(body: Any, *, chat: bool, tokenizer: Any, model_name: str, max_context
             raise APIError(f"{key} is not supported by this server yet; leave it out", key)
     if body.get("model") != model_name:
         raise APIError(f"model {body.get('model')!r} is not served here; this server serves {model_name!r} "
-                       f"(see GET /v1/models)", "model", status=404, code="model_not_found")
+                       f"(see GET /v1/models)", "model", code="model_not_found")
     ids = _chat_ids(body, tokenizer) if chat else _prompt_ids(body, tokenizer)
     field = "messages" if chat else "prompt"
     if len(ids) >= max_context:
@@ -62,16 +65,20 @@ def parse(body: Any, *, chat: bool, tokenizer: Any, model_name: str, max_context
         n = 1
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 16:
         raise APIError(f"n must be an int in [1, 16], got {n!r}", "n")
-    stream = bool(body.get("stream", False))
+    stream = _flag(body, "stream")
     opts = body.get("stream_options") or {}
     if not isinstance(opts, dict):
         raise APIError(f"stream_options must be an object, got {opts!r}", "stream_options")
+    include_usage = _flag(opts, "include_usage", "stream_options.include_usage")
     values: dict[str, Any] = dict(OPENAI_DEFAULTS)
     for key, value in body.items():
         if key in SAMPLING_FIELDS and value is not None:
             values[SAMPLING_FIELDS[key]] = value
         elif key not in IGNORED and key not in SAMPLING_FIELDS and key not in UNSUPPORTED:
             raise APIError(f"unknown parameter {key!r}", key)
+    logprobs = _chat_logprobs(body) if chat else body.get("logprobs")
+    if logprobs is not None:
+        values["logprobs"] = logprobs
     room = max_context - len(ids)
     values.setdefault("max_tokens", 16 if not chat else room)
     for key, value in values.items():  # each field alone first, so the error names the one at fault
@@ -84,11 +91,30 @@ def parse(body: Any, *, chat: bool, tokenizer: Any, model_name: str, max_context
                        f"{max_context} tokens; ask for at most {room}", _openai_name("max_tokens", body))
     if values.get("stop") and tokenizer is None:
         raise APIError("stop strings need a tokenizer and this model has none", "stop")
-    return Parsed(ids, SamplingParams(**values), n, stream, bool(opts.get("include_usage", False)))
+    return Parsed(ids, SamplingParams(**values), n, stream, include_usage, _flag(body, "return_token_ids"))
+
+
+def _flag(body: dict, key: str, name: str | None = None) -> bool:
+    value = body.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise APIError(f"{name or key} must be true or false, got {value!r:.40}", name or key)
+    return bool(value)
 
 
 def _openai_name(field: str, body: dict) -> str:
+    if field == "logprobs" and "top_logprobs" in body:
+        return "top_logprobs"
     return next((k for k, v in SAMPLING_FIELDS.items() if v == field and k in body), field)
+
+
+def _chat_logprobs(body: dict) -> int | None:
+    """Chat's ``logprobs`` (a bool) and ``top_logprobs`` (an int) as SamplingParams.logprobs."""
+    on, top = body.get("logprobs"), body.get("top_logprobs")
+    if on is not None and not isinstance(on, bool):
+        raise APIError(f"logprobs must be true or false for chat completions, got {on!r:.40}", "logprobs")
+    if top is not None and not on:
+        raise APIError("top_logprobs needs logprobs=true", "top_logprobs")
+    return (0 if top is None else top) if on else None
 
 
 def _prompt_ids(body: dict, tokenizer: Any) -> list[int]:
@@ -107,8 +133,23 @@ def _prompt_ids(body: dict, tokenizer: Any) -> list[int]:
 
 
 def _chat_ids(body: dict, tokenizer: Any) -> list[int]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        raise APIError(f"messages must be a non-empty list of {{'role': ..., 'content': ...}} objects, got "
+                       f"{messages!r:.80}", "messages")
+    for j, m in enumerate(messages):
+        content = m.get("content")
+        if isinstance(content, list):  # OpenAI's content parts: text only here
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise APIError(f"messages[{j}].content: only text parts ({{'type': 'text', 'text': ...}}) are "
+                               f"supported, got {content!r:.80}", "messages")
+            messages[j] = {**m, "content": "".join(p["text"] for p in content)}
+        elif content is not None and not isinstance(content, str):
+            raise APIError(f"messages[{j}].content must be a string or a list of text parts, got {content!r:.40}",
+                           "messages")
     try:
-        (conv,) = split_conversations(body.get("messages"))
+        (conv,) = split_conversations(messages)
         text = render_chat(tokenizer, conv)
     except NoChatTemplateError as exc:
         raise APIError(str(exc), "messages") from None

@@ -25,6 +25,7 @@ from compile_attn.engine import (
     SamplingParams,
 )
 from compile_attn.errors import CompileAttnError
+from compile_attn.prefix_cache import page_account
 from compile_attn.models import ToyDecoder, ToyDecoderConfig
 from tests.greedy_reference import greedy_by_recompute
 
@@ -59,10 +60,12 @@ def llm(model: ToyDecoder) -> LLM:
 
 
 def assert_idle_and_exact(llm: LLM) -> None:
-    """Nothing queued, every page and request row free: the pool's accounting equals a fresh cache's."""
+    """Nothing queued, every page free (or held only by the prefix cache) and every request row free: the pool's
+    accounting equals a fresh cache's."""
     kv = llm.kv_cache
     assert not llm.has_work()
-    assert kv.allocator.available == kv.allocator.num_pages
+    account = page_account(kv)
+    assert account.running == 0 and account.free + account.cached_only == kv.allocator.num_pages
     assert kv.available_tokens == kv.allocator.num_pages * kv.page_size
     assert kv.req_to_token_pool.available == kv.req_to_token_pool.max_batch_size
     assert not kv._pages and not kv._lens
@@ -77,8 +80,7 @@ def assert_consistent(llm: LLM) -> None:
         assert r.row is not None and kv._lens[r.row] == r.num_cached, r
     for r in llm.scheduler.waiting:
         assert r.row is None and r.num_cached == 0, r
-    held = sum(len(p) for p in kv._pages.values())
-    assert held + kv.allocator.available == kv.allocator.num_pages
+    page_account(kv)  # the pages held (each once), the cached-only ones and the free ones are every page
     assert len(kv._pages) == len(llm.scheduler.running)
 
 
@@ -344,6 +346,7 @@ def test_a_failed_step_in_graph_and_compiled_modes_is_undone(model: ToyDecoder, 
                                                   compile_options={"compiler": "eager"})):
         llm = LLM(model, **{**ENGINE, **options})
         for n in (2, 5, 11):
+            llm.kv_cache.prefix_cache.clear()  # the prompts computed again: as many attention calls as the first time
             restore = fail_on_attention_call(llm, n, KeyboardInterrupt())
             with pytest.raises(KeyboardInterrupt):
                 llm.generate(PROMPTS, PARAMS)

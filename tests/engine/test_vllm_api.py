@@ -153,9 +153,7 @@ def test_max_tokens_is_max_new_tokens(toy_llm: LLM) -> None:
     assert_kv_empty(toy_llm)
 
 
-@pytest.mark.parametrize(("name", "value"), [("logprobs", 1), ("prompt_logprobs", 0), ("presence_penalty", 0.5),
-                                             ("frequency_penalty", -0.2), ("repetition_penalty", 1.1),
-                                             ("best_of", 2)])
+@pytest.mark.parametrize(("name", "value"), [("prompt_logprobs", 0), ("best_of", 2)])
 def test_unimplemented_vllm_options_are_refused_by_name(toy_llm: LLM, name: str, value: object) -> None:
     with pytest.raises(InvalidRequestError, match=f"{name}={value!r}: not supported yet"):
         SamplingParams(**{name: value})
@@ -164,9 +162,23 @@ def test_unimplemented_vllm_options_are_refused_by_name(toy_llm: LLM, name: str,
     assert_kv_empty(toy_llm)
 
 
+@pytest.mark.parametrize(("kw", "message"), [
+    (dict(logprobs=21), r"logprobs must be in \[0, 20\]"), (dict(logprobs=-1), r"logprobs must be in"),
+    (dict(logprobs=1.0), "logprobs must be an int"), (dict(presence_penalty=2.5), r"presence_penalty must be in \[-2"),
+    (dict(frequency_penalty=-3), "frequency_penalty must be in"), (dict(frequency_penalty="x"), "must be a number"),
+    (dict(repetition_penalty=0), "repetition_penalty must be > 0"),
+    (dict(repetition_penalty=float("inf")), "repetition_penalty must be finite"),
+])
+def test_logprobs_and_penalty_ranges(kw: dict, message: str) -> None:
+    with pytest.raises(InvalidRequestError, match=message):
+        SamplingParams(**kw)
+
+
 def test_neutral_values_of_unimplemented_options_and_unknown_names() -> None:
-    neutral = SamplingParams(logprobs=None, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0)
-    assert neutral == SamplingParams() and not hasattr(neutral, "repetition_penalty")
+    neutral = SamplingParams(logprobs=None, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
+                             prompt_logprobs=None, best_of=None)
+    assert neutral == SamplingParams() and not neutral.has_penalties
+    assert SamplingParams(repetition_penalty=1.2).has_penalties and SamplingParams(presence_penalty=-1).has_penalties
     with pytest.raises(RequestTypeError, match="unknown parameter.*'max_lenght'.*known: .*max_tokens"):
         SamplingParams(max_lenght=3)
 

@@ -13,6 +13,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
 openai = pytest.importorskip("openai")
 
 import uvicorn  # noqa: E402

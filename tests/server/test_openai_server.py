@@ -90,14 +90,31 @@ BAD = [
     ("/v1/completions", dict(prompt=PROMPT, max_tokens=600), "max_tokens"),
     ("/v1/completions", dict(prompt="word " * 600), "prompt"),
     ("/v1/completions", dict(prompt=PROMPT, temperature=-1), "temperature"),
-    ("/v1/completions", dict(prompt=PROMPT, logprobs=2), "logprobs"),
     ("/v1/completions", dict(prompt=PROMPT, top_p=1.5), "top_p"),
     ("/v1/completions", dict(prompt=""), "prompt"),
     ("/v1/completions", dict(prompt=PROMPT, n=0), "n"),
     ("/v1/completions", dict(prompt=PROMPT, frobnicate=1), "frobnicate"),
     ("/v1/chat/completions", dict(messages=[]), "messages"),
     ("/v1/chat/completions", dict(messages=[{"content": "hi"}]), "messages"),
-    ("/v1/chat/completions", dict(messages=MESSAGES, logprobs=True), "logprobs"),
+    ("/v1/completions", dict(model="other", prompt=PROMPT), "model"),
+    ("/v1/completions", dict(model=None, prompt=PROMPT), "model"),
+    ("/v1/completions", dict(prompt=PROMPT, max_tokens=0), "max_tokens"),
+    ("/v1/completions", dict(prompt=PROMPT, max_tokens=2.5), "max_tokens"),
+    ("/v1/chat/completions", dict(messages=MESSAGES, max_completion_tokens=600), "max_completion_tokens"),
+    ("/v1/completions", dict(prompt=PROMPT, temperature="hot"), "temperature"),
+    ("/v1/completions", dict(prompt=[5, 10**9]), "prompt"),
+    ("/v1/completions", dict(prompt=PROMPT, stream="yes"), "stream"),
+    ("/v1/completions", dict(prompt=PROMPT, stream=True, stream_options={"include_usage": 1}),
+     "stream_options.include_usage"),
+    ("/v1/completions", dict(prompt=PROMPT, stop=[1, 2]), "stop"),
+    ("/v1/chat/completions", dict(messages="hello"), "messages"),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": 5}]), "messages"),
+    ("/v1/completions", dict(prompt=PROMPT, logprobs=30), "logprobs"),
+    ("/v1/completions", dict(prompt=PROMPT, presence_penalty=2.5), "presence_penalty"),
+    ("/v1/completions", dict(prompt=PROMPT, repetition_penalty=0), "repetition_penalty"),
+    ("/v1/chat/completions", dict(messages=MESSAGES, logprobs=True, top_logprobs=21), "top_logprobs"),
+    ("/v1/chat/completions", dict(messages=MESSAGES, top_logprobs=2), "top_logprobs"),
+    ("/v1/chat/completions", dict(messages=MESSAGES, logprobs=1), "logprobs"),
 ]
 
 
@@ -110,13 +127,25 @@ def test_bad_request_is_400_naming_the_field(served: Served, path: str, body: di
     served.wait_idle()
 
 
-def test_malformed_json_and_unknown_model(served: Served) -> None:
-    status, err = _post(served, "/v1/completions", b'{"model": "tiny", "prompt": ')
-    assert status == 400 and "JSON" in err["error"]["message"]
-    with pytest.raises(openai.NotFoundError) as info:
-        served.client().completions.create(model="other", prompt=PROMPT, max_tokens=4)
-    assert info.value.body["param"] == "model"
-    assert served.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=4).usage.completion_tokens > 0
+def test_malformed_json_unknown_model_and_streamed_bad_requests(served: Served) -> None:
+    for body in (b'{"model": "tiny", "prompt": ', b"[1, 2]", b"\xff\xfe"):
+        status, err = _post(served, "/v1/completions", body)
+        assert status == 400 and err["error"]["type"] == "invalid_request_error", err
+    assert "JSON" in _post(served, "/v1/completions", b"{")[1]["error"]["message"]
+    client = served.client()
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="other", prompt=PROMPT, max_tokens=4)
+    assert info.value.body["param"] == "model" and info.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as info:  # refused before any event is streamed
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=-0.5, stream=True)
+    assert info.value.body["param"] == "temperature"
+    assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4).usage.completion_tokens > 0
+    neutral = dict(presence_penalty=0, frequency_penalty=0.0, extra_body={"repetition_penalty": 1.0})
+    assert client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, logprobs=False,
+                                          **neutral).usage.completion_tokens == 2
+    assert client.chat.completions.create(model=MODEL, max_tokens=3, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "What does"}, {"type": "text", "text": " it do?"}]}]
+    ).usage.completion_tokens > 0
     served.wait_idle()
 
 
@@ -162,16 +191,27 @@ def test_concurrent_streaming_load(served: Served) -> None:
 
 
 def test_overloaded_is_503_with_retry_after(served: Served) -> None:
+    """Two long streams fill a queue of two; a third request gets 503 with Retry-After at once; once they are
+    closed, requests are served again and the KV pool is fresh."""
     limit = served.engine.max_pending
-    served.engine.max_pending = 0  # every new request is past the limit
+    served.engine.max_pending = 2
+    client = served.client()
+    streams = []
     try:
+        for _ in range(2):
+            streams.append(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=400, stream=True,
+                                                     extra_body={"ignore_eos": True}))
+            next(iter(streams[-1]))  # admitted and generating
         req = urllib.request.Request(served.url + "/v1/completions", headers={"Content-Type": "application/json"},
                                      data=json.dumps({"model": MODEL, "prompt": PROMPT}).encode())
         with pytest.raises(urllib.error.HTTPError) as info:
             urllib.request.urlopen(req, timeout=10)
-        assert info.value.code == 503 and info.value.headers["Retry-After"]
+        assert info.value.code == 503 and int(info.value.headers["Retry-After"]) >= 1
         assert "max_pending" in json.loads(info.value.read())["error"]["message"]
     finally:
+        for s in streams:
+            s.close()
+        served.wait_idle()
         served.engine.max_pending = limit
     assert served.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).usage.completion_tokens
     served.wait_idle()
@@ -186,3 +226,74 @@ def test_serve_subcommand_checks_options() -> None:
     args = build_parser().parse_args(["serve", "some/model", "--max-batch-size", "4", "--no-compile"])
     args.prepare(args)
     assert (args.host, args.port, args.max_batch_size, args.no_compile) == ("127.0.0.1", 8000, 4, True)
+
+
+def test_chat_n_seeded_streamed_with_usage(served: Served) -> None:
+    """n = 2 seeded chat samples: whole, streamed (with the usage chunk) and LLM.chat agree sample by sample; usage
+    counts the prompt once and every sample's tokens; without include_usage no chunk carries usage."""
+    client = served.client()
+    kw = dict(model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0.9, seed=123, n=2,
+              extra_body={"ignore_eos": True, "top_k": 50})
+    ref = served.reference.chat(MESSAGES, SamplingParams(max_tokens=10, temperature=0.9, top_k=50, seed=123, n=2,
+                                                         ignore_eos=True))[0]
+    want = [o.text for o in ref.outputs]
+    assert want[0] != want[1]
+    whole = client.chat.completions.create(**kw)
+    assert [c.message.content for c in sorted(whole.choices, key=lambda c: c.index)] == want
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(ref.prompt_token_ids), 20)
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert all(c.usage is None for c in chunks[:-1]) and chunks[-1].choices == []
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (len(ref.prompt_token_ids), 20)
+    for k in range(2):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == k]
+        assert "".join(c.delta.content or "" for c in mine) == want[k]
+        assert [c.finish_reason for c in mine if c.finish_reason] == ["length"]
+    plain = list(client.chat.completions.create(stream=True, **kw))
+    assert all(c.usage is None for c in plain) and all(c.choices for c in plain)
+    served.wait_idle()
+
+
+def test_return_token_ids_whole_and_streamed(served: Served) -> None:
+    """vLLM's return_token_ids: each choice (and chunk) carries its output token ids, those generate returns."""
+    ref = served.reference.generate(PROMPT, SamplingParams(max_tokens=7, ignore_eos=True))[0]
+    body = dict(model=MODEL, prompt=PROMPT, max_tokens=7, temperature=0, ignore_eos=True, return_token_ids=True)
+    status, whole = _post(served, "/v1/completions", json.dumps(body).encode())
+    assert status == 200 and whole["choices"][0]["token_ids"] == ref.token_ids
+    chunks = list(served.client().completions.create(stream=True, extra_body={"ignore_eos": True,
+                                                                              "return_token_ids": True},
+                                                     **{k: body[k] for k in ("model", "prompt", "max_tokens",
+                                                                             "temperature")}))
+    assert [t for c in chunks for t in (c.choices[0].model_extra or {}).get("token_ids", [])] == ref.token_ids
+    served.wait_idle()
+
+
+def test_logprobs_and_penalties_match_generate(served: Served) -> None:
+    """Completions with logprobs and penalties, whole and streamed, give the reference LLM's tokens and logprobs;
+    chat's logprobs carry the same values in chat's shape."""
+    client = served.client()
+    sp = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2, presence_penalty=0.4, frequency_penalty=0.6,
+                        repetition_penalty=1.3)
+    ref = served.reference.generate(PROMPT, sp)[0].outputs[0]
+    plain = served.reference.generate(PROMPT, SamplingParams(max_tokens=12, ignore_eos=True))[0]
+    assert ref.token_ids != plain.token_ids, "the penalties were meant to change the output"
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, logprobs=2, presence_penalty=0.4,
+              frequency_penalty=0.6, extra_body={"ignore_eos": True, "repetition_penalty": 1.3})
+    whole = client.completions.create(**kw).choices[0]
+    assert whole.text == ref.text
+    want = [lp[t].logprob for t, lp in zip(ref.token_ids, ref.logprobs)]
+    assert whole.logprobs.token_logprobs == pytest.approx(want, abs=1e-6)
+    assert all(len(top) == 2 for top in whole.logprobs.top_logprobs)
+    for top, lp in zip(whole.logprobs.top_logprobs, ref.logprobs):
+        best = sorted(((e.rank, e.logprob) for t, e in lp.items() if e.rank <= 2))
+        assert sorted(top.values(), reverse=True)[:len(best)] == pytest.approx([v for _, v in best], abs=1e-6)
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kw) if c.choices]
+    streamed = [v for c in chunks if c.logprobs for v in c.logprobs.token_logprobs]
+    assert "".join(c.text for c in chunks) == ref.text and streamed == pytest.approx(want, abs=1e-6)
+    chat_ref = served.reference.chat(MESSAGES, SamplingParams(max_tokens=6, ignore_eos=True, logprobs=2))[0]
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True,
+                                          top_logprobs=2, extra_body={"ignore_eos": True}).choices[0]
+    got = [c.logprob for c in chat.logprobs.content]
+    assert got == pytest.approx([lp[t].logprob for t, lp in zip(chat_ref.token_ids, chat_ref.outputs[0].logprobs)],
+                                abs=1e-6)
+    assert all(len(c.top_logprobs) == 2 for c in chat.logprobs.content)
+    served.wait_idle()

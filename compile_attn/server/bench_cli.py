@@ -1,0 +1,106 @@
+"""The ``compile-attn bench-serve`` subcommand: options, their checks (before any model loads) and the command that
+runs ``compile_attn.server.bench_serving`` and prints its table and JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+
+from compile_attn.bench_workloads import WORKLOADS
+from compile_attn.cli_options import add_engine_options
+
+
+def add_parser(sub: argparse._SubParsersAction, formatter_class: type[argparse.HelpFormatter]) -> None:
+    p = sub.add_parser("bench-serve", formatter_class=formatter_class,
+                       help="serving benchmark: TTFT / ITL percentiles and output tok/s at request rates",
+                       description="Send a seeded workload as streaming /v1/completions requests to an "
+                                   "OpenAI-compatible server (started here, or at --url) at each request rate "
+                                   "(Poisson arrivals; 'inf' sends all at once) and report TTFT, ITL, TPOT and e2e "
+                                   "p50/p99 and output tok/s as a table and JSON.")
+    p.add_argument("--workload", choices=WORKLOADS, default="fixed", help="see `compile-attn throughput -h`")
+    p.add_argument("--num-seqs", type=int, default=None, help="requests (default: the workload's)")
+    p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (nanovllm: the longest)")
+    p.add_argument("--output-len", type=int, default=None, help="new tokens (nanovllm: the longest)")
+    p.add_argument("--temperature", type=float, default=None, help="override the workload's temperature")
+    p.add_argument("--request-rates", default="inf", help="comma-separated requests per second; 'inf': all at once")
+    p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (default: all)")
+    p.add_argument("--num-warmup", type=int, default=2, help="requests sent before the timed runs")
+    p.add_argument("--seed", type=int, default=0, help="seeds the arrival times")
+    p.add_argument("--url", default=None, help="a running server's base URL (e.g. http://127.0.0.1:8000); "
+                                               "without it a server is started in this process")
+    p.add_argument("--served-model-name", default=None, help="the model name requests carry (with --url: the "
+                                                             "server's)")
+    p.add_argument("--vocab-size", type=int, default=None, help="with --url: prompt ids are drawn below it "
+                                                                "(default 10001)")
+    model = p.add_mutually_exclusive_group()
+    model.add_argument("--model", default=None, help="a local HF model directory (default: random weights of the "
+                                                     "Llama-3.2-1B shape)")
+    model.add_argument("--tiny", action="store_true", help="a small model with random weights")
+    p.add_argument("--offline", action="store_true",
+                   help="first time LLM.generate on the same workload, and report each rate against it")
+    add_engine_options(p, device_help="cuda or cpu (default: cuda if there is one)", max_batch_size=256,
+                       max_num_tokens=8192, max_context_help="default: the workload's longest request")
+    p.add_argument("--out", default=None, help="write JSON here (results, with the command, versions and commit)")
+    p.set_defaults(func=cmd_bench_serve, prepare=prepare, subparser=p)
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        rates = [math.inf if x.strip() == "inf" else float(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--request-rates takes comma-separated numbers or 'inf', got {text!r}") from None
+    if not rates or any(not r > 0 for r in rates):
+        raise ValueError(f"--request-rates must be > 0, got {text!r}")
+    return rates
+
+
+def prepare(args: argparse.Namespace) -> None:
+    """Refuse bad options (ValueError naming the value) and set ``args.cfg``, the ServingBenchConfig."""
+    from compile_attn import bench
+    from compile_attn.attention.registry import check_backend_name
+    from compile_attn.bench_throughput import ThroughputConfig
+    from compile_attn.graph_runner.mode import GraphMode
+    from compile_attn.server.bench_serving import ServingBenchConfig
+
+    check_backend_name(args.backend)
+    GraphMode.parse(args.graph_mode)
+    for name in ("num_seqs", "prompt_len", "output_len", "max_concurrency", "max_batch_size", "max_num_tokens",
+                 "kv_cache_tokens", "page_size", "max_context", "vocab_size"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.num_warmup < 0:
+        raise ValueError(f"--num-warmup must be >= 0, got {args.num_warmup}")
+    if args.temperature is not None and args.temperature < 0:
+        raise ValueError(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
+    if args.url is not None and (args.model or args.tiny or args.offline):
+        raise ValueError("--url benchmarks a running server: --model, --tiny and --offline start one here; drop one")
+    if args.url is not None and not args.url.startswith(("http://", "https://")):
+        raise ValueError(f"--url must start with http:// or https://, got {args.url!r}")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    engine = ThroughputConfig(
+        workload=args.workload, num_seqs=args.num_seqs, prompt_len=args.prompt_len, output_len=args.output_len,
+        temperature=args.temperature, model=args.model, shape=dict(bench.TINY if args.tiny else bench.LLAMA_1B),
+        device=device, backend=args.backend, graph_mode=args.graph_mode, compile=not args.no_compile,
+        max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens, kv_cache_tokens=args.kv_cache_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization, page_size=args.page_size, max_context=args.max_context,
+        overlap=not args.no_overlap, hf=False)
+    args.cfg = ServingBenchConfig(engine=engine, url=args.url, served_model_name=args.served_model_name,
+                                  vocab_size=args.vocab_size, request_rates=_rates(args.request_rates),
+                                  max_concurrency=args.max_concurrency, num_warmup=args.num_warmup,
+                                  offline=args.offline, seed=args.seed)
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from compile_attn.run_info import run_info
+    from compile_attn.server import bench_serving
+
+    result = bench_serving.run(args.cfg)
+    print(bench_serving.to_markdown(result), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(json.dumps({"run": run_info(args.argv), **result}, indent=1, default=str))
+    return 0

@@ -1,0 +1,176 @@
+"""The serving benchmark behind ``compile-attn bench-serve``: a seeded workload (``compile_attn.bench_workloads``)
+sent to an OpenAI-compatible server at fixed request rates (Poisson arrivals) and all at once, reporting TTFT, ITL,
+TPOT and e2e percentiles and output tok/s per rate.
+
+The server is either at ``url`` or started here: an LLM (a local HF directory, or random weights of a shape) behind
+AsyncLLM and uvicorn on a free loopback port, after an optional offline ``LLM.generate`` round of the same workload
+(the throughput the server is compared with). The client always runs in a process of its own, so that its work
+never competes with the engine's step loop for the interpreter lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import multiprocessing
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field, replace
+
+from compile_attn.bench_throughput import ThroughputConfig, engine_round
+from compile_attn.bench_workloads import Workload
+from compile_attn.server.load_client import load_and_summarize
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ServingBenchConfig:
+    """``engine`` says what to start (its ``model``, ``shape``, device and sizes) and which workload to send; with
+    ``url`` nothing is started and ``served_model_name`` is what requests name."""
+
+    engine: ThroughputConfig = field(default_factory=ThroughputConfig)
+    url: str | None = None
+    served_model_name: str | None = None
+    vocab_size: int | None = None  # the workload's id range with ``url`` (default 10001); else the model's
+    request_rates: list[float] = field(default_factory=lambda: [math.inf])
+    max_concurrency: int | None = None
+    num_warmup: int = 2
+    offline: bool = False
+    seed: int = 0
+
+
+def run(cfg: ServingBenchConfig) -> dict:
+    """Every request rate in turn (after ``num_warmup`` requests); one result dict (JSON-ready)."""
+    result: dict = {"config": asdict(cfg) | {"request_rates": [_rate_name(r) for r in cfg.request_rates]}}
+    if cfg.url is not None:
+        from compile_attn import bench_workloads
+
+        e = cfg.engine
+        workload = bench_workloads.build(e.workload, cfg.vocab_size or 10001, num_seqs=e.num_seqs,
+                                         prompt_len=e.prompt_len, output_len=e.output_len)
+        if e.temperature is not None:
+            workload = replace(workload, temperature=e.temperature)
+        result["workload"] = workload.summary()
+        result["rates"] = _sweep(cfg.url, cfg.served_model_name or "default", workload, cfg)
+        return result
+    llm, workload = _start_llm(cfg, result)
+    if cfg.offline:
+        result["offline"] = engine_round(llm, workload)
+        logger.info("offline generate: %.0f output tok/s", result["offline"]["output_tok_s"])
+    name = cfg.served_model_name or "bench"
+    with serve_in_thread(llm, name, max_pending=max(256, workload.num_seqs)) as url:
+        result["rates"] = _sweep(url, name, workload, cfg)
+    if cfg.offline:
+        for r in result["rates"]:
+            if r["output_tok_per_s"]:
+                r["vs_offline"] = r["output_tok_per_s"] / result["offline"]["output_tok_s"]
+    return result
+
+
+def _start_llm(cfg: ServingBenchConfig, result: dict) -> tuple[object, Workload]:
+    import torch
+
+    from compile_attn import bench_throughput
+    from compile_attn.engine import LLM
+
+    e = cfg.engine
+    dtype = torch.bfloat16 if e.device == "cuda" else torch.float32
+    workload = bench_throughput.make_workload(e)
+    model = e.model if e.model is not None else bench_throughput._random_model(e, dtype)
+    start = time.perf_counter()
+    llm = LLM(model, attn_backend=e.backend, graph_mode=e.graph_mode, compile=e.compile,
+              max_batch_size=e.max_batch_size, max_num_tokens=e.max_num_tokens, kv_cache_tokens=e.kv_cache_tokens,
+              gpu_memory_utilization=e.gpu_memory_utilization, max_context=e.max_context or workload.longest,
+              page_size=e.page_size, device=e.device, dtype=dtype)
+    result["workload"] = workload.summary()
+    result["engine"] = dict(backend=llm.backend.name, graph_mode=llm.step_runner.graph_mode.value,
+                            device=str(llm.device), dtype=str(dtype).removeprefix("torch."),
+                            random_weights=e.model is None, startup_s=time.perf_counter() - start,
+                            kv_cache_tokens=llm.kv_cache.allocator.num_pages * llm.kv_cache.page_size)
+    return llm, workload
+
+
+def _sweep(url: str, model: str, workload: Workload, cfg: ServingBenchConfig) -> list[dict]:
+    """Warm-up requests, then the workload at each rate, each run by a client in its own process."""
+    args = (url, model)
+    out = []
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as client:
+        if cfg.num_warmup:
+            n = min(cfg.num_warmup, workload.num_seqs)
+            warm = client.submit(load_and_summarize, *args, workload.prompts[:n], workload.output_lens[:n],
+                                 workload.temperature, math.inf, None, cfg.seed).result()
+            if warm["errors"]:
+                raise RuntimeError(f"the warm-up requests failed: {warm['first_errors']}")
+        for rate in cfg.request_rates:
+            r = client.submit(load_and_summarize, *args, workload.prompts, workload.output_lens,
+                              workload.temperature, rate, cfg.max_concurrency, cfg.seed).result()
+            logger.info("rate %s: %s", _rate_name(rate), r)
+            out.append(r)
+    return out
+
+
+@contextlib.contextmanager
+def serve_in_thread(llm: object, model_name: str, *, max_pending: int = 256) -> Iterator[str]:
+    """The OpenAI-compatible app on ``llm`` served by uvicorn on a free loopback port, in a thread of this process;
+    yields its base URL and shuts the server and the engine down after."""
+    import uvicorn
+
+    from compile_attn.engine.async_engine import AsyncLLM
+    from compile_attn.server.app import create_app
+
+    engine = AsyncLLM(llm, max_pending=max_pending)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, model_name), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, name="compile-attn-bench-server", daemon=True)
+    thread.start()
+    try:
+        end = time.monotonic() + 60
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > end:
+                raise RuntimeError(f"the benchmark's server did not start on 127.0.0.1:{port}")
+            time.sleep(0.02)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        engine.shutdown()
+
+
+def _rate_name(rate: float) -> str | float:
+    return "inf" if math.isinf(rate) else rate
+
+
+def to_markdown(result: dict) -> str:
+    """A header line, then one table row per request rate."""
+    w = result["workload"]
+    lines = [f"workload {w['name']}: {w['num_seqs']} requests, {w['prompt_tokens']:,} prompt + "
+             f"{w['output_tokens']:,} output tokens, temperature {w['temperature']}"]
+    if "engine" in result:
+        e = result["engine"]
+        lines.append(f"engine: {e['backend']}, {e['graph_mode']}, {e['device']} {e['dtype']}, KV cache "
+                     f"{e['kv_cache_tokens']:,} tokens" + (", random weights" if e["random_weights"] else ""))
+    if "offline" in result:
+        lines.append(f"offline LLM.generate of the same workload: {result['offline']['output_tok_s']:,.0f} output "
+                     f"tok/s")
+    lines += ["", "| rate (req/s) | done / errors | output tok/s | vs offline | TTFT p50 / p99 ms | "
+              "ITL p50 / p99 ms | TPOT p50 / p99 ms | e2e p50 / p99 ms |", "|---|---|---|---|---|---|---|---|"]
+
+    def pair(r: dict, name: str) -> str:
+        a, b = r[f"{name}_p50_ms"], r[f"{name}_p99_ms"]
+        return "-" if a is None else f"{a:.1f} / {b:.1f}"
+
+    for r in result["rates"]:
+        tps = r["output_tok_per_s"]
+        vs = f"{r['vs_offline']:.0%}" if "vs_offline" in r else "-"
+        lines.append(f"| {r['request_rate']} | {r['completed']} / {r['errors']} | "
+                     f"{'-' if tps is None else f'{tps:,.0f}'} | {vs} | {pair(r, 'ttft')} | {pair(r, 'itl')} | "
+                     f"{pair(r, 'tpot')} | {pair(r, 'e2e')} |")
+    return "\n".join(lines)

@@ -1,0 +1,90 @@
+"""Prometheus metrics of one server app (``GET /metrics``): requests running and waiting, KV cache usage, time to
+first token, inter-token and end-to-end latency histograms, prompt and generated token counters.
+
+Each app owns its ``CollectorRegistry`` (several apps in one process never share counters). Gauges are read from the
+engine when scraped; latencies are observed as each sample's Deltas reach the HTTP handler, so they include the
+engine's queueing as a client sees it (less the network).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from compile_attn.engine.async_engine import AsyncLLM, Delta
+
+PREFIX = "compile_attn"
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                    10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+                0.4, 0.5, 0.75, 1.0, 2.5)
+
+__all__ = ["CONTENT_TYPE_LATEST", "ServerMetrics"]
+
+
+class ServerMetrics:
+    """The metrics of one app on ``engine``; ``render()`` is the Prometheus text exposition."""
+
+    def __init__(self, engine: AsyncLLM, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        llm = engine.llm
+        sched, kv = llm.scheduler, llm.kv_cache
+        capacity = kv.allocator.num_pages * kv.page_size
+        labels = {"model_name": model_name}
+
+        def gauge(name: str, doc: str, read) -> None:
+            g = Gauge(f"{PREFIX}_{name}", doc, list(labels), registry=self.registry)
+            g.labels(**labels).set_function(read)
+
+        # Read without a lock from the engine's thread: len() of a list/deque is atomic, and a scrape may be one
+        # step stale.
+        gauge("num_requests_running", "Requests in the running batch (KV allocated).", lambda: len(sched.running))
+        gauge("num_requests_waiting", "Requests queued for their first step (or preempted).", lambda: len(sched.waiting))
+        gauge("num_requests_pending", "Requests submitted to the server and not finished.", lambda: engine.num_pending)
+        gauge("kv_cache_usage_perc", "Fraction of the KV cache's token slots in use (0 to 1).",
+              lambda: 1.0 - kv.available_tokens / capacity)
+        gauge("kv_cache_capacity_tokens", "Token slots in the KV cache.", lambda: capacity)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(f"{PREFIX}_{name}", doc, [*labels, *extra], registry=self.registry)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"{PREFIX}_{name}", doc, list(labels), buckets=buckets, registry=self.registry)
+
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted HTTP requests (once per request, "
+                                     "whatever its n, as usage counts them).").labels(**labels)
+        self.generation_tokens = counter("generation_tokens", "Tokens generated, every sample counted.").labels(**labels)
+        self._finished = counter("request_success", "Samples finished, by finish reason.", ("finished_reason",))
+        self._labels = labels
+        self.ttft = histogram("time_to_first_token_seconds", "From submission to a sample's first token.",
+                              _LATENCY_BUCKETS).labels(**labels)
+        self.itl = histogram("inter_token_latency_seconds", "Between a sample's consecutive tokens (a Delta of k tokens "
+                             "after the first counts k gaps of 1/k its delay).", _ITL_BUCKETS).labels(**labels)
+        self.e2e = histogram("e2e_request_latency_seconds", "From submission to a sample's last Delta.",
+                             _LATENCY_BUCKETS).labels(**labels)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    async def observe(self, deltas: AsyncIterator[Delta], start: float) -> AsyncIterator[Delta]:
+        """Pass one sample's Deltas through, observing its latencies and tokens; ``start`` is its submission
+        (``time.perf_counter()``)."""
+        last: float | None = None
+        async for d in deltas:
+            now = time.perf_counter()
+            n = len(d.token_ids)
+            if n:
+                self.generation_tokens.inc(n)
+                if last is None:  # tokens after the first in the same Delta have no gap of their own
+                    self.ttft.observe(now - start)
+                else:
+                    for _ in range(n):
+                        self.itl.observe((now - last) / n)
+                last = now
+            if d.finished:
+                self.e2e.observe(now - start)
+                self._finished.labels(**self._labels, finished_reason=d.finish_reason or "abort").inc()
+            yield d

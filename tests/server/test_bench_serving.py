@@ -1,0 +1,77 @@
+"""``compile-attn bench-serve``: run tiny on the CPU, in-process (random weights, with the offline round) and against
+the test server by URL; every request completes, the tokens counted match the workload, every later token has one
+ITL sample; percentiles against numpy's; options refused before anything starts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import numpy as np
+import pytest
+
+from compile_attn.cli import build_parser, main
+from compile_attn.server.load_client import RequestRecord, load_and_summarize, percentile, run_load, summarize
+from tests.server.conftest import MODEL, Served
+
+
+def test_percentile_and_summary_against_numpy() -> None:
+    rng = np.random.default_rng(0)
+    xs = rng.exponential(size=101).tolist()
+    for q in (0, 50, 90, 99, 100):
+        assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
+    assert percentile([], 50) is None
+    recs = [RequestRecord(ttft=0.1, itl=[0.01, 0.03], e2e=0.14, prompt_tokens=4, output_tokens=3),
+            RequestRecord(ttft=0.3, itl=[0.02], e2e=0.32, prompt_tokens=4, output_tokens=2),
+            RequestRecord(error="HTTP 503")]
+    s = summarize(recs, duration=2.0)
+    assert (s["requests"], s["completed"], s["errors"], s["output_tokens"]) == (3, 2, 1, 5)
+    assert s["output_tok_per_s"] == 2.5 and s["first_errors"] == ["HTTP 503"]
+    assert s["ttft_p50_ms"] == pytest.approx(200.0) and s["itl_p50_ms"] == pytest.approx(20.0)
+    assert s["tpot_mean_ms"] == pytest.approx((20.0 + 20.0) / 2)
+
+
+def test_bench_serve_in_process_tiny(tmp_path) -> None:
+    out = tmp_path / "serve.json"
+    rc = main(["bench-serve", "--tiny", "--device", "cpu", "--no-compile", "--graph-mode", "none",
+               "--num-seqs", "5", "--prompt-len", "6", "--output-len", "4", "--request-rates", "inf,40",
+               "--max-batch-size", "4", "--max-num-tokens", "64", "--offline", "--num-warmup", "1",
+               "--out", str(out)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert result["run"]["command"].startswith("compile-attn bench-serve")
+    assert [r["request_rate"] for r in result["rates"]] == ["inf", 40.0]
+    assert result["offline"]["output_tok_s"] > 0
+    for r in result["rates"]:
+        assert (r["completed"], r["errors"], r["output_tokens"], r["prompt_tokens"]) == (5, 0, 20, 30)
+        for name in ("ttft", "itl", "tpot", "e2e"):
+            assert 0 < r[f"{name}_p50_ms"] <= r[f"{name}_p99_ms"]
+        assert r["vs_offline"] > 0
+
+
+def test_load_client_against_a_running_server(served: Served) -> None:
+    served.wait_idle()
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    r = load_and_summarize(served.url, MODEL, prompts, [5, 3, 7], 0.0, math.inf, 2, 0)
+    assert (r["completed"], r["errors"], r["output_tokens"], r["prompt_tokens"]) == (3, 0, 15, 9)
+    records, _ = asyncio.run(run_load(served.url, MODEL, prompts, [5, 3, 7], 1.0, 50.0, None, 1))
+    assert [r.output_tokens for r in records] == [5, 3, 7]
+    assert [len(r.itl) for r in records] == [4, 2, 6]  # one gap per token after the first
+    assert all(r.ttft is not None and r.e2e >= r.ttft for r in records)
+    bad = load_and_summarize(served.url, "other", prompts[:1], [2], 0.0, math.inf, None, 0)
+    assert bad["errors"] == 1 and "HTTP 400" in bad["first_errors"][0]
+    served.wait_idle()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--request-rates", "0"], "--request-rates must be > 0"),
+    (["--request-rates", "fast"], "--request-rates takes"),
+    (["--url", "http://127.0.0.1:1", "--offline"], "--url benchmarks a running server"),
+    (["--url", "127.0.0.1:8000"], "--url must start with http"),
+    (["--num-seqs", "0"], "--num-seqs must be >= 1"),
+])
+def test_bench_serve_options_are_checked(argv: list[str], message: str) -> None:
+    args = build_parser().parse_args(["bench-serve", *argv])
+    with pytest.raises(ValueError, match=message):
+        args.prepare(args)
