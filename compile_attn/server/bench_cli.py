@@ -62,7 +62,7 @@ def prepare(args: argparse.Namespace) -> None:
     from compile_attn import bench
     from compile_attn.attention.registry import check_backend_name
     from compile_attn.bench_throughput import ThroughputConfig
-    from compile_attn.graph_runner.mode import GraphMode
+    from compile_attn.graph_mode import GraphMode
     from compile_attn.server.bench_serving import ServingBenchConfig
 
     check_backend_name(args.backend)
