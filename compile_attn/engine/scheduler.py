@@ -10,7 +10,8 @@ freed, to be recomputed later). Requests that could never fit are refused when a
 With the KV cache's prefix cache (``kv.prefix_cache``) a starting request takes its longest cached prefix and
 computes from there (always at least its last token, so that the step samples); the KV of prefill chunks,
 finished, retired and preempted requests goes into the cache, whose unpinned pages count as free: they are
-evicted before anyone is preempted.
+evicted before anyone is preempted. Of two requests starting in one step with the same first
+``SHARE_MIN_TOKENS`` tokens, the second waits a step and then takes the first one's prefix from the cache.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from compile_attn.engine.request import Request, RequestStatus
 from compile_attn.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
+
+SHARE_MIN_TOKENS = 32  # a prefix this long shared by two starting requests makes the second wait one step
 
 __all__ = ["RequestTooLargeError", "ScheduledStep", "Scheduler", "SchedulerState"]
 
@@ -113,6 +116,7 @@ class Scheduler:
         self._cache([victim])  # what is left of it in the cache when it starts again is not recomputed
         self.kv.free_request(victim.row)
         victim.row, victim.num_cached = None, 0
+        victim.penalty_row = None  # its next row's penalty statistics are filled again (engine/step_extras.py)
         victim.status = RequestStatus.WAITING
         victim.num_preemptions += 1
         self.num_preemptions += 1
@@ -173,14 +177,22 @@ class Scheduler:
             candidates = [r for r in self.running if not r.is_decoding and id(r) not in chosen_ids]
             candidates += self.waiting
         cache = self.kv.prefix_cache
+        starting: set[tuple[int, ...]] = set()  # share keys of the requests starting in this step
         for req in candidates:
             if len(chosen) >= self.max_batch_size or budget == 0:
                 break
             if req.row is None and self.kv.req_to_token_pool.available == 0:
                 break
             match = None  # a starting request's cached prefix (pinned), its last token (or placeholder) left out
+            key = None
             if req.row is None and cache is not None:
                 match = cache.match(req.token_ids, len(req.token_ids) - max(req.unresolved, 1))
+                key = self._share_key(req)
+                if key is not None and key in starting and len(match.pages) * self.kv.page_size < len(key):
+                    # A request starting in this step computes this prefix: wait one step and take it from the
+                    # cache (the n samples of one prompt, many prompts behind one system prompt).
+                    cache.unpin(match)
+                    continue
             start = req.num_cached if match is None else len(match.pages) * self.kv.page_size
             n = min(len(req.token_ids) - start, budget, self._free_tokens_for(req, free_pages()))
             if n <= 0:
@@ -199,6 +211,8 @@ class Scheduler:
             chosen_ids.add(id(req))
             budget -= n
             self._prefilled.append(req)
+            if key is not None:
+                starting.add(key)
 
         if not chosen:
             return None
@@ -206,6 +220,14 @@ class Scheduler:
         extend_lens = [n for _, n in chosen]
         out_cache_loc = self.kv.alloc_extend([r.row for r in reqs], extend_lens)
         return ScheduledStep(reqs, [r.num_cached for r in reqs], extend_lens, out_cache_loc)
+
+    def _share_key(self, req: Request) -> tuple[int, ...] | None:
+        """The first ``SHARE_MIN_TOKENS`` tokens of ``req`` (rounded up to whole pages) when it has more, else None:
+        two starting requests with one key would compute the same prefix, so the second waits for the cache."""
+        size = -(-SHARE_MIN_TOKENS // self.kv.page_size) * self.kv.page_size
+        if len(req.token_ids) - max(req.unresolved, 1) < size:
+            return None
+        return tuple(req.token_ids[:size])
 
     def finish_all(self, done: Sequence[tuple[Request, str]]) -> None:
         """Finish several requests at once: their KV is freed in one call (one device op for their rows). A request

@@ -177,3 +177,26 @@ def test_cached_pages_are_evicted_before_anyone_is_preempted(toy: ToyDecoder) ->
     assert llm.scheduler.num_preemptions == 0 and cache.num_hit_tokens == 0
     _, left = cache.tree.match(np.array(STEMS[0][:30]))
     assert len(left) < 7  # the first prompt's pages made the room
+
+
+def test_requests_starting_together_share_their_prefix(toy: ToyDecoder) -> None:
+    """The n samples of one prompt, and prompts behind one long system prompt, arriving together: the first computes
+    the shared prefix, the others wait one step and take it from the cache (counted), with the same tokens."""
+    system = [(7 * j + 3) % 53 for j in range(36)]
+    prompts = [system + [1, 2], system + [4, 5, 6], system[:20] + [9]]
+    params = SamplingParams(max_tokens=3, ignore_eos=True, n=3, temperature=0.8, seed=5)
+    outs = {}
+    for on in (False, True):
+        llm = LLM(toy, graph_mode="none", compile=False, max_batch_size=12, max_num_tokens=512, max_context=48,
+                  page_size=4, device="cpu", enable_prefix_cache=on)
+        counter = ComputedTokens(llm)
+        outs[on] = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params)]
+        computed = counter.take()
+        if on:
+            hits = llm.kv_cache.prefix_cache.num_hit_tokens
+            # 36 system tokens (9 pages) for 5 of the 6 samples behind it; the short prompt's 3 samples share 20 - 1
+            # tokens rounded down to pages with nothing (it is below the share length): they all compute it
+            assert hits == 5 * 36, hits
+        outs[on].append(computed)
+    assert outs[True][:3] == outs[False][:3]
+    assert outs[False][3] - outs[True][3] == 5 * 36  # the model computed exactly the tokens it did not reuse
