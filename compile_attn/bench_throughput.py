@@ -39,7 +39,7 @@ class ThroughputConfig:
     backend: str = "auto"
     graph_mode: str = "full_and_piecewise"
     compile: bool = True
-    overlap: bool = True
+    overlap: bool = True  # the engine keeps one step in flight
     prefix_cache: bool = True  # the prefix-cache workloads also run with it off unless this is False
     max_batch_size: int = 256
     max_num_tokens: int = 8192
@@ -47,12 +47,20 @@ class ThroughputConfig:
     gpu_memory_utilization: float = 0.9
     page_size: int = 1
     max_context: int | None = None  # None: the workload's longest request
-    overlap: bool = True  # the engine keeps one step in flight
     rounds: int = 2
     profile_steps: int = 32  # steps per profiled window (CUDA only); 0: no profile
     hf: bool = True
     hf_rounds: int | None = None  # None: ``rounds``
     hf_max_memory_percent: float | None = 0.8
+
+    def llm_options(self, workload: Workload, dtype: torch.dtype) -> dict:
+        """The ``LLM`` keywords of this configuration for ``workload`` (whose longest request is the default
+        ``max_context``)."""
+        return dict(attn_backend=self.backend, graph_mode=self.graph_mode, compile=self.compile,
+                    max_batch_size=self.max_batch_size, max_num_tokens=self.max_num_tokens,
+                    kv_cache_tokens=self.kv_cache_tokens, gpu_memory_utilization=self.gpu_memory_utilization,
+                    max_context=self.max_context or workload.longest, page_size=self.page_size, device=self.device,
+                    dtype=dtype, overlap=self.overlap, enable_prefix_cache=self.prefix_cache)
 
 
 def run(cfg: ThroughputConfig) -> dict:
@@ -100,11 +108,7 @@ def _run_engine(model: object, workload: Workload, cfg: ThroughputConfig, dtype:
 
     _sync(cfg.device)
     start = time.perf_counter()
-    llm = LLM(model, attn_backend=cfg.backend, graph_mode=cfg.graph_mode, compile=cfg.compile,
-              max_batch_size=cfg.max_batch_size, max_num_tokens=cfg.max_num_tokens,
-              kv_cache_tokens=cfg.kv_cache_tokens, gpu_memory_utilization=cfg.gpu_memory_utilization, max_context=cfg.max_context or workload.longest,
-              page_size=cfg.page_size, device=cfg.device, dtype=dtype, overlap=cfg.overlap,
-              enable_prefix_cache=cfg.prefix_cache)
+    llm = LLM(model, **cfg.llm_options(workload, dtype))
     _sync(cfg.device)
     engine = dict(system=f"compile_attn {llm.backend.name} {llm.step_runner.graph_mode.value}"
                          + ("" if cfg.overlap else " no-overlap"), overlap=cfg.overlap,

@@ -7,10 +7,15 @@ import argparse
 import json
 import logging
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from compile_attn.bench_workloads import ALL_WORKLOADS
 from compile_attn.cli_options import add_engine_options, check_engine_options
+
+if TYPE_CHECKING:
+    from compile_attn.bench_throughput import ThroughputConfig
 
 
 def add_parser(sub: argparse._SubParsersAction, formatter_class: type[argparse.HelpFormatter]) -> None:
@@ -56,9 +61,6 @@ def add_parser(sub: argparse._SubParsersAction, formatter_class: type[argparse.H
 
 def prepare(args: argparse.Namespace) -> None:
     """Refuse bad options (ValueError naming the value) and set ``args.cfg``, the ThroughputConfig."""
-    from compile_attn import bench
-    from compile_attn.bench_throughput import ThroughputConfig
-
     check_engine_options(args)
     for name in ("num_seqs", "prompt_len", "output_len", "rounds", "hf_rounds"):
         value = getattr(args, name)
@@ -73,19 +75,27 @@ def prepare(args: argparse.Namespace) -> None:
     device = args.device or ("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     if device not in ("cuda", "cpu"):
         raise ValueError(f"--device must be cuda or cpu, got {device!r}")
-    args.cfg = ThroughputConfig(
+    args.cfg = throughput_config(args, device, rounds=args.rounds, profile_steps=args.profile_steps, hf=not args.no_hf,
+                                 hf_rounds=args.hf_rounds, hf_max_memory_percent=args.hf_max_memory_percent)
+    if device == "cpu" and not args.tiny and args.model is None:
+        logging.getLogger(__name__).warning(
+            "throughput: the Llama-3.2-1B shape on the CPU takes hours and ~10 GB of memory; --tiny runs a small model")
+
+
+def throughput_config(args: argparse.Namespace, device: str, **fields: object) -> ThroughputConfig:
+    """The ThroughputConfig of the workload options and the engine options (``add_engine_options``) in ``args``,
+    on ``device``; ``fields`` set the command's own (rounds, HF)."""
+    from compile_attn import bench
+    from compile_attn.bench_throughput import ThroughputConfig
+
+    return ThroughputConfig(
         workload=args.workload, num_seqs=args.num_seqs, prompt_len=args.prompt_len, output_len=args.output_len,
         temperature=args.temperature, model=args.model, shape=dict(bench.TINY if args.tiny else bench.LLAMA_1B),
         device=device, backend=args.backend, graph_mode=args.graph_mode, compile=not args.no_compile,
         max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens, kv_cache_tokens=args.kv_cache_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization, page_size=args.page_size, max_context=args.max_context,
-        overlap=not args.no_overlap, prefix_cache=not args.no_prefix_cache,
-        rounds=args.rounds, profile_steps=args.profile_steps,
-        hf=not args.no_hf, hf_rounds=args.hf_rounds, hf_max_memory_percent=args.hf_max_memory_percent,
+        overlap=not args.no_overlap, prefix_cache=not args.no_prefix_cache, **fields,
     )
-    if device == "cpu" and not args.tiny and args.model is None:
-        logging.getLogger(__name__).warning(
-            "throughput: the Llama-3.2-1B shape on the CPU takes hours and ~10 GB of memory; --tiny runs a small model")
 
 
 def cmd_throughput(args: argparse.Namespace) -> int:

@@ -252,8 +252,8 @@ class AsyncLLM:
         IncrementalDetokenizer); the last Delta completes the text to the request's final text."""
         req = stream.req
         num_prompt = len(req.prompt_ids)
-        known = len(req.token_ids) - req.unresolved  # a step in flight's placeholders are not tokens yet
-        new = req.token_ids[num_prompt + stream.sent_tokens:known].tolist()
+        # up to the tokens read back: a step in flight's placeholders are not tokens yet
+        new = req.token_ids[num_prompt + stream.sent_tokens:num_prompt + req.num_output_known].tolist()
         text = ""
         if stream.detok is not None:
             if finished:

@@ -276,14 +276,14 @@ class LLM:
                 extend_lens=step.extend_lens, out_cache_loc=step.out_cache_loc,
                 input_ids=step.input_ids(), device=self.device,
             )
-            if self._in_flight and has_placeholders(step.requests, step.prefix_lens, step.extend_lens):
-                feed_tokens(fb.input_ids, self._in_flight[-1].tokens, self.vocab_size)
+            in_flight = self._in_flight[-1].tokens if self._in_flight else None  # what placeholders stand for
+            if in_flight is not None and has_placeholders(step.requests, step.prefix_lens, step.extend_lens):
+                feed_tokens(fb.input_ids, in_flight, self.vocab_size)
             sampled = [i for i, (r, p, n) in enumerate(zip(step.requests, step.prefix_lens, step.extend_lens))
                        if p + n == len(r.token_ids)]
             reqs = [step.requests[i] for i in sampled]
             if self.penalties is not None:
-                start_penalty_rows(reqs, self.penalties, self._in_flight[-1].tokens if self._in_flight else None,
-                                   self.vocab_size, self.device)
+                start_penalty_rows(reqs, self.penalties, in_flight, self.vocab_size, self.device)
             extras = StepExtras.for_step(reqs, self.penalties, self.device)
             tokens, logprobs = forward_and_sample(self.step_runner, fb, reqs, sampled, self.device, extras)
         except BaseException:
@@ -323,8 +323,8 @@ class LLM:
             if vocab is not None and not 0 <= tok < vocab:  # this request's fault: it alone finishes
                 logger.warning("request %d: the model sampled token %d, outside the vocabulary [0, %d); finishing "
                                "it with reason 'error'", r.request_id, tok, vocab)
-                r.drop_unresolved()
-                del r.token_ids[at:]
+                del r.token_ids[at:]  # the bad token and any later step's placeholder
+                r.unresolved = 0
                 done.append((r, "error"))
                 continue
             r.token_ids[at] = tok

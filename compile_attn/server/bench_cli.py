@@ -10,7 +10,7 @@ import math
 import torch
 
 from compile_attn.bench_workloads import WORKLOADS
-from compile_attn.cli_options import add_engine_options
+from compile_attn.cli_options import add_engine_options, check_engine_options
 
 
 def add_parser(sub: argparse._SubParsersAction, formatter_class: type[argparse.HelpFormatter]) -> None:
@@ -59,16 +59,11 @@ def _rates(text: str) -> list[float]:
 
 def prepare(args: argparse.Namespace) -> None:
     """Refuse bad options (ValueError naming the value) and set ``args.cfg``, the ServingBenchConfig."""
-    from compile_attn import bench
-    from compile_attn.attention.registry import check_backend_name
-    from compile_attn.bench_throughput import ThroughputConfig
-    from compile_attn.graph_mode import GraphMode
+    from compile_attn.bench_throughput_cli import throughput_config
     from compile_attn.server.bench_serving import ServingBenchConfig
 
-    check_backend_name(args.backend)
-    GraphMode.parse(args.graph_mode)
-    for name in ("num_seqs", "prompt_len", "output_len", "max_concurrency", "max_batch_size", "max_num_tokens",
-                 "kv_cache_tokens", "page_size", "max_context", "vocab_size"):
+    check_engine_options(args)
+    for name in ("num_seqs", "prompt_len", "output_len", "max_concurrency", "vocab_size"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -81,13 +76,7 @@ def prepare(args: argparse.Namespace) -> None:
     if args.url is not None and not args.url.startswith(("http://", "https://")):
         raise ValueError(f"--url must start with http:// or https://, got {args.url!r}")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    engine = ThroughputConfig(
-        workload=args.workload, num_seqs=args.num_seqs, prompt_len=args.prompt_len, output_len=args.output_len,
-        temperature=args.temperature, model=args.model, shape=dict(bench.TINY if args.tiny else bench.LLAMA_1B),
-        device=device, backend=args.backend, graph_mode=args.graph_mode, compile=not args.no_compile,
-        max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens, kv_cache_tokens=args.kv_cache_tokens,
-        gpu_memory_utilization=args.gpu_memory_utilization, page_size=args.page_size, max_context=args.max_context,
-        overlap=not args.no_overlap, hf=False)
+    engine = throughput_config(args, device, hf=False)
     args.cfg = ServingBenchConfig(engine=engine, url=args.url, served_model_name=args.served_model_name,
                                   vocab_size=args.vocab_size, request_rates=_rates(args.request_rates),
                                   max_concurrency=args.max_concurrency, num_warmup=args.num_warmup,

@@ -83,10 +83,7 @@ def _start_llm(cfg: ServingBenchConfig, result: dict) -> tuple[object, Workload]
     workload = bench_throughput.make_workload(e)
     model = e.model if e.model is not None else bench_throughput._random_model(e, dtype)
     start = time.perf_counter()
-    llm = LLM(model, attn_backend=e.backend, graph_mode=e.graph_mode, compile=e.compile,
-              max_batch_size=e.max_batch_size, max_num_tokens=e.max_num_tokens, kv_cache_tokens=e.kv_cache_tokens,
-              gpu_memory_utilization=e.gpu_memory_utilization, max_context=e.max_context or workload.longest,
-              page_size=e.page_size, device=e.device, dtype=dtype)
+    llm = LLM(model, **e.llm_options(workload, dtype))
     result["workload"] = workload.summary()
     result["engine"] = dict(backend=llm.backend.name, graph_mode=llm.step_runner.graph_mode.value,
                             device=str(llm.device), dtype=str(dtype).removeprefix("torch."),

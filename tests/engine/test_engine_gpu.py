@@ -8,18 +8,9 @@ import torch
 
 from compile_attn.attention.registry import module_available
 from compile_attn.engine import LLM, SamplingParams
+from tests.engine.bf16_reference import greedy_up_to_first_tie, small_llama
 
 pytestmark = pytest.mark.gpu
-
-
-def _llama(seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
-    model = LlamaForCausalLM(cfg)
-    return model.to("cuda", torch.bfloat16).eval()
 
 
 def _have(module: str) -> bool:
@@ -46,27 +37,11 @@ def test_hybrid_and_fa3_greedy_match_hf(graph_mode: str, backend: str) -> None:
 
 
 def check_greedy_against_hf(graph_mode: str, backend: str) -> None:
-    """Margin, measured on HF itself: teacher-force HF's greedy tokens through HF in bf16 and in fp32 (same
-    weights); at each position the bf16 rounding error is max |logits_bf16 - logits_fp32|. A position is
-    decidable when the fp32 top-1/top-2 gap exceeds twice that error; beyond the first undecidable position
-    a bf16 implementation may legitimately pick another token, so tokens are compared up to it."""
-    model = _llama()
+    """Greedy tokens equal HF's up to each prompt's first undecidable position (see bf16_reference)."""
+    model = small_llama()
     prompts = [[(13 * i + 7 * j) % 1024 for j in range(n)] for i, n in enumerate([5, 33, 17, 64, 2, 120])]
     n_new = 16
-    refs = []
-    for p in prompts:
-        ids = torch.tensor([p], device="cuda")  # explicit mask: token 0 in a prompt is not padding
-        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
-        ids = torch.tensor([p + ref], device="cuda")
-        with torch.no_grad():
-            bf16 = model(ids).logits[0, len(p) - 1 : -1].float()
-            fp32 = model.float()(ids).logits[0, len(p) - 1 : -1]
-        model.to(torch.bfloat16)
-        top2 = fp32.topk(2, dim=-1).values
-        decidable = (top2[:, 0] - top2[:, 1]) > 2 * (bf16 - fp32).abs().max(dim=-1).values
-        first_tie = int((~decidable).nonzero()[0]) if (~decidable).any() else n_new
-        refs.append((ref, first_tie))
+    refs = [greedy_up_to_first_tie(model, p, n_new) for p in prompts]
     llm = LLM(model, attn_backend=backend, graph_mode=graph_mode, compile=graph_mode != "none", max_batch_size=8, max_context=256,
               max_num_tokens=256)
     outs = llm.generate(prompts, SamplingParams(max_new_tokens=n_new, ignore_eos=True))
@@ -78,7 +53,7 @@ def check_greedy_against_hf(graph_mode: str, backend: str) -> None:
 
 
 def test_256_concurrent_requests_all_finish_and_free_the_pool() -> None:
-    model = _llama(1)
+    model = small_llama(1)
     llm = LLM(model, max_batch_size=64, max_context=512, max_num_tokens=1024, kv_cache_tokens=16384, page_size=16)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 1024, (int(n),), generator=gen).tolist()

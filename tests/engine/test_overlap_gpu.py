@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from compile_attn.engine import LLM, SamplingParams
+from tests.engine.bf16_reference import small_llama
 
 pytestmark = pytest.mark.gpu
 
@@ -16,13 +17,7 @@ pytestmark = pytest.mark.gpu
 def llm() -> LLM:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
-    model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
-    return LLM(model, attn_backend="triton", max_batch_size=16, max_num_tokens=256, kv_cache_tokens=8192,
+    return LLM(small_llama(), attn_backend="triton", max_batch_size=16, max_num_tokens=256, kv_cache_tokens=8192,
                max_context=1024)
 
 

@@ -11,6 +11,7 @@ import torch
 from compile_attn.attention.registry import module_available
 from compile_attn.engine import LLM, SamplingParams
 from compile_attn.prefix_cache import page_account
+from tests.engine.bf16_reference import greedy_up_to_first_tie, small_llama
 
 pytestmark = pytest.mark.gpu
 
@@ -19,36 +20,14 @@ PROMPTS = [SHARED + [(7 * i + 3 * j) % 1024 for j in range(n)] for i, n in enume
 N_NEW = 16
 
 
-def _llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
-    return LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
-
-
 @pytest.fixture(scope="module")
 def model_and_refs():
     """HF's greedy tokens per prompt and the first position a bf16 run may legitimately differ at (the fp32 top-2
     gap there is within twice the bf16 rounding error of the logits)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    model = _llama()
-    refs = []
-    for p in PROMPTS:
-        ids = torch.tensor([p], device="cuda")
-        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N_NEW, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
-        ids = torch.tensor([p + ref], device="cuda")
-        with torch.no_grad():
-            bf16 = model(ids).logits[0, len(p) - 1 : -1].float()
-            fp32 = model.float()(ids).logits[0, len(p) - 1 : -1]
-        model.to(torch.bfloat16)
-        top2 = fp32.topk(2, dim=-1).values
-        decidable = (top2[:, 0] - top2[:, 1]) > 2 * (bf16 - fp32).abs().max(dim=-1).values
-        refs.append((ref, int((~decidable).nonzero()[0]) if (~decidable).any() else N_NEW))
-    return model, refs
+    model = small_llama()
+    return model, [greedy_up_to_first_tie(model, p, N_NEW) for p in PROMPTS]
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
