@@ -158,9 +158,7 @@ def engine_round(llm, workload: Workload) -> dict:
     ``step()`` call launches one step and waits for the one before, so its time is counted for the kind it launched."""
     params = _sampling_params(workload)
     preemptions = llm.scheduler.num_preemptions
-    cache = llm.kv_cache.prefix_cache
-    if cache is not None:
-        cache.clear()  # each round on its own: nothing cached by the round before
+    cache = _empty_prefix_cache(llm)
     looked, hits = (cache.num_lookup_tokens, cache.num_hit_tokens) if cache is not None else (0, 0)
     _sync(llm.device.type)
     start = time.perf_counter()
@@ -201,6 +199,15 @@ def engine_round(llm, workload: Workload) -> dict:
                 prefill_tokens_saved=cache.num_hit_tokens - hits if cache is not None else 0)
 
 
+def _empty_prefix_cache(llm):
+    """The engine's prefix cache emptied (None when off): each round runs on its own, nothing cached by the one
+    before (a repeated workload would otherwise skip its prefills)."""
+    cache = llm.kv_cache.prefix_cache
+    if cache is not None:
+        cache.clear()
+    return cache
+
+
 def gpu_busy(llm, workload: Workload, window: int, round_steps: int) -> list[dict]:
     """GPU busy fraction (time at least one kernel or copy runs, over wall time) in two windows of ``window``
     steps of a fresh round: its start (prefills) and its middle. The round is left unfinished: the engine is
@@ -209,6 +216,7 @@ def gpu_busy(llm, workload: Workload, window: int, round_steps: int) -> list[dic
     from torch.profiler import ProfilerActivity, profile
 
     starts = sorted({0, round_steps // 2} if round_steps // 2 >= window else {0})
+    _empty_prefix_cache(llm)
     for p, sp in zip(workload.prompts, _sampling_params(workload)):
         llm.add_request(p, sp)
     done, windows = 0, []
