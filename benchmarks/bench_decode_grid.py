@@ -27,8 +27,8 @@ BATCHES, CONTEXTS = (1, 16, 64, 256), (512, 4096)
 
 def bench_backend(name: str, page_size: int) -> list[dict]:
     layer = AttentionLayer(0, HQ, HKV, D)
-    kv = KVCache(num_layers=1, num_kv_heads=HKV, head_dim=D, max_requests=max(BATCHES), max_context=max(CONTEXTS),
-                 num_tokens=max(BATCHES) * max(CONTEXTS), page_size=page_size, dtype=torch.bfloat16, device="cuda")
+    kv = KVCache(num_layers=1, num_kv_heads=HKV, head_dim=D, max_batch_size=max(BATCHES), max_context=max(CONTEXTS),
+                 kv_cache_tokens=max(BATCHES) * max(CONTEXTS), page_size=page_size, dtype=torch.bfloat16, device="cuda")
     for buf in (*kv.pool.k_buffers, *kv.pool.v_buffers):
         buf.normal_()
     gen = torch.Generator().manual_seed(0)

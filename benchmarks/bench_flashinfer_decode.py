@@ -49,7 +49,7 @@ def _decode_batch(kv: KVCache, bs: int, ctx: int) -> tuple[list[int], ForwardBat
 
 
 def bench_jit(label: str) -> dict:
-    kv = KVCache(num_layers=1, num_kv_heads=HKV, head_dim=D, max_requests=2, max_context=64, num_tokens=128,
+    kv = KVCache(num_layers=1, num_kv_heads=HKV, head_dim=D, max_batch_size=2, max_context=64, kv_cache_tokens=128,
                  dtype=torch.bfloat16, device="cuda")
     backend = create_backend("flashinfer", kv, [AttentionLayer(0, HQ, HKV, D)], extend_prefix_path="cascade")
     t0 = time.perf_counter()
@@ -59,8 +59,8 @@ def bench_jit(label: str) -> dict:
 
 def bench_decode() -> list[dict]:
     layer = AttentionLayer(0, HQ, HKV, D)
-    kv = KVCache(num_layers=1, num_kv_heads=HKV, head_dim=D, max_requests=max(BATCHES), max_context=max(CONTEXTS),
-                 num_tokens=max(BATCHES) * max(CONTEXTS), dtype=torch.bfloat16, device="cuda")
+    kv = KVCache(num_layers=1, num_kv_heads=HKV, head_dim=D, max_batch_size=max(BATCHES), max_context=max(CONTEXTS),
+                 kv_cache_tokens=max(BATCHES) * max(CONTEXTS), dtype=torch.bfloat16, device="cuda")
     for buf in (*kv.pool.k_buffers, *kv.pool.v_buffers):
         buf.normal_()
     rows_out = []
@@ -109,8 +109,8 @@ def bench_plan_breakdown(batches: tuple[int, ...] = (1, 64, 256), ctx: int = 409
     from compile_attn.attention.flashinfer.wrappers import plan_decode
 
     layer = AttentionLayer(0, HQ, HKV, D)
-    kv = KVCache(num_layers=1, num_kv_heads=HKV, head_dim=D, max_requests=max(batches), max_context=ctx,
-                 num_tokens=max(batches) * ctx, dtype=torch.bfloat16, device="cuda")
+    kv = KVCache(num_layers=1, num_kv_heads=HKV, head_dim=D, max_batch_size=max(batches), max_context=ctx,
+                 kv_cache_tokens=max(batches) * ctx, dtype=torch.bfloat16, device="cuda")
     backend = create_backend("flashinfer", kv, [layer])
     backend.init_cuda_graph_state(max(batches), max(batches))
     graph, group, fi = backend._graph, backend.groups[0], backend._fi
@@ -146,7 +146,7 @@ def bench_plan_breakdown(batches: tuple[int, ...] = (1, 64, 256), ctx: int = 409
 def bench_extend_paths() -> list[dict]:
     layer = AttentionLayer(0, HQ, HKV, D)
     shapes = ((4, 2048, 512), (16, 1024, 64), (8, 256, 256), (1, 4096, 1024))
-    kv = KVCache(num_layers=1, num_kv_heads=HKV, head_dim=D, max_requests=16, max_context=5200, num_tokens=40000,
+    kv = KVCache(num_layers=1, num_kv_heads=HKV, head_dim=D, max_batch_size=16, max_context=5200, kv_cache_tokens=40000,
                  dtype=torch.bfloat16, device="cuda")
     backends = {p: create_backend("flashinfer", kv, [layer], extend_prefix_path=p) for p in ("paged", "cascade")}
     results = []
@@ -182,7 +182,7 @@ def bench_model_step(batches: tuple[int, ...] = (1, 16, 64), ctx: int = 1024) ->
     with torch.device("cuda"):
         model = ToyDecoder(cfg).to(dtype=torch.bfloat16).eval()
     kv = KVCache(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                 max_requests=max(batches), max_context=ctx + 8, num_tokens=max(batches) * (ctx + 8),
+                 max_batch_size=max(batches), max_context=ctx + 8, kv_cache_tokens=max(batches) * (ctx + 8),
                  dtype=torch.bfloat16, device="cuda")
     backend = create_backend("flashinfer", kv, model.attention_layers())
     runner = GraphRunner(model, backend, GraphConfig(mode="full", decode_batch_sizes=batches, cache_dir=None),
