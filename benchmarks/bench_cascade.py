@@ -1,0 +1,182 @@
+"""Shared-prefix (cascade) decode attention against plain decode, on a batch whose requests share a long prefix.
+
+B requests (default 256) share P prefix tokens (2,048) and hold O own tokens each (128), on a paged bf16 cache with
+shuffled pages, the Llama-3.2-1B attention shape (``common``). Three timings, each per launch inside a CUDA graph
+over copies of the K/V (``graph_us``: no launch finds the previous one's KV in L2), median of do_bench:
+
+* cascade: ``cascade_decode_fwd`` (level 1 reads the shared prefix once per block of (request, head) rows, level 2
+  reads each request's own tokens and merges), with the default level-1 tiles and prefix splits, then a small sweep
+  of level-1 tiles and split counts;
+* plain: ``decode_attention_fwd`` over prefix + own tokens of every request (the prefix read B times);
+* own only: ``decode_attention_fwd`` over the O own tokens alone (the floor the cascade path aims at).
+
+Prints the times and the ratio cascade / own-only, checks the cascade output against plain decode's, and writes JSON
+to --out.
+
+    python benchmarks/bench_cascade.py --out cascade.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+
+from common import HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, graph_us, num_copies, require_cuda
+from compile_attn.attention.triton_ops import compute_num_kv_splits, decode_attention_fwd, decode_semaphores
+from compile_attn.attention.triton_ops.cascade_attention import (
+    MAX_PREFIX_SPLITS,
+    cascade_decode_fwd,
+    cascade_scratch,
+    default_prefix_config,
+)
+from compile_attn.attention.triton_ops.cascade_index import build_cascade_index
+
+MAX_KV_SPLITS = 16
+DEVICE = "cuda"
+# Level-1 variants tried after the default: (tile overrides, number of prefix splits or None for the default rule).
+SWEEP = [
+    ({}, 1), ({}, 2), ({}, 4),
+    ({"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}, None),
+    ({"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}, None),
+    ({"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}, None),
+    ({"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 4}, None),
+    ({"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3}, None),
+]
+
+
+def make_table(bs: int, prefix: int, own: int, page_size: int, gen: torch.Generator) -> tuple[torch.Tensor, int]:
+    """``req_to_token`` [bs, prefix + own] (int32, on the GPU): every row starts with the same prefix slots, then
+    slots of its own; pages shuffled, page 0 (scratch) unused. Returns the table and the number of slots."""
+    prefix_pages = -(-prefix // page_size)
+    own_pages = -(-own // page_size)
+    num_pages = 1 + prefix_pages + bs * own_pages
+    order = torch.randperm(num_pages - 1, generator=gen) + 1
+    offsets = torch.arange(page_size)
+
+    def slots(pages: torch.Tensor, n: int) -> torch.Tensor:
+        return (pages[:, None] * page_size + offsets).flatten()[:n]
+
+    shared = slots(order[:prefix_pages], prefix)
+    rows = [torch.cat([shared, slots(order[prefix_pages + b * own_pages: prefix_pages + (b + 1) * own_pages], own)])
+            for b in range(bs)]
+    return torch.stack(rows).to(torch.int32).to(DEVICE), num_pages * page_size
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="JSON file to write")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--prefix", type=int, default=2048, help="shared prefix tokens")
+    parser.add_argument("--own", type=int, default=128, help="own tokens per request (after the prefix)")
+    parser.add_argument("--page-size", type=int, default=1)
+    parser.add_argument("--no-sweep", action="store_true", help="time only the default level-1 configuration")
+    parser.add_argument("--rep", type=int, default=100, help="do_bench's time budget per timing, ms")
+    args = parser.parse_args()
+    require_cuda("bench_cascade.py")
+
+    bs, prefix, own = args.batch, args.prefix, args.own
+    hq, hkv, d = NUM_HEADS, NUM_KV_HEADS, HEAD_DIM
+    scale = 1 / math.sqrt(d)
+    gen = torch.Generator().manual_seed(0)
+    table, num_slots = make_table(bs, prefix, own, args.page_size, gen)
+    rows = torch.arange(bs, dtype=torch.int64, device=DEVICE)
+    seq_lens_cpu = [prefix + own] * bs
+    seq_lens = torch.tensor(seq_lens_cpu, dtype=torch.int32, device=DEVICE)
+    index = build_cascade_index(table, rows, seq_lens, [(list(range(bs)), prefix)], req_pool_indices_cpu=list(range(bs)),
+                                seq_lens_cpu=seq_lens_cpu)
+    full_indptr = torch.arange(bs + 1, dtype=torch.int32, device=DEVICE) * (prefix + own)
+    full_indices = table.flatten().contiguous()
+    own_indptr = torch.arange(bs + 1, dtype=torch.int32, device=DEVICE) * own
+    own_indices = table[:, prefix:].flatten().contiguous()
+
+    kv_bytes = 2 * num_slots * hkv * d * 2
+    copies = [
+        {"q": torch.randn(bs, hq, d, dtype=torch.bfloat16, device=DEVICE),
+         "k": torch.randn(num_slots, hkv, d, dtype=torch.bfloat16, device=DEVICE),
+         "v": torch.randn(num_slots, hkv, d, dtype=torch.bfloat16, device=DEVICE)}
+        for _ in range(num_copies(kv_bytes))
+    ]
+    out = torch.empty(bs, hq, d, dtype=torch.bfloat16, device=DEVICE)
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    logits = torch.empty(bs, hq, MAX_KV_SPLITS, d, dtype=torch.float32, device=DEVICE)
+    lse = torch.empty(bs, hq, MAX_KV_SPLITS, dtype=torch.float32, device=DEVICE)
+    semaphores = decode_semaphores(bs, hq, DEVICE)  # one-launch decode, as the triton backend runs it
+    part_out, part_lse = cascade_scratch(bs, hq, d, MAX_PREFIX_SPLITS, DEVICE)
+
+    def decode_launches(indptr: torch.Tensor, indices: torch.Tensor, length: int) -> list:
+        lens = torch.full((bs,), length, dtype=torch.int32, device=DEVICE)
+        splits = compute_num_kv_splits(lens, num_sms, MAX_KV_SPLITS, num_kv_heads=hkv)
+        return [lambda c=c: decode_attention_fwd(c["q"], c["k"], c["v"], out, indptr, indices, splits, MAX_KV_SPLITS,
+                                                 logits, lse, scale, semaphores=semaphores) for c in copies]
+
+    def cascade_launches(config: dict, splits: int | None) -> list:
+        return [lambda c=c: cascade_decode_fwd(c["q"], c["k"], c["v"], out, index, scale, num_prefix_splits=splits,
+                                               part_out=part_out, part_lse=part_lse, prefix_config=config)
+                for c in copies]
+
+    def first_output(launches: list) -> torch.Tensor:
+        launches[0]()
+        return out.clone()
+
+    plain_launches = decode_launches(full_indptr, full_indices, prefix + own)
+    plain_us = graph_us(plain_launches, rep=args.rep)
+    plain_out = first_output(plain_launches)
+    own_us = graph_us(decode_launches(own_indptr, own_indices, own), rep=args.rep)
+
+    default = default_prefix_config(d, d)
+    variants = [({}, None)] + ([] if args.no_sweep else SWEEP)
+    sweep = []
+    for overrides, splits in variants:
+        config = {**default, **overrides}
+        row = {"config": config, "num_prefix_splits": splits if splits is not None else "auto"}
+        try:
+            launches = cascade_launches(config, splits)
+            row["us"] = graph_us(launches, rep=args.rep)
+            cascade_out = first_output(launches)
+            row["max_abs_diff_vs_plain"] = (cascade_out.float() - plain_out.float()).abs().max().item()
+        except Exception as exc:  # noqa: BLE001  (a tile config this GPU cannot run: record it, go on)
+            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        sweep.append(row)
+    timed = [r for r in sweep if "us" in r]
+    if not timed:
+        raise SystemExit(f"no cascade configuration ran: {sweep[0].get('error')}")
+    cascade = sweep[0] if "us" in sweep[0] else timed[0]
+    best = min(timed, key=lambda r: r["us"])
+
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "batch": bs, "prefix": prefix, "own": own, "page_size": args.page_size,
+        "num_q_heads": hq, "num_kv_heads": hkv, "head_dim": d, "dtype": "bfloat16",
+        "plain_us": plain_us, "own_only_us": own_us,
+        "cascade_us": cascade["us"], "cascade_config": cascade["config"],
+        "cascade_best_us": best["us"], "cascade_best_config": best["config"],
+        "cascade_best_num_prefix_splits": best["num_prefix_splits"],
+        "ratio_cascade_over_own_only": cascade["us"] / own_us,
+        "ratio_best_cascade_over_own_only": best["us"] / own_us,
+        "ratio_plain_over_cascade": plain_us / cascade["us"],
+        "level1_flops": 4 * bs * hq * prefix * d,
+        "sweep": sweep,
+    }
+    print(f"\nDecode attention, {bs} requests x ({prefix} shared + {own} own) tokens, bf16, Hq={hq} Hkv={hkv} D={d}, "
+          f"page {args.page_size}, {result['device']}; us per launch inside a CUDA graph (median)")
+    print("| path | us | / own only |")
+    print("|---|---|---|")
+    print(f"| cascade (default config) | {cascade['us']:.1f} | {cascade['us'] / own_us:.2f}x |")
+    print(f"| cascade (best of sweep) | {best['us']:.1f} | {best['us'] / own_us:.2f}x |")
+    print(f"| plain decode over prefix + own | {plain_us:.1f} | {plain_us / own_us:.2f}x |")
+    print(f"| own tokens only | {own_us:.1f} | 1.00x |")
+    print("\nLevel-1 sweep (diff: max |cascade - plain| over the output):")
+    for r in sweep:
+        shown = f"{r['us']:.1f} us, diff {r['max_abs_diff_vs_plain']:.1e}" if "us" in r else r["error"]
+        print(f"  {r['config']} splits={r['num_prefix_splits']}: {shown}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
