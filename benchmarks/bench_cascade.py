@@ -8,7 +8,9 @@ over copies of the K/V (``graph_us``: no launch finds the previous one's KV in L
   reads each request's own tokens and merges), with the default level-1 tiles and prefix splits, then a small sweep
   of level-1 tiles and split counts;
 * plain: ``decode_attention_fwd`` over prefix + own tokens of every request (the prefix read B times);
-* own only: ``decode_attention_fwd`` over the O own tokens alone (the floor the cascade path aims at).
+* own only: ``decode_attention_fwd`` over the O own tokens alone (the floor the cascade path aims at);
+* FlashInfer's two-level cascade (``attention/flashinfer/cascade.py``), when flashinfer is installed (eagerly
+  timed if its run cannot be captured).
 
 Prints the times and the ratio cascade / own-only, checks the cascade output against plain decode's, and writes JSON
 to --out.
@@ -23,6 +25,7 @@ import json
 import math
 
 import torch
+import triton.testing
 
 from common import HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, graph_us, num_copies, require_cuda
 from compile_attn.attention.triton_ops import compute_num_kv_splits, decode_attention_fwd, decode_semaphores
@@ -65,6 +68,31 @@ def make_table(bs: int, prefix: int, own: int, page_size: int, gen: torch.Genera
     return torch.stack(rows).to(torch.int32).to(DEVICE), num_pages * page_size
 
 
+def time_flashinfer(copies: list, out: torch.Tensor, table: torch.Tensor, seq_lens_cpu: list, groups: list,
+                    page_size: int, scale: float, rep: int) -> dict:
+    """FlashInfer's cascade on the same batch: {"us": ..., "graph": bool, "out": first copy's output} or
+    {"error": ...}."""
+    try:
+        from compile_attn.attention.flashinfer.cascade import FlashInferCascadeDecode
+
+        cascade = FlashInferCascadeDecode(torch.empty(256 << 20, dtype=torch.uint8, device=DEVICE))
+        bs, hq, d = copies[0]["q"].shape
+        cascade.plan(table, list(range(bs)), seq_lens_cpu, groups, page_size=page_size, num_qo_heads=hq,
+                     num_kv_heads=copies[0]["k"].shape[1], head_dim=d, sm_scale=scale)
+        launches = [lambda c=c: cascade.run(c["q"], c["k"], c["v"], out) for c in copies]
+        try:
+            row = {"us": graph_us(launches, rep=rep), "graph": True}
+        except Exception:  # noqa: BLE001  (its run cannot be captured in this version: time it eagerly)
+            torch.cuda.synchronize()
+            row = {"us": triton.testing.do_bench(launches[0], warmup=25, rep=rep, return_mode="median") * 1e3,
+                   "graph": False}
+        launches[0]()
+        row["out"] = out.clone()
+        return row
+    except Exception as exc:  # noqa: BLE001  (not installed, or this version refuses the shape)
+        return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="JSON file to write")
@@ -73,6 +101,7 @@ def main() -> None:
     parser.add_argument("--own", type=int, default=128, help="own tokens per request (after the prefix)")
     parser.add_argument("--page-size", type=int, default=1)
     parser.add_argument("--no-sweep", action="store_true", help="time only the default level-1 configuration")
+    parser.add_argument("--no-flashinfer", action="store_true", help="skip FlashInfer's cascade")
     parser.add_argument("--rep", type=int, default=100, help="do_bench's time budget per timing, ms")
     args = parser.parse_args()
     require_cuda("bench_cascade.py")
@@ -85,7 +114,8 @@ def main() -> None:
     rows = torch.arange(bs, dtype=torch.int64, device=DEVICE)
     seq_lens_cpu = [prefix + own] * bs
     seq_lens = torch.tensor(seq_lens_cpu, dtype=torch.int32, device=DEVICE)
-    index = build_cascade_index(table, rows, seq_lens, [(list(range(bs)), prefix)], req_pool_indices_cpu=list(range(bs)),
+    groups = [(list(range(bs)), prefix)]
+    index = build_cascade_index(table, rows, seq_lens, groups, req_pool_indices_cpu=list(range(bs)),
                                 seq_lens_cpu=seq_lens_cpu)
     full_indptr = torch.arange(bs + 1, dtype=torch.int32, device=DEVICE) * (prefix + own)
     full_indices = table.flatten().contiguous()
@@ -146,6 +176,11 @@ def main() -> None:
     cascade = sweep[0] if "us" in sweep[0] else timed[0]
     best = min(timed, key=lambda r: r["us"])
 
+    fi = {"error": "skipped (--no-flashinfer)"} if args.no_flashinfer else time_flashinfer(
+        copies, out, table, seq_lens_cpu, groups, args.page_size, scale, args.rep)
+    if "out" in fi:
+        fi["max_abs_diff_vs_plain"] = (fi.pop("out").float() - plain_out.float()).abs().max().item()
+
     result = {
         "device": torch.cuda.get_device_name(),
         "batch": bs, "prefix": prefix, "own": own, "page_size": args.page_size,
@@ -158,6 +193,7 @@ def main() -> None:
         "ratio_best_cascade_over_own_only": best["us"] / own_us,
         "ratio_plain_over_cascade": plain_us / cascade["us"],
         "level1_flops": 4 * bs * hq * prefix * d,
+        "flashinfer_cascade": fi,
         "sweep": sweep,
     }
     print(f"\nDecode attention, {bs} requests x ({prefix} shared + {own} own) tokens, bf16, Hq={hq} Hkv={hkv} D={d}, "
@@ -168,6 +204,10 @@ def main() -> None:
     print(f"| cascade (best of sweep) | {best['us']:.1f} | {best['us'] / own_us:.2f}x |")
     print(f"| plain decode over prefix + own | {plain_us:.1f} | {plain_us / own_us:.2f}x |")
     print(f"| own tokens only | {own_us:.1f} | 1.00x |")
+    if "us" in fi:
+        print(f"| FlashInfer cascade{'' if fi['graph'] else ' (eager)'} | {fi['us']:.1f} | {fi['us'] / own_us:.2f}x |")
+    else:
+        print(f"\nFlashInfer cascade not timed: {fi['error']}")
     print("\nLevel-1 sweep (diff: max |cascade - plain| over the output):")
     for r in sweep:
         shown = f"{r['us']:.1f} us, diff {r['max_abs_diff_vs_plain']:.1e}" if "us" in r else r["error"]
