@@ -6,7 +6,8 @@ over copies of the K/V (``graph_us``: no launch finds the previous one's KV in L
 
 * cascade: ``cascade_decode_fwd`` (level 1 reads the shared prefix once per block of (request, head) rows, level 2
   reads each request's own tokens and merges), with the default level-1 tiles and prefix splits, then a small sweep
-  of level-1 tiles and split counts;
+  of level-1 tiles and split counts, each with the levels one after the other ("fused": level 2 merges) and with
+  level 1 on a side stream next to level 2 ("streams": a third launch merges);
 * plain: ``decode_attention_fwd`` over prefix + own tokens of every request (the prefix read B times);
 * own only: ``decode_attention_fwd`` over the O own tokens alone (the floor the cascade path aims at);
 * FlashInfer's two-level cascade (``attention/flashinfer/cascade.py``), when flashinfer is installed (eagerly
@@ -39,8 +40,9 @@ from compile_attn.attention.triton_ops.cascade_index import build_cascade_index
 
 MAX_KV_SPLITS = 16
 DEVICE = "cuda"
-# Level-1 variants tried after the default: (tile overrides, number of prefix splits or None for the default rule).
-SWEEP = [
+# Level-1 variants tried after the default, each fused and on two streams: (tile overrides, number of prefix splits
+# or None for the default rule).
+SWEEP = [({}, None),
     ({}, 1), ({}, 2), ({}, 4),
     ({"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}, None),
     ({"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}, None),
@@ -142,9 +144,13 @@ def main() -> None:
         return [lambda c=c: decode_attention_fwd(c["q"], c["k"], c["v"], out, indptr, indices, splits, MAX_KV_SPLITS,
                                                  logits, lse, scale, semaphores=semaphores) for c in copies]
 
-    def cascade_launches(config: dict, splits: int | None) -> list:
+    side = torch.cuda.Stream() if DEVICE == "cuda" else None
+
+    def cascade_launches(config: dict, splits: int | None, mode: str) -> list:
+        streams = mode == "streams"
         return [lambda c=c: cascade_decode_fwd(c["q"], c["k"], c["v"], out, index, scale, num_prefix_splits=splits,
-                                               part_out=part_out, part_lse=part_lse, prefix_config=config)
+                                               part_out=part_out, part_lse=part_lse, prefix_config=config,
+                                               split_levels=streams, side_stream=side if streams else None)
                 for c in copies]
 
     def first_output(launches: list) -> torch.Tensor:
@@ -157,13 +163,14 @@ def main() -> None:
     own_us = graph_us(decode_launches(own_indptr, own_indices, own), rep=args.rep)
 
     default = default_prefix_config(d, d)
-    variants = [({}, None)] + ([] if args.no_sweep else SWEEP)
+    variants = [(overrides, splits, mode) for overrides, splits in ([({}, None)] if args.no_sweep else SWEEP)
+                for mode in ("fused", "streams")]
     sweep = []
-    for overrides, splits in variants:
+    for overrides, splits, mode in variants:
         config = {**default, **overrides}
-        row = {"config": config, "num_prefix_splits": splits if splits is not None else "auto"}
+        row = {"config": config, "num_prefix_splits": splits if splits is not None else "auto", "mode": mode}
         try:
-            launches = cascade_launches(config, splits)
+            launches = cascade_launches(config, splits, mode)
             row["us"] = graph_us(launches, rep=args.rep)
             cascade_out = first_output(launches)
             row["max_abs_diff_vs_plain"] = (cascade_out.float() - plain_out.float()).abs().max().item()
@@ -174,6 +181,7 @@ def main() -> None:
     if not timed:
         raise SystemExit(f"no cascade configuration ran: {sweep[0].get('error')}")
     cascade = sweep[0] if "us" in sweep[0] else timed[0]
+    streams = next((r for r in sweep[:2] if r["mode"] == "streams" and "us" in r), cascade)
     best = min(timed, key=lambda r: r["us"])
 
     fi = {"error": "skipped (--no-flashinfer)"} if args.no_flashinfer else time_flashinfer(
@@ -187,9 +195,11 @@ def main() -> None:
         "num_q_heads": hq, "num_kv_heads": hkv, "head_dim": d, "dtype": "bfloat16",
         "plain_us": plain_us, "own_only_us": own_us,
         "cascade_us": cascade["us"], "cascade_config": cascade["config"],
+        "cascade_streams_us": streams["us"],
         "cascade_best_us": best["us"], "cascade_best_config": best["config"],
-        "cascade_best_num_prefix_splits": best["num_prefix_splits"],
+        "cascade_best_num_prefix_splits": best["num_prefix_splits"], "cascade_best_mode": best["mode"],
         "ratio_cascade_over_own_only": cascade["us"] / own_us,
+        "ratio_cascade_streams_over_own_only": streams["us"] / own_us,
         "ratio_best_cascade_over_own_only": best["us"] / own_us,
         "ratio_plain_over_cascade": plain_us / cascade["us"],
         "level1_flops": 4 * bs * hq * prefix * d,
@@ -200,8 +210,9 @@ def main() -> None:
           f"page {args.page_size}, {result['device']}; us per launch inside a CUDA graph (median)")
     print("| path | us | / own only |")
     print("|---|---|---|")
-    print(f"| cascade (default config) | {cascade['us']:.1f} | {cascade['us'] / own_us:.2f}x |")
-    print(f"| cascade (best of sweep) | {best['us']:.1f} | {best['us'] / own_us:.2f}x |")
+    print(f"| cascade (default config, levels fused) | {cascade['us']:.1f} | {cascade['us'] / own_us:.2f}x |")
+    print(f"| cascade (default config, two streams) | {streams['us']:.1f} | {streams['us'] / own_us:.2f}x |")
+    print(f"| cascade (best of sweep: {best['mode']}) | {best['us']:.1f} | {best['us'] / own_us:.2f}x |")
     print(f"| plain decode over prefix + own | {plain_us:.1f} | {plain_us / own_us:.2f}x |")
     print(f"| own tokens only | {own_us:.1f} | 1.00x |")
     if "us" in fi:
@@ -211,7 +222,7 @@ def main() -> None:
     print("\nLevel-1 sweep (diff: max |cascade - plain| over the output):")
     for r in sweep:
         shown = f"{r['us']:.1f} us, diff {r['max_abs_diff_vs_plain']:.1e}" if "us" in r else r["error"]
-        print(f"  {r['config']} splits={r['num_prefix_splits']}: {shown}")
+        print(f"  {r['mode']} {r['config']} splits={r['num_prefix_splits']}: {shown}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)

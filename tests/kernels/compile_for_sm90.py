@@ -134,7 +134,8 @@ def record_launches() -> list[tuple[object, tuple, dict, str]]:
             torch.empty(3, dtype=torch.int32), torch.empty(14, dtype=torch.int32), torch.empty(2, dtype=torch.int32),
             num_sms=132, max_kv_splits=16, deterministic=deterministic, num_kv_heads=8, window=window,
             kv_start=torch.empty(2, dtype=torch.int32) if window else None)
-    # Shared-prefix decode: (q heads, kv heads, head dim, dtype, softcap, level-1 tile overrides)
+    # Shared-prefix decode: (q heads, kv heads, head dim, dtype, softcap, level-1 tile overrides); each case with the
+    # levels fused (level 2 merges) and split (level 2 writes a partial, a third kernel merges)
     cascade_cases = [
         (32, 8, 64, torch.bfloat16, 0.0, {}),  # Llama-3.2-1B, default tiles
         (32, 8, 64, torch.bfloat16, 0.0, {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8}),  # benchmark sweep
@@ -149,10 +150,11 @@ def record_launches() -> list[tuple[object, tuple, dict, str]]:
         index = cascade_index.build_cascade_index(
             table, torch.arange(3), torch.tensor([25, 30, 40], dtype=torch.int32), [([0, 2], 20)],
             req_pool_indices_cpu=[0, 1, 2], seq_lens_cpu=[25, 30, 40])
-        cascade_attention.cascade_decode_fwd(
-            torch.randn(3, hq, d).to(dtype), torch.randn(512, hkv, d).to(dtype), torch.randn(512, hkv, d).to(dtype),
-            torch.empty(3, hq, d, dtype=dtype), index, 1 / math.sqrt(d), cap, num_prefix_splits=2,
-            prefix_config=tiles)
+        for split_levels in (False, True):
+            cascade_attention.cascade_decode_fwd(
+                torch.randn(3, hq, d).to(dtype), torch.randn(512, hkv, d).to(dtype),
+                torch.randn(512, hkv, d).to(dtype), torch.empty(3, hq, d, dtype=dtype), index, 1 / math.sqrt(d), cap,
+                num_prefix_splits=2, prefix_config=tiles, split_levels=split_levels)
     return launches
 
 

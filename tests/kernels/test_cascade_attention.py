@@ -56,7 +56,7 @@ def reference(q, k, v, table, rows, seq_lens, sm_scale, logit_cap=0.0):
 
 
 def run_cascade(groups, own_lens, *, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=1,
-                dtype=torch.float32, logit_cap=0.0, num_prefix_splits=None, seed=0):
+                dtype=torch.float32, logit_cap=0.0, num_prefix_splits=None, split_levels=False, seed=0):
     gen = torch.Generator().manual_seed(seed)
     k, v, table, rows, seq_lens = make_shared_cache(groups, own_lens, num_kv_heads, head_dim, page_size, dtype, gen)
     bs = len(own_lens)
@@ -71,35 +71,41 @@ def run_cascade(groups, own_lens, *, num_q_heads=4, num_kv_heads=2, head_dim=64,
     part_lse.fill_(float("nan"))
     sm_scale = head_dim ** -0.5
     cascade_decode_fwd(q, k, v, out, index, sm_scale, logit_cap, num_prefix_splits=num_prefix_splits,
-                       part_out=part_out, part_lse=part_lse)
+                       part_out=part_out, part_lse=part_lse, split_levels=split_levels)
     ref = reference(q, k, v, table, rows, seq_lens, sm_scale, logit_cap)
     return out, ref
 
 
+@pytest.mark.parametrize("split_levels", [False, True])
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("prefix_len", [0, 5, 37])
-def test_one_group_matches_plain_attention(page_size, prefix_len):
-    out, ref = run_cascade([([0, 1, 2], prefix_len)], [3, 1, 20], page_size=page_size, num_prefix_splits=2)
+def test_one_group_matches_plain_attention(page_size, prefix_len, split_levels):
+    out, ref = run_cascade([([0, 1, 2], prefix_len)], [3, 1, 20], page_size=page_size, num_prefix_splits=2,
+                           split_levels=split_levels)
     assert rel_err(out, ref) < TOLERANCE[torch.float32]
 
 
-def test_groups_in_any_order_and_requests_outside_groups():
+@pytest.mark.parametrize("split_levels", [False, True])
+def test_groups_in_any_order_and_requests_outside_groups(split_levels):
     # Two groups whose members are interleaved in the batch, and request 3 with no shared prefix.
     groups = [([4, 0, 2], 33), ([1, 5], 18)]
-    out, ref = run_cascade(groups, [2, 7, 1, 12, 40, 3], page_size=4, num_prefix_splits=3)
+    out, ref = run_cascade(groups, [2, 7, 1, 12, 40, 3], page_size=4, num_prefix_splits=3, split_levels=split_levels)
     assert rel_err(out, ref) < TOLERANCE[torch.float32]
 
 
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", [(2, 2), (8, 2), (6, 1)])
 def test_gqa_groups_and_head_blocks(num_q_heads, num_kv_heads):
     # 8 / 2: four query heads per KV head; 6 / 1: a group of six (rows of one request span a query block edge).
-    out, ref = run_cascade([([0, 1, 2, 3], 21)], [4, 9, 1, 2], num_q_heads=num_q_heads, num_kv_heads=num_kv_heads)
-    assert rel_err(out, ref) < TOLERANCE[torch.float32]
+    for split_levels in (False, True):
+        out, ref = run_cascade([([0, 1, 2, 3], 21)], [4, 9, 1, 2], num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                               split_levels=split_levels)
+        assert rel_err(out, ref) < TOLERANCE[torch.float32]
 
 
-def test_bf16_with_softcap_and_one_split():
+@pytest.mark.parametrize("split_levels", [False, True])
+def test_bf16_with_softcap_and_one_split(split_levels):
     out, ref = run_cascade([([0, 1, 2], 40)], [3, 17, 5], dtype=torch.bfloat16, logit_cap=2.0, num_prefix_splits=1,
-                           page_size=4)
+                           page_size=4, split_levels=split_levels)
     assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
 
 
@@ -126,12 +132,44 @@ def test_bad_groups_are_refused():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("split_levels", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_cascade_realistic_sizes_bf16(head_dim, page_size):
+def test_cascade_realistic_sizes_bf16(head_dim, page_size, split_levels):
     # 32 requests sharing 1,000 prefix tokens (not a multiple of any tile) with 1..300 own tokens, plus two groups.
     own = [1 + (37 * b) % 300 for b in range(64)]
     groups = [(list(range(0, 64, 2)), 1000 // page_size * page_size), ([1, 3, 5, 7], 96), ([9, 11], 0)]
     out, ref = run_cascade(groups, own, num_q_heads=32, num_kv_heads=8, head_dim=head_dim, page_size=page_size,
-                           dtype=torch.bfloat16)
+                           dtype=torch.bfloat16, split_levels=split_levels)
     assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.gpu
+def test_cascade_levels_on_two_streams_in_a_cuda_graph():
+    # Level 1 on a side stream next to level 2, captured in a graph and replayed over new queries.
+    gen = torch.Generator().manual_seed(5)
+    groups = [(list(range(48)), 2048)]
+    own = [128] * 48
+    k, v, table, rows, seq_lens = make_shared_cache(groups, own, 8, 64, 1, torch.bfloat16, gen)
+    seq = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    index = build_cascade_index(table, rows.long(), seq, groups, req_pool_indices_cpu=rows.tolist(),
+                                seq_lens_cpu=seq_lens)
+    q = torch.randn(48, 32, 64, generator=gen).to(torch.bfloat16).to(DEVICE)
+    out = torch.empty_like(q)
+    part_out, part_lse = cascade_scratch(48, 32, 64, 4, DEVICE)
+    side = torch.cuda.Stream()
+
+    def run():
+        cascade_decode_fwd(q, k, v, out, index, 0.125, num_prefix_splits=2, part_out=part_out, part_lse=part_lse,
+                           split_levels=True, side_stream=side)
+
+    run()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for _ in range(2):
+        q.copy_(torch.randn(q.shape, generator=gen).to(torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, reference(q, k, v, table, rows, seq_lens, 0.125)) < TOLERANCE[torch.bfloat16]

@@ -6,8 +6,10 @@ tile of the shared prefix is loaded once per ``BLOCK_M`` rows instead of once pe
 into ``num_prefix_splits`` tile-aligned chunks (more programs for small groups); each (row, split) writes a
 normalised fp32 partial output and its base-2 log-sum-exp. Level 2 (``_own_merge_kernel``) is one program per
 (request, KV head, head block) over the request's own KV (positions ``prefix_len .. seq_len - 1``); it folds the
-level-1 partials of its rows into its online softmax and writes the final output. Two launches per layer, no
-host sync and no allocation when the caller passes the scratch: capturable in a CUDA graph at fixed sizes.
+level-1 partials of its rows into its online softmax and writes the final output. With ``split_levels`` the two
+levels are independent (level 2 writes its own partial, ``_merge_kernel`` combines them afterwards), so level 1
+(compute-bound) can run on a side stream next to level 2 (memory-bound). No host sync and no allocation when the
+caller passes the scratch: capturable in a CUDA graph at fixed sizes.
 """
 
 from __future__ import annotations
@@ -161,6 +163,7 @@ def _own_merge_kernel(
     sm_scale,
     logit_cap,
     split_len,
+    own_slot,
     stride_qb,
     stride_qh,
     stride_kt,
@@ -186,6 +189,7 @@ def _own_merge_kernel(
     USE_DOT: tl.constexpr,
     HAS_CAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    WRITE_PARTIAL: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1) // H_BLOCKS
@@ -231,27 +235,82 @@ def _own_merge_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
-    # Fold in the shared prefix's partials: each is normalised, with weight 2^lse. Padding rows of the head block
-    # load lse 0 (not -inf) so their arithmetic stays finite; they are never stored.
-    num_valid = tl.cdiv(tl.load(Req_Prefix_Lens + b), split_len)
     mask_out = mask_h[:, None] & mask_dv[None, :]
+    if WRITE_PARTIAL:
+        # Split levels: this is one more partial (slot own_slot), merged by _merge_kernel once level 1 is done too.
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        tl.store(Part_Out + b * stride_pb + offs_h[:, None] * stride_ph + own_slot * stride_ps + offs_dv[None, :],
+                 acc / l_safe[:, None], mask=mask_out)
+        tl.store(Part_Lse + b * stride_lb + offs_h * stride_lh + own_slot * stride_ls,
+                 tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=mask_h)
+    else:
+        _fold_and_store(Part_Out, Part_Lse, Out, b, offs_h, mask_h, offs_dv, mask_out, m_i, l_i, acc,
+                        tl.cdiv(tl.load(Req_Prefix_Lens + b), split_len), stride_pb, stride_ph, stride_ps, stride_lb,
+                        stride_lh, stride_ls, stride_ob, stride_oh)
+
+
+@triton.jit
+def _fold_and_store(Part_Out, Part_Lse, Out, b, offs_h, mask_h, offs_dv, mask_out, m_i, l_i, acc, num_valid,
+                    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ls, stride_ob, stride_oh):
+    """Fold partials ``0 .. num_valid - 1`` (each normalised, weight 2^lse) into the online-softmax state
+    (``m_i``, ``l_i``, ``acc``) and store the result. Padding rows of the head block load lse 0 (not -inf) so their
+    arithmetic stays finite; they are never stored. A state and partials that are all empty give zeros."""
     for s in range(0, num_valid):
         lse = tl.load(Part_Lse + b * stride_lb + offs_h * stride_lh + s * stride_ls, mask=mask_h, other=0.0)
         part = tl.load(Part_Out + b * stride_pb + offs_h[:, None] * stride_ph + s * stride_ps + offs_dv[None, :],
                        mask=mask_out, other=0.0)
         m_new = tl.maximum(m_i, lse)
-        alpha = tl.exp2(m_i - m_new)
-        w = tl.exp2(lse - m_new)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        w = tl.exp2(lse - m_safe)
         acc = acc * alpha[:, None] + w[:, None] * part
         l_i = l_i * alpha + w
         m_i = m_new
-    # A request with no KV at all gets zeros, not NaN.
     out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
     tl.store(Out + b * stride_ob + offs_h[:, None] * stride_oh + offs_dv[None, :], out.to(Out.dtype.element_ty),
              mask=mask_out)
 
 
 _LAUNCH_OWN = CachedLaunch(_own_merge_kernel)
+
+
+@triton.jit
+def _merge_kernel(
+    Part_Out,
+    Part_Lse,
+    Req_Prefix_Lens,
+    Out,
+    split_len,
+    own_slot,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    stride_ls,
+    stride_ob,
+    stride_oh,
+    BLOCK_H: tl.constexpr,
+    NUM_HEADS: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    V_HEAD_DIM: tl.constexpr,
+):
+    """Split levels' last launch: request b's own partial (slot ``own_slot``) merged with its prefix partials."""
+    b = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < NUM_HEADS
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_out = mask_h[:, None] & (offs_dv < V_HEAD_DIM)[None, :]
+    m_i = tl.load(Part_Lse + b * stride_lb + offs_h * stride_lh + own_slot * stride_ls, mask=mask_h, other=0.0)
+    acc = tl.load(Part_Out + b * stride_pb + offs_h[:, None] * stride_ph + own_slot * stride_ps + offs_dv[None, :],
+                  mask=mask_out, other=0.0)
+    l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)  # a normalised partial is a state with l = 1 at m = lse
+    _fold_and_store(Part_Out, Part_Lse, Out, b, offs_h, mask_h, offs_dv, mask_out, m_i, l_i, acc,
+                    tl.cdiv(tl.load(Req_Prefix_Lens + b), split_len), stride_pb, stride_ph, stride_ps, stride_lb,
+                    stride_lh, stride_ls, stride_ob, stride_oh)
+
+
+_LAUNCH_MERGE = CachedLaunch(_merge_kernel)
 
 
 def default_prefix_config(head_dim: int, v_head_dim: int) -> dict:
@@ -292,9 +351,12 @@ def prefix_split_plan(index: CascadeIndex, num_kv_heads: int, group: int, block_
 
 def cascade_scratch(batch_size: int, num_q_heads: int, v_head_dim: int, num_prefix_splits: int,
                     device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 level-1 partials ``[B, Hq, splits, Dv]`` and log-sum-exps ``[B, Hq, splits]`` for ``cascade_decode_fwd``."""
-    part_out = torch.empty(batch_size, num_q_heads, num_prefix_splits, v_head_dim, dtype=torch.float32, device=device)
-    part_lse = torch.empty(batch_size, num_q_heads, num_prefix_splits, dtype=torch.float32, device=device)
+    """fp32 partials ``[B, Hq, splits + 1, Dv]`` and log-sum-exps ``[B, Hq, splits + 1]`` for
+    ``cascade_decode_fwd`` with up to ``num_prefix_splits`` prefix splits (the last slot holds level 2's own
+    partial when the levels run split)."""
+    part_out = torch.empty(batch_size, num_q_heads, num_prefix_splits + 1, v_head_dim, dtype=torch.float32,
+                           device=device)
+    part_lse = torch.empty(batch_size, num_q_heads, num_prefix_splits + 1, dtype=torch.float32, device=device)
     return part_out, part_lse
 
 
@@ -311,15 +373,22 @@ def cascade_decode_fwd(
     part_out: torch.Tensor | None = None,
     part_lse: torch.Tensor | None = None,
     prefix_config: dict | None = None,
+    split_levels: bool = False,
+    side_stream: torch.cuda.Stream | None = None,
 ) -> None:
     """Decode attention of ``q[B, Hq, D]`` into ``out[B, Hq, Dv]`` where groups of requests share a cached prefix.
 
     Request ``b`` attends to its group's prefix (``index.prefix_indices``, read once per query block of the group)
     and to its own slots (``index.own_indices``); the result equals plain decode over the concatenation. Requests
     in no group attend to their own slots only. The step's new K/V must already be in the cache (``store_kv``).
-    ``part_out``/``part_lse``: scratch from :func:`cascade_scratch` with at least the splits used (allocated here
+    ``part_out``/``part_lse``: scratch from :func:`cascade_scratch` for at least the splits used (allocated here
     when omitted; pass them, and ``num_prefix_splits``, for CUDA-graph capture). ``prefix_config`` overrides
     level 1's tiles and launch options (``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``; benchmarks).
+
+    ``split_levels``: level 2 writes its own partial instead of merging, and a third launch merges, so that the
+    two levels do not depend on each other; with ``side_stream`` (CUDA) level 1 runs there, concurrently with
+    level 2 (compute-bound next to memory-bound), forked from and joined back into the current stream (CUDA-graph
+    capturable).
     """
     check_device(_shared_prefix_kernel, q, k_buffer, v_buffer, out, index.prefix_indices, index.own_indices)
     bs, num_q_heads, head_dim = q.shape
@@ -333,6 +402,8 @@ def cascade_decode_fwd(
     if index.batch_size != bs:
         raise ValueError(f"the cascade index was built for {index.batch_size} requests but q holds {bs}; rebuild it "
                          f"with build_cascade_index for this batch")
+    if side_stream is not None and not split_levels:
+        raise ValueError("side_stream runs level 1 next to level 2, which needs split_levels=True")
     for name, t in (("q", q), ("k_buffer", k_buffer), ("v_buffer", v_buffer), ("out", out)):
         check_last_dim_contiguous(name, t)
     if bs == 0:
@@ -341,32 +412,66 @@ def cascade_decode_fwd(
     config = {**default_prefix_config(head_dim, v_head_dim), **(prefix_config or {})}
     splits, split_len = prefix_split_plan(index, num_kv_heads, group, config["BLOCK_M"], config["BLOCK_N"],
                                           num_prefix_splits, q.device)
-    if part_out is None or part_lse is None:
+    slots = splits + 1 if split_levels else splits
+    allocated = part_out is None or part_lse is None
+    if allocated:
         part_out, part_lse = cascade_scratch(bs, num_q_heads, v_head_dim, splits, q.device)
-    if (part_out.shape[0] < bs or part_out.shape[1] != num_q_heads or part_out.shape[2] < splits
-            or part_out.shape[3] != v_head_dim or part_lse.shape[0] < bs or part_lse.shape[2] < splits):
+    if (part_out.shape[0] < bs or part_out.shape[1] != num_q_heads or part_out.shape[2] < slots
+            or part_out.shape[3] != v_head_dim or part_lse.shape[0] < bs or part_lse.shape[2] < slots):
         raise ValueError(f"part_out {tuple(part_out.shape)} / part_lse {tuple(part_lse.shape)} are too small for "
-                         f"batch {bs}, {num_q_heads} heads, {splits} prefix splits, v_head_dim {v_head_dim}")
+                         f"batch {bs}, {num_q_heads} heads, {slots} partials per head, v_head_dim {v_head_dim}; "
+                         f"allocate them with cascade_scratch")
     check_last_dim_contiguous("part_out", part_out)
     block_d, block_dv = next_pow2(head_dim), next_pow2(v_head_dim)
     common = dict(BLOCK_D=block_d, BLOCK_DV=block_dv, HEAD_DIM=head_dim, V_HEAD_DIM=v_head_dim, HAS_CAP=logit_cap > 0)
     ps, ls = part_out.stride(), part_lse.stride()
-    if index.num_groups and index.max_prefix_len:
-        grid = (triton.cdiv(index.max_group_size * group, config["BLOCK_M"]), num_kv_heads * splits, index.num_groups)
-        _LAUNCH_PREFIX(
-            grid, q, k_buffer, v_buffer, index.prefix_indptr, index.prefix_indices, index.group_indptr,
-            index.group_reqs, part_out, part_lse, float(sm_scale), float(logit_cap), split_len, splits,
-            *q.stride()[:2], *k_buffer.stride()[:2], *v_buffer.stride()[:2], *ps[:3], *ls[:3],
-            GROUP=group, DOT_PRECISION=dot_precision(_shared_prefix_kernel, q.dtype), **common, **config,
-        )
+
+    def level1() -> None:
+        if index.num_groups and index.max_prefix_len:
+            grid = (triton.cdiv(index.max_group_size * group, config["BLOCK_M"]), num_kv_heads * splits,
+                    index.num_groups)
+            _LAUNCH_PREFIX(
+                grid, q, k_buffer, v_buffer, index.prefix_indptr, index.prefix_indices, index.group_indptr,
+                index.group_reqs, part_out, part_lse, float(sm_scale), float(logit_cap), split_len, splits,
+                *q.stride()[:2], *k_buffer.stride()[:2], *v_buffer.stride()[:2], *ps[:3], *ls[:3],
+                GROUP=group, DOT_PRECISION=dot_precision(_shared_prefix_kernel, q.dtype), **common, **config,
+            )
+
     use_dot = group > 1
     block_h = min(64, max(16, next_pow2(group))) if use_dot else 1
     h_blocks = triton.cdiv(group, block_h)
     own_config = _split_kernel_config(block_d, block_dv, use_dot, small_batch=False)
-    _LAUNCH_OWN(
-        (bs, num_kv_heads * h_blocks), q, k_buffer, v_buffer, index.own_indptr, index.own_indices,
-        index.req_prefix_lens, part_out, part_lse, out, float(sm_scale), float(logit_cap), split_len,
-        *q.stride()[:2], *k_buffer.stride()[:2], *v_buffer.stride()[:2], *ps[:3], *ls[:3], *out.stride()[:2],
-        GROUP=group, BLOCK_H=block_h, H_BLOCKS=h_blocks, USE_DOT=use_dot,
-        DOT_PRECISION=dot_precision(_own_merge_kernel, q.dtype), **common, **own_config,
+
+    def level2() -> None:
+        _LAUNCH_OWN(
+            (bs, num_kv_heads * h_blocks), q, k_buffer, v_buffer, index.own_indptr, index.own_indices,
+            index.req_prefix_lens, part_out, part_lse, out, float(sm_scale), float(logit_cap), split_len, splits,
+            *q.stride()[:2], *k_buffer.stride()[:2], *v_buffer.stride()[:2], *ps[:3], *ls[:3], *out.stride()[:2],
+            GROUP=group, BLOCK_H=block_h, H_BLOCKS=h_blocks, USE_DOT=use_dot,
+            DOT_PRECISION=dot_precision(_own_merge_kernel, q.dtype), WRITE_PARTIAL=split_levels, **common,
+            **own_config,
+        )
+
+    if not split_levels:
+        level1()
+        level2()
+        return
+    if side_stream is None or not q.is_cuda:
+        level1()
+        level2()
+    else:
+        main = torch.cuda.current_stream(q.device)
+        side_stream.wait_stream(main)  # q and the cache's new K/V are ready
+        if allocated:
+            part_out.record_stream(side_stream)
+            part_lse.record_stream(side_stream)
+        with torch.cuda.stream(side_stream):
+            level1()
+        level2()
+        main.wait_stream(side_stream)
+    merge_h = min(16, next_pow2(num_q_heads))
+    _LAUNCH_MERGE(
+        (bs, triton.cdiv(num_q_heads, merge_h)), part_out, part_lse, index.req_prefix_lens, out, split_len, splits,
+        *ps[:3], *ls[:3], *out.stride()[:2], BLOCK_H=merge_h, NUM_HEADS=num_q_heads, BLOCK_DV=block_dv,
+        V_HEAD_DIM=v_head_dim, num_warps=4,
     )
