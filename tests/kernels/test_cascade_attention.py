@@ -109,6 +109,11 @@ def test_bf16_with_softcap_and_one_split(split_levels):
     assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
 
 
+def test_head_dim_padded_to_a_power_of_two():
+    out, ref = run_cascade([([1, 2], 35)], [2, 3, 4], head_dim=96, num_prefix_splits=2)
+    assert rel_err(out, ref) < TOLERANCE[torch.float32]
+
+
 def test_no_groups_is_plain_decode():
     out, ref = run_cascade([], [5, 1, 9])
     assert rel_err(out, ref) < TOLERANCE[torch.float32]

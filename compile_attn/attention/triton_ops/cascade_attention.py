@@ -126,11 +126,17 @@ def _shared_prefix_kernel(
         k_base = K_Buf + kv_head * stride_kh + offs_d[None, :]
         v_base = V_Buf + kv_head * stride_vh + offs_dv[None, :]
         full_hi = lo + (hi - lo) // BLOCK_N * BLOCK_N
-        for start in range(lo, full_hi, BLOCK_N):  # whole tiles: no key mask
+        for start in range(lo, full_hi, BLOCK_N):  # whole tiles: no key mask (nor a column mask unless padded)
             offs_n = start + tl.arange(0, BLOCK_N)
             slots = tl.load(index_base + offs_n).to(tl.int64)
-            k = tl.load(k_base + slots[:, None] * stride_kt, mask=mask_d[None, :], other=0.0)
-            v = tl.load(v_base + slots[:, None] * stride_vt, mask=mask_dv[None, :], other=0.0)
+            if BLOCK_D == HEAD_DIM:
+                k = tl.load(k_base + slots[:, None] * stride_kt)
+            else:
+                k = tl.load(k_base + slots[:, None] * stride_kt, mask=mask_d[None, :], other=0.0)
+            if BLOCK_DV == V_HEAD_DIM:
+                v = tl.load(v_base + slots[:, None] * stride_vt)
+            else:
+                v = tl.load(v_base + slots[:, None] * stride_vt, mask=mask_dv[None, :], other=0.0)
             m_i, l_i, acc = _prefix_tile(q, k, v, offs_n < hi, m_i, l_i, acc, sm_scale, logit_cap,
                                          False, HAS_CAP, DOT_PRECISION)
         if full_hi < hi:  # the split's partial last tile
