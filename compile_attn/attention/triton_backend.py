@@ -17,6 +17,7 @@ An eager decode batch whose requests share a cached prefix (``fb.shared_prefix``
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Mapping, Sequence
 from itertools import accumulate
 from types import ModuleType
@@ -91,6 +92,7 @@ def _run_into(out: torch.Tensor, fn: Callable[[torch.Tensor], None]) -> None:
 
 
 ONE_LAUNCH_ENV = "COMPILE_ATTN_DECODE_ONE_LAUNCH"
+CASCADE_ENV = "COMPILE_ATTN_CASCADE_DECODE"  # 1 / true / on / yes: cascade_decode's default is on
 
 
 @register_backend("triton")
@@ -109,7 +111,7 @@ class TritonBackend(AttentionBackend):
         split_size: int | None = None,
         graph_max_context: int | None = None,
         one_launch_decode: bool | None = None,
-        cascade_decode: bool = False,
+        cascade_decode: bool | None = None,
     ) -> None:
         """Options: ``max_kv_splits`` (most KV splits per decode request; default triton_ops.DEFAULT_MAX_KV_SPLITS),
         ``deterministic`` (fixed ``split_size``-token splits and one KV tile size for every batch size, so a
@@ -119,7 +121,8 @@ class TritonBackend(AttentionBackend):
         splits itself, one launch per decode layer; False: a separate merge kernel, two launches; default on
         unless the environment sets ``COMPILE_ATTN_DECODE_ONE_LAUNCH=0``, for A/B runs), ``cascade_decode`` (eager
         decode batches whose requests share cached prefix pages read each shared prefix once: ``triton_cascade``;
-        batches that carry ``shared_prefix`` groups take that path whatever this says)."""
+        batches that carry ``shared_prefix`` groups take that path whatever this says; default off unless the
+        environment sets ``COMPILE_ATTN_CASCADE_DECODE=1``)."""
         self._ops = load_triton_ops()
         self._check_device(kv_cache.device)
         super().__init__(kv_cache, layers)
@@ -144,6 +147,8 @@ class TritonBackend(AttentionBackend):
         self._eager_scratch: dict[tuple[int, int], SplitScratch] = {}
         self._step: DecodeStep | ExtendStep | CascadeStep | None = None
         # Shared-prefix decode needs every layer to see the whole sequence (no sliding window).
+        if cascade_decode is None:
+            cascade_decode = os.environ.get(CASCADE_ENV, "0").strip().lower() in ("1", "true", "on", "yes")
         self.cascade = (CascadePlanner(kv_cache, self._ops, detect=cascade_decode) if self.windows == [None]
                         else None)
         # Graph-bound decode layers' launches, per (layer, batch size, save_kv_cache): see forward_decode.
