@@ -28,7 +28,7 @@ import math
 import torch
 import triton.testing
 
-from common import HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, graph_us, num_copies, require_cuda
+from common import HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, PEAK_BF16_FLOPS, graph_us, num_copies, require_cuda
 from compile_attn.attention.triton_ops import compute_num_kv_splits, decode_attention_fwd, decode_semaphores
 from compile_attn.attention.triton_ops.cascade_attention import (
     MAX_PREFIX_SPLITS,
@@ -203,6 +203,7 @@ def main() -> None:
         "ratio_best_cascade_over_own_only": best["us"] / own_us,
         "ratio_plain_over_cascade": plain_us / cascade["us"],
         "level1_flops": 4 * bs * hq * prefix * d,
+        "level1_floor_us": 4 * bs * hq * prefix * d / PEAK_BF16_FLOPS * 1e6,  # its matmuls at peak bf16
         "flashinfer_cascade": fi,
         "sweep": sweep,
     }
@@ -219,6 +220,8 @@ def main() -> None:
         print(f"| FlashInfer cascade{'' if fi['graph'] else ' (eager)'} | {fi['us']:.1f} | {fi['us'] / own_us:.2f}x |")
     else:
         print(f"\nFlashInfer cascade not timed: {fi['error']}")
+    print(f"\nLevel 1's matmuls ({result['level1_flops'] / 1e9:.1f} GFLOP) take {result['level1_floor_us']:.1f} us at "
+          f"{PEAK_BF16_FLOPS / 1e12:.0f} TFLOP/s.")
     print("\nLevel-1 sweep (diff: max |cascade - plain| over the output):")
     for r in sweep:
         shown = f"{r['us']:.1f} us, diff {r['max_abs_diff_vs_plain']:.1e}" if "us" in r else r["error"]

@@ -33,7 +33,6 @@ from compile_attn.attention.triton_ops.cascade_index import CascadeIndex
 from compile_attn.attention.triton_ops.decode_attention import _split_kernel_config
 from compile_attn.attention.triton_ops.launch import CachedLaunch
 
-LOG2E = 1.4426950408889634
 # Level-1 programs aimed at per SM when choosing the number of prefix splits (two resident blocks per SM).
 PREFIX_PROGRAMS_PER_SM = 2
 MAX_PREFIX_SPLITS = 8
