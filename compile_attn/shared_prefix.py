@@ -3,7 +3,8 @@
 A group is batch indices whose request rows hold the same KV pages for their first ``prefix_len`` positions (the
 prefix cache lends one set of tree pages to every row that matched them). ``ForwardBatch.shared_prefix`` carries the
 groups when whoever builds the batch knows them; otherwise ``find_shared_prefixes`` finds them from the KV cache's
-host page lists (identical leading page ids), which is how the triton backend's ``cascade_decode`` option gets them.
+host page lists (identical leading page ids); ``SharedPrefixFinder`` picks between the two for a backend's
+``cascade_decode`` option.
 Only whole shared pages count, and each member keeps at least one position of its own (the step's new token).
 """
 
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
+    from compile_attn.batch import ForwardBatch
     from compile_attn.kv_cache import KVCache
 
 # A group worth a cascade pass: this many requests sharing at least this many tokens (below that, plain decode).
@@ -64,3 +66,28 @@ def find_shared_prefixes(
         if num_pages * ps >= min_tokens:
             groups.append(SharedPrefixGroup(tuple(members), num_pages * ps))
     return tuple(groups)
+
+
+class SharedPrefixFinder:
+    """The shared-prefix groups of decode batches: the groups a batch carries (``fb.shared_prefix``), else, with
+    ``detect``, those ``find_shared_prefixes`` finds (at least ``min_requests`` requests sharing ``min_tokens``
+    tokens), remembered while the batch keeps the same rows: a row's shared pages never change while it holds them,
+    and freeing or truncating a row changes the cache's generation."""
+
+    def __init__(self, kv: KVCache, *, detect: bool, min_requests: int = MIN_REQUESTS,
+                 min_tokens: int = MIN_TOKENS) -> None:
+        self.kv, self.detect = kv, detect
+        self.min_requests, self.min_tokens = min_requests, min_tokens
+        self._memo: tuple[tuple, tuple[SharedPrefixGroup, ...]] | None = None
+
+    def groups_for(self, fb: ForwardBatch) -> tuple[SharedPrefixGroup, ...]:
+        if fb.shared_prefix is not None:
+            return tuple(fb.shared_prefix)
+        if not self.detect or fb.req_pool_indices_cpu is None:
+            return ()
+        key = (self.kv.generation, tuple(fb.req_pool_indices_cpu))
+        if self._memo is None or self._memo[0] != key:
+            groups = find_shared_prefixes(self.kv, fb.req_pool_indices_cpu, fb.seq_lens_cpu.tolist(),
+                                          min_requests=self.min_requests, min_tokens=self.min_tokens)
+            self._memo = (key, groups)
+        return self._memo[1]

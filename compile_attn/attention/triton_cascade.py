@@ -3,7 +3,7 @@
 A decode batch takes the cascade path when it runs eagerly (no graph bucket), the model has no sliding-window
 layers, and it has shared-prefix groups: ``ForwardBatch.shared_prefix`` when the batch carries them, else (with
 the backend's ``cascade_decode`` option) the groups ``shared_prefix.find_shared_prefixes`` finds in the KV cache's
-page lists, remembered while the batch keeps the same rows. Graph-bucketed decode keeps the plain split-K kernel:
+page lists (``SharedPrefixFinder``). Graph-bucketed decode keeps the plain split-K kernel:
 the cascade kernels' grid depends on the groups, which a captured graph would freeze.
 """
 
@@ -19,7 +19,7 @@ from compile_attn.attention.triton_ops.cascade_index import CascadeIndex, build_
 from compile_attn.batch import ForwardBatch
 from compile_attn.kv_cache import KVCache
 from compile_attn.layer import AttentionLayer
-from compile_attn.shared_prefix import MIN_REQUESTS, MIN_TOKENS, SharedPrefixGroup, find_shared_prefixes
+from compile_attn.shared_prefix import SharedPrefixFinder, SharedPrefixGroup
 
 
 @dataclass
@@ -32,40 +32,23 @@ class CascadeStep:
 
 
 class CascadePlanner:
-    """Finds a decode batch's shared-prefix groups and builds its ``CascadeStep``. ``detect``: look for groups in
-    the KV cache's page lists when the batch carries none (groups of at least ``min_requests`` requests sharing
-    ``min_tokens`` tokens). ``steps`` counts the decode steps that took the cascade path (tests, debugging)."""
+    """Builds the ``CascadeStep`` of decode batches with shared-prefix groups (``finder``: where the groups come
+    from) and runs their layers. ``steps`` counts the decode steps that took the cascade path (tests, debugging)."""
 
-    def __init__(self, kv_cache: KVCache, ops: ModuleType, *, detect: bool, min_requests: int = MIN_REQUESTS,
-                 min_tokens: int = MIN_TOKENS) -> None:
-        self.kv_cache, self.ops, self.detect = kv_cache, ops, detect
-        self.min_requests, self.min_tokens = min_requests, min_tokens
-        self._memo: tuple[tuple, tuple[SharedPrefixGroup, ...]] | None = None
+    def __init__(self, kv_cache: KVCache, ops: ModuleType, *, detect: bool) -> None:
+        self.kv_cache, self.ops = kv_cache, ops
+        self.finder = SharedPrefixFinder(kv_cache, detect=detect)
         self.steps = 0
-
-    def groups_for(self, fb: ForwardBatch) -> tuple[SharedPrefixGroup, ...]:
-        if fb.shared_prefix is not None:
-            return tuple(fb.shared_prefix)
-        if not self.detect or fb.req_pool_indices_cpu is None:
-            return ()
-        kv = self.kv_cache
-        # A row's shared pages never change while it holds them and a freed row bumps the generation, so the groups
-        # found for these rows stay valid (the prefixes only lose a member's last page, which grows on).
-        key = (kv.generation, tuple(fb.req_pool_indices_cpu))
-        if self._memo is None or self._memo[0] != key:
-            groups = find_shared_prefixes(kv, fb.req_pool_indices_cpu, fb.seq_lens_cpu.tolist(),
-                                          min_requests=self.min_requests, min_tokens=self.min_tokens)
-            self._memo = (key, groups)
-        return self._memo[1]
 
     def prepare(self, fb: ForwardBatch) -> CascadeStep | None:
         """The cascade metadata of eager decode batch ``fb``, or None when it has no shared-prefix group."""
-        groups = self.groups_for(fb)
+        groups = self.finder.groups_for(fb)
         if not groups:
             return None
+        rows = fb.req_pool_indices_cpu if fb.req_pool_indices_cpu is not None else fb.req_pool_indices.tolist()
         index = build_cascade_index(
             self.kv_cache.req_to_token, fb.req_pool_indices, fb.seq_lens, [(g.members, g.prefix_len) for g in groups],
-            req_pool_indices_cpu=fb.req_pool_indices_cpu, seq_lens_cpu=fb.seq_lens_cpu.tolist(),
+            req_pool_indices_cpu=rows, seq_lens_cpu=fb.seq_lens_cpu.tolist(),
         )
         self.steps += 1
         return CascadeStep(fb.batch_size, groups, index)

@@ -1,6 +1,7 @@
 """FlashInfer's two-level cascade for shared-prefix decode: the page tables it is planned with (CPU: the pages of
 each request's two levels, expanded to slots, are exactly its ``req_to_token`` row), and on a GPU with flashinfer
-its output against a float64 reference of plain attention."""
+its output against a float64 reference of plain attention, and the flashinfer backend's decode through it against
+the torch_native backend."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 from tests.kernels.kernel_reference import DEVICE, TOLERANCE, rel_err
 from tests.kernels.test_cascade_attention import make_shared_cache, reference
+from tests.triton_backend.test_cascade_backend import D, HKV, HQ, decode_step, shared_cache
 
 from compile_attn.attention.flashinfer.cascade import cascade_pages
 from compile_attn.attention.flashinfer.library import flashinfer_installed
@@ -63,3 +65,33 @@ def test_flashinfer_cascade_matches_plain_attention(page_size):
     out = torch.full_like(q, float("nan"))
     cascade.run(q, k, v, out)
     assert rel_err(out, reference(q, k, v, table, rows, seq_lens, d ** -0.5)) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not flashinfer_installed(), reason="flashinfer is not installed")
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_flashinfer_backend_decodes_shared_prefixes_through_the_cascade(page_size):
+    from compile_attn.attention.flashinfer_backend import FlashInferBackend
+    from compile_attn.attention.torch_native import TorchNativeBackend
+    from compile_attn.layer import AttentionLayer
+
+    gen = torch.Generator().manual_seed(page_size)
+    kv, rows, lens, borrowed = shared_cache(page_size, 200, [3, 1, 6, 2, 30], gen, device=DEVICE, dtype=torch.bfloat16)
+    assert borrowed[1:] == [200 // page_size * page_size] * 4
+    layers = [AttentionLayer(layer_id=i, num_heads=HQ, num_kv_heads=HKV, head_dim=D) for i in range(2)]
+    backend = FlashInferBackend(kv, layers, cascade_decode=True)
+    backend.shared_prefix.min_requests, backend.shared_prefix.min_tokens = 2, 8
+    reference_backend = TorchNativeBackend(kv, layers)
+    fb = decode_step(kv, rows, lens)
+    backend.init_forward_metadata(fb)
+    assert backend.cascade_steps == 1
+    n = len(rows)
+    for layer in layers:
+        q = torch.randn(n, HQ, D, generator=gen).to(torch.bfloat16).to(DEVICE)
+        k = torch.randn(n, HKV, D, generator=gen).to(torch.bfloat16).to(DEVICE)
+        v = torch.randn(n, HKV, D, generator=gen).to(torch.bfloat16).to(DEVICE)
+        out, ref = torch.full_like(q, float("nan")), torch.empty_like(q)
+        backend.forward(q, k, v, layer, fb, out)
+        reference_backend.init_forward_metadata(fb)
+        reference_backend.forward(q, k, v, layer, fb, ref)
+        assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]

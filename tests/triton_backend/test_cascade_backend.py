@@ -18,12 +18,13 @@ from compile_attn.shared_prefix import SharedPrefixGroup, find_shared_prefixes
 HQ, HKV, D = 4, 2, 64
 
 
-def shared_cache(page_size: int, prefix: int, own: list[int], gen: torch.Generator):
+def shared_cache(page_size: int, prefix: int, own: list[int], gen: torch.Generator, device: str = "cpu",
+                 dtype: torch.dtype = torch.float32):
     """Row 0 computes ``prefix + own[0]`` tokens and caches them; rows 1.. match the prefix from the tree and add
     their own tokens; one more row shares nothing. Returns the cache, the rows, their lengths and the tokens each
     borrowed from the tree."""
     kv = KVCache(num_layers=2, num_kv_heads=HKV, head_dim=D, max_batch_size=len(own) + 2, max_context=prefix + 64,
-                 kv_cache_tokens=(len(own) + 2) * (prefix + 64), page_size=page_size, dtype=torch.float32)
+                 kv_cache_tokens=(len(own) + 2) * (prefix + 64), page_size=page_size, dtype=dtype, device=device)
     kv.enable_prefix_cache()
     cache = kv.prefix_cache
     tokens = array.array("q", range(1000, 1000 + prefix))
@@ -45,14 +46,15 @@ def shared_cache(page_size: int, prefix: int, own: list[int], gen: torch.Generat
     rows.append(lone)
     lens.append(prefix // 2 + 3)
     for k_buf, v_buf in zip(kv.pool.k_buffers, kv.pool.v_buffers):
-        k_buf.copy_(torch.randn(k_buf.shape, generator=gen))
-        v_buf.copy_(torch.randn(v_buf.shape, generator=gen))
+        k_buf.copy_(torch.randn(k_buf.shape, generator=gen).to(dtype))
+        v_buf.copy_(torch.randn(v_buf.shape, generator=gen).to(dtype))
     return kv, rows, lens, borrowed
 
 
 def decode_step(kv: KVCache, rows: list[int], lens: list[int]) -> ForwardBatch:
     loc = kv.alloc_extend(rows, [1] * len(rows))
-    return ForwardBatch.build(req_pool_indices=rows, prefix_lens=lens, extend_lens=[1] * len(rows), out_cache_loc=loc)
+    return ForwardBatch.build(req_pool_indices=rows, prefix_lens=lens, extend_lens=[1] * len(rows), out_cache_loc=loc,
+                              device=kv.device)
 
 
 @pytest.mark.parametrize("page_size,prefix", [(1, 45), (4, 50)])
@@ -64,7 +66,7 @@ def test_cascade_decode_matches_torch_native(page_size, prefix):
     assert borrowed[1:] == [shared] * 3
     layers = [AttentionLayer(layer_id=i, num_heads=HQ, num_kv_heads=HKV, head_dim=D) for i in range(2)]
     backend = TritonBackend(kv, layers, cascade_decode=True)
-    backend.cascade.min_requests, backend.cascade.min_tokens = 2, 8
+    backend.cascade.finder.min_requests, backend.cascade.finder.min_tokens = 2, 8
     reference = TorchNativeBackend(kv, layers)
     fb = decode_step(kv, rows, lens)
     n = len(rows)
