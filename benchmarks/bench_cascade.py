@@ -9,7 +9,9 @@ over copies of the K/V (``graph_us``: no launch finds the previous one's KV in L
   of level-1 tiles and split counts, each with the levels one after the other ("fused": level 2 merges) and with
   level 1 on a side stream next to level 2 ("streams": a third launch merges);
 * plain: ``decode_attention_fwd`` over prefix + own tokens of every request (the prefix read B times);
-* own only: ``decode_attention_fwd`` over the O own tokens alone (the floor the cascade path aims at);
+* own only: ``decode_attention_fwd`` over the O own tokens alone (the floor the cascade path aims at), and the
+  cascade's level 2 alone over them (no group: how it compares with the decode kernel; fused minus this is about
+  level 1's share);
 * FlashInfer's two-level cascade (``attention/flashinfer/cascade.py``), when flashinfer is installed (eagerly
   timed if its run cannot be captured).
 
@@ -162,6 +164,14 @@ def main() -> None:
     plain_out = first_output(plain_launches)
     own_us = graph_us(decode_launches(own_indptr, own_indices, own), rep=args.rep)
 
+    own_table = table[:, prefix:].contiguous()
+    own_lens = torch.full((bs,), own, dtype=torch.int32, device=DEVICE)
+    own_index = build_cascade_index(own_table, rows, own_lens, [], req_pool_indices_cpu=list(range(bs)),
+                                    seq_lens_cpu=[own] * bs)
+    level2_us = graph_us([lambda c=c: cascade_decode_fwd(c["q"], c["k"], c["v"], out, own_index, scale,
+                                                          part_out=part_out, part_lse=part_lse) for c in copies],
+                         rep=args.rep)
+
     default = default_prefix_config(d, d)
     variants = [(overrides, splits, mode) for overrides, splits in ([({}, None)] if args.no_sweep else SWEEP)
                 for mode in ("fused", "streams")]
@@ -193,7 +203,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(),
         "batch": bs, "prefix": prefix, "own": own, "page_size": args.page_size,
         "num_q_heads": hq, "num_kv_heads": hkv, "head_dim": d, "dtype": "bfloat16",
-        "plain_us": plain_us, "own_only_us": own_us,
+        "plain_us": plain_us, "own_only_us": own_us, "level2_alone_us": level2_us,
         "cascade_us": cascade["us"], "cascade_config": cascade["config"],
         "cascade_streams_us": streams["us"],
         "cascade_best_us": best["us"], "cascade_best_config": best["config"],
@@ -216,6 +226,7 @@ def main() -> None:
     print(f"| cascade (best of sweep: {best['mode']}) | {best['us']:.1f} | {best['us'] / own_us:.2f}x |")
     print(f"| plain decode over prefix + own | {plain_us:.1f} | {plain_us / own_us:.2f}x |")
     print(f"| own tokens only | {own_us:.1f} | 1.00x |")
+    print(f"| own tokens only, cascade level 2 | {level2_us:.1f} | {level2_us / own_us:.2f}x |")
     if "us" in fi:
         print(f"| FlashInfer cascade{'' if fi['graph'] else ' (eager)'} | {fi['us']:.1f} | {fi['us'] / own_us:.2f}x |")
     else:
