@@ -30,6 +30,7 @@ from compile_attn.kv_cache import PAD_REQUEST, PAD_SLOT
 
 if TYPE_CHECKING:
     from compile_attn.kv_cache import KVCache
+    from compile_attn.shared_prefix import SharedPrefixGroup
 
 
 def _int_list(name: str, values: Sequence[int]) -> list[int]:
@@ -108,6 +109,9 @@ class ForwardBatch:
     real_batch_size: int | None = None
     graph_bucket: int | None = None
     req_pool_indices_cpu: list[int] | None = None  # host copy of req_pool_indices (set by build)
+    # Decode requests that share a cached prefix (shared_prefix.SharedPrefixGroup); None: not known, a backend may
+    # find them itself. Read by the triton backend's shared-prefix (cascade) decode.
+    shared_prefix: tuple[SharedPrefixGroup, ...] | None = None
     # Set by build (whose host and device views agree by construction); a batch assembled field by field, or
     # changed with dataclasses.replace, is checked in full (see check()).
     _built: bool = field(default=False, init=False, repr=False, compare=False)

@@ -7,11 +7,14 @@ Decode runs the batch-decode wrappers (per bucket with ``use_cuda_graph=True`` o
 the batch is a graph runner's view). Extend/mixed batches run ragged attention over the new K/V when
 no request has a cached prefix, otherwise paged attention over the pool, or (``extend_prefix_path=
 "cascade"``) ragged over the new tokens merged with paged over the prefix by FlashInfer's base-2 LSE.
+An eager decode batch with shared-prefix groups (``fb.shared_prefix``, or found with ``cascade_decode=True``) runs
+FlashInfer's two-level cascade wrapper instead (``flashinfer/cascade.py``): each shared prefix is read once.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +22,7 @@ from typing import Any
 import torch
 
 from compile_attn.attention.base import AttentionBackend
+from compile_attn.attention.flashinfer.cascade import FlashInferCascadeDecode
 from compile_attn.attention.flashinfer.graph_state import DecodeGraphState
 from compile_attn.attention.flashinfer.library import load_flashinfer
 from compile_attn.attention.flashinfer.paged_indices import PagedKV, build_paged_kv
@@ -33,12 +37,13 @@ from compile_attn.attention.flashinfer.wrappers import (
     run_into,
 )
 from compile_attn.attention.registry import register_backend
-from compile_attn.attention.triton_backend import load_triton_ops
+from compile_attn.attention.triton_backend import CASCADE_ENV, load_triton_ops
 from compile_attn.batch import ForwardBatch
 from compile_attn.errors import UnsupportedConfigError
 from compile_attn.graph_mode import GraphMode
 from compile_attn.kv_cache import KVCache
 from compile_attn.layer import AttentionLayer
+from compile_attn.shared_prefix import SharedPrefixFinder
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +64,7 @@ class _StepPlan:
     extend_paths: list[str] | None = None  # per group: "ragged", "paged" or "cascade"
     graph_bound: bool = False  # a graph bucket's decode: the page ids are gathered by in_graph
     filled: bool = True  # False until in_graph has gathered a graph-bound step's page ids
+    cascade: list[FlashInferCascadeDecode] | None = None  # per group: a shared-prefix decode's planned wrapper
 
 
 @register_backend("flashinfer")
@@ -79,12 +85,15 @@ class FlashInferBackend(AttentionBackend):
         q_dtype: torch.dtype | None = None,
         graph_max_context: int | None = None,
         fast_decode_plan: bool = True,
+        cascade_decode: bool | None = None,
     ) -> None:
         """Options: ``decode_use_tensor_cores`` (None: for GQA groups >= 4 or fp8 KV), ``extend_prefix_path``
         ("paged" or "cascade"), ``prefill_backend`` (flashinfer's "fa2", "fa3" or "auto"; fa2 shares its
         JIT module with tensor-core decode), ``q_dtype`` (default: the KV dtype, bf16 for fp8 KV),
         ``graph_max_context`` (longest sequence a decode graph serves; default the cache's max_context),
-        ``fast_decode_plan`` (re-plan graph buckets with flashinfer's fast_decode_plan)."""
+        ``fast_decode_plan`` (re-plan graph buckets with flashinfer's fast_decode_plan), ``cascade_decode`` (find
+        shared-prefix groups in eager decode batches, as the triton backend's option; default off unless
+        ``COMPILE_ATTN_CASCADE_DECODE=1``)."""
         self._fi = load_flashinfer()
         load_triton_ops()  # the page-id gather is a Triton kernel: fail here, with the install command
         super().__init__(kv_cache, layers)
@@ -99,6 +108,11 @@ class FlashInferBackend(AttentionBackend):
         self.prefill_backend = prefill_backend
         self.graph_max_context = graph_max_context or kv_cache.max_context
         self.fast_decode_plan = fast_decode_plan
+        if cascade_decode is None:
+            cascade_decode = os.environ.get(CASCADE_ENV, "0").strip().lower() in ("1", "true", "on", "yes")
+        self.shared_prefix = SharedPrefixFinder(kv_cache, detect=cascade_decode)
+        self._cascade: list[FlashInferCascadeDecode] | None = None
+        self.cascade_steps = 0  # eager decode steps run through the cascade wrappers (tests, debugging)
         kv_dtype = pool.dtype
         self.dtypes = PlanDTypes(q=q_dtype or (kv_dtype if kv_dtype.itemsize == 2 else torch.bfloat16), kv=kv_dtype)
         self.groups, self.layer_group = group_layers(self.layers.values())
@@ -186,11 +200,33 @@ class FlashInferBackend(AttentionBackend):
             wrappers = self._graph.plan(fb.seq_lens_cpu, self.dtypes)
             return _StepPlan(is_decode=True, batch_size=fb.batch_size, num_tokens=fb.batch_size, decode=wrappers,
                              graph_bound=True, filled=False)
+        cascade = self._plan_cascade(fb)
+        if cascade is not None:
+            return cascade
         kv = build_paged_kv(self.kv_cache.req_to_token, fb.req_pool_indices, fb.seq_lens_cpu, self.page_size)
         wrappers = self._eager.decode
         for group, wrapper in zip(self.groups, wrappers):
             plan_decode(self._fi, wrapper, group, kv, self.page_size, self.dtypes)
         return _StepPlan(is_decode=True, batch_size=fb.batch_size, num_tokens=fb.batch_size, decode=wrappers)
+
+    def _plan_cascade(self, fb: ForwardBatch) -> _StepPlan | None:
+        """Plan the cascade wrappers for an eager decode batch with shared-prefix groups that end on page boundaries
+        (FlashInfer reads whole pages) in a model without sliding windows; None otherwise."""
+        groups = self.shared_prefix.groups_for(fb)
+        if not groups or any(g.uses_window for g in self.groups) or any(
+                p.prefix_len % self.page_size for p in groups):
+            return None
+        if self._cascade is None:
+            self._cascade = [FlashInferCascadeDecode(self.workspace) for _ in self.groups]
+        rows = fb.req_pool_indices_cpu if fb.req_pool_indices_cpu is not None else fb.req_pool_indices.tolist()
+        pairs = [(g.members, g.prefix_len) for g in groups]
+        for group, wrapper in zip(self.groups, self._cascade):
+            wrapper.plan(self.kv_cache.req_to_token, rows, fb.seq_lens_cpu.tolist(), pairs, page_size=self.page_size,
+                         num_qo_heads=group.num_qo_heads, num_kv_heads=group.num_kv_heads, head_dim=group.head_dim,
+                         sm_scale=group.sm_scale, logit_cap=group.logits_soft_cap, q_dtype=self.dtypes.q,
+                         kv_dtype=self.dtypes.kv)
+        self.cascade_steps += 1
+        return _StepPlan(is_decode=True, batch_size=fb.batch_size, num_tokens=fb.batch_size, cascade=self._cascade)
 
     def _plan_extend(self, fb: ForwardBatch) -> _StepPlan:
         ext, prefix = fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu
@@ -250,6 +286,15 @@ class FlashInferBackend(AttentionBackend):
     def decode_attention(self, q: torch.Tensor, layer: AttentionLayer, out: torch.Tensor) -> None:
         """Decode attention of the planned step over the pool (the new K/V must already be stored)."""
         step = self._require_step(decode=True)
+        if step.cascade is not None:
+            bs = step.batch_size
+            qd = self._check_q(q[:bs])
+            k_buf, v_buf = self.kv_cache.pool.get_kv(layer.layer_id)
+            cascade = step.cascade[self.layer_group[layer.layer_id]]
+            run_into(out[:bs], lambda o: cascade.run(qd, k_buf, v_buf, o), self.dtypes.q)
+            if out.shape[0] > bs:
+                out[bs:].zero_()
+            return
         assert step.decode is not None
         if not step.filled:
             raise RuntimeError(

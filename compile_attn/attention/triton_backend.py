@@ -9,11 +9,15 @@ from host lengths (the kernel's grid depends on them) and run eagerly between ca
 A decode layer run eagerly over graph-bound metadata (between piecewise graphs, or a breakable graph's
 break) keeps its launch after the first step (``DecodePlan``): while its q/k/v/out/slot tensors are the same
 (address, shape, strides, dtype), later steps relaunch it without the argument checks and launch keys.
+
+An eager decode batch whose requests share a cached prefix (``fb.shared_prefix``, or found in the KV cache with
+``cascade_decode=True``) runs the shared-prefix (cascade) kernels instead: see ``triton_cascade``.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Mapping, Sequence
 from itertools import accumulate
 from types import ModuleType
@@ -23,6 +27,7 @@ import torch
 
 from compile_attn.attention.base import AttentionBackend
 from compile_attn.attention.registry import register_backend
+from compile_attn.attention.triton_cascade import CascadePlanner, CascadeStep
 from compile_attn.attention.triton_metadata import (
     DecodeGraphBuffers,
     DecodeIndex,
@@ -87,6 +92,7 @@ def _run_into(out: torch.Tensor, fn: Callable[[torch.Tensor], None]) -> None:
 
 
 ONE_LAUNCH_ENV = "COMPILE_ATTN_DECODE_ONE_LAUNCH"
+CASCADE_ENV = "COMPILE_ATTN_CASCADE_DECODE"  # 1 / true / on / yes: cascade_decode's default is on
 
 
 @register_backend("triton")
@@ -105,6 +111,7 @@ class TritonBackend(AttentionBackend):
         split_size: int | None = None,
         graph_max_context: int | None = None,
         one_launch_decode: bool | None = None,
+        cascade_decode: bool | None = None,
     ) -> None:
         """Options: ``max_kv_splits`` (most KV splits per decode request; default triton_ops.DEFAULT_MAX_KV_SPLITS),
         ``deterministic`` (fixed ``split_size``-token splits and one KV tile size for every batch size, so a
@@ -112,7 +119,10 @@ class TritonBackend(AttentionBackend):
         triton_ops.DEFAULT_SPLIT_SIZE; the shortest split otherwise), ``graph_max_context`` (longest sequence a
         decode graph serves; default the cache's max_context), ``one_launch_decode`` (the split kernel merges the
         splits itself, one launch per decode layer; False: a separate merge kernel, two launches; default on
-        unless the environment sets ``COMPILE_ATTN_DECODE_ONE_LAUNCH=0``, for A/B runs)."""
+        unless the environment sets ``COMPILE_ATTN_DECODE_ONE_LAUNCH=0``, for A/B runs), ``cascade_decode`` (eager
+        decode batches whose requests share cached prefix pages read each shared prefix once: ``triton_cascade``;
+        batches that carry ``shared_prefix`` groups take that path whatever this says; default off unless the
+        environment sets ``COMPILE_ATTN_CASCADE_DECODE=1``)."""
         self._ops = load_triton_ops()
         self._check_device(kv_cache.device)
         super().__init__(kv_cache, layers)
@@ -135,7 +145,12 @@ class TritonBackend(AttentionBackend):
         )
         self._graph: DecodeGraphBuffers | None = None
         self._eager_scratch: dict[tuple[int, int], SplitScratch] = {}
-        self._step: DecodeStep | ExtendStep | None = None
+        self._step: DecodeStep | ExtendStep | CascadeStep | None = None
+        # Shared-prefix decode needs every layer to see the whole sequence (no sliding window).
+        if cascade_decode is None:
+            cascade_decode = os.environ.get(CASCADE_ENV, "0").strip().lower() in ("1", "true", "on", "yes")
+        self.cascade = (CascadePlanner(kv_cache, self._ops, detect=cascade_decode) if self.windows == [None]
+                        else None)
         # Graph-bound decode layers' launches, per (layer, batch size, save_kv_cache): see forward_decode.
         self._decode_plans: dict[tuple[int, int, bool], DecodePlan] = {}
         self.bound_decode_launches = 0  # decode layers launched through a DecodePlan (tests, debugging)
@@ -213,7 +228,11 @@ class TritonBackend(AttentionBackend):
         if fb.forward_mode.is_idle() or fb.batch_size == 0:
             self._step = None
         elif fb.forward_mode.is_decode():
-            self._step = self._bind_graph_decode(fb) if fb.graph_bucket is not None else self._alloc_eager_decode(fb)
+            if fb.graph_bucket is not None:
+                self._step = self._bind_graph_decode(fb)
+            else:
+                cascade = self.cascade.prepare(fb) if self.cascade is not None else None
+                self._step = cascade if cascade is not None else self._alloc_eager_decode(fb)
         else:
             self._step = self._prepare_extend(fb)
 
@@ -291,6 +310,9 @@ class TritonBackend(AttentionBackend):
 
     # ------------------------------------------------------------------ compute
     def forward_decode(self, q, k, v, layer, fb, out, save_kv_cache) -> None:
+        if isinstance(self._step, CascadeStep) and self._step.batch_size == fb.batch_size:
+            self.cascade.forward(self._step, q, k, v, layer, fb, out, save_kv_cache)
+            return
         step = self._require_step(decode=True, fb=fb)
         assert isinstance(step, DecodeStep)
         loc = fb.out_cache_loc if save_kv_cache else None

@@ -24,7 +24,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from compile_attn.attention import triton_ops  # noqa: E402
 from compile_attn.attention.triton_ops import (  # noqa: E402
-    decode_attention, decode_metadata, extend_attention, kv_index, launch,
+    cascade_attention, cascade_index, decode_attention, decode_metadata, extend_attention, kv_index, launch,
 )
 
 _PTR_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
@@ -71,7 +71,7 @@ def record_launches() -> list[tuple[object, tuple, dict, str]]:
         launches.append((self.kernel, args, dict(kwargs), label[0]))
 
     launch.CachedLaunch.__call__ = record
-    for module in (decode_attention, decode_metadata, extend_attention, kv_index):
+    for module in (decode_attention, decode_metadata, extend_attention, kv_index, cascade_attention):
         module.check_device = lambda *tensors: None  # CPU tensors stand in for CUDA ones; nothing runs
     decode_attention._use_pdl = lambda q: True  # as on an H100: one-launch decode as a dependent launch
 
@@ -134,6 +134,27 @@ def record_launches() -> list[tuple[object, tuple, dict, str]]:
             torch.empty(3, dtype=torch.int32), torch.empty(14, dtype=torch.int32), torch.empty(2, dtype=torch.int32),
             num_sms=132, max_kv_splits=16, deterministic=deterministic, num_kv_heads=8, window=window,
             kv_start=torch.empty(2, dtype=torch.int32) if window else None)
+    # Shared-prefix decode: (q heads, kv heads, head dim, dtype, softcap, level-1 tile overrides); each case with the
+    # levels fused (level 2 merges) and split (level 2 writes a partial, a third kernel merges)
+    cascade_cases = [
+        (32, 8, 64, torch.bfloat16, 0.0, {}),  # Llama-3.2-1B, default tiles
+        (32, 8, 64, torch.bfloat16, 0.0, {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8}),  # benchmark sweep
+        (32, 8, 64, torch.bfloat16, 0.0, {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4}),
+        (32, 8, 128, torch.float16, 30.0, {}),
+        (8, 8, 64, torch.float32, 0.0, {}),  # group 1: level 2 without tl.dot
+    ]
+    table = torch.arange(4 * 128, dtype=torch.int32).view(4, 128)
+    table[:, :20] = table[0, :20]
+    for hq, hkv, d, dtype, cap, tiles in cascade_cases:
+        label[0] = f"cascade Hq{hq} Hkv{hkv} D{d} {dtype} cap{cap} {tiles}"
+        index = cascade_index.build_cascade_index(
+            table, torch.arange(3), torch.tensor([25, 30, 40], dtype=torch.int32), [([0, 2], 20)],
+            req_pool_indices_cpu=[0, 1, 2], seq_lens_cpu=[25, 30, 40])
+        for split_levels in (False, True):
+            cascade_attention.cascade_decode_fwd(
+                torch.randn(3, hq, d).to(dtype), torch.randn(512, hkv, d).to(dtype),
+                torch.randn(512, hkv, d).to(dtype), torch.empty(3, hq, d, dtype=dtype), index, 1 / math.sqrt(d), cap,
+                num_prefix_splits=2, prefix_config=tiles, split_levels=split_levels)
     return launches
 
 
