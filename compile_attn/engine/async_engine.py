@@ -213,6 +213,7 @@ class AsyncLLM:
                 if not self.llm.has_work():
                     continue
                 launched = self.llm.num_steps
+                before = {id(r) for r in self.llm.scheduler.running}
                 start = time.perf_counter()
                 try:
                     self.llm.step()
@@ -231,7 +232,10 @@ class AsyncLLM:
                     continue
                 failures = 0
                 if self.llm.num_steps != launched:  # a step ran (not only the last one's tokens read)
-                    self.stats.record(len(self.llm.scheduler.running), time.perf_counter() - start)
+                    # its batch: the requests running before it and those it admitted (one finishing in it, or
+                    # retired at its length limit, has left ``running`` by now)
+                    batch = len(before) + sum(id(r) not in before for r in self.llm.scheduler.running)
+                    self.stats.record(batch, time.perf_counter() - start)
                 self._publish()
         except BaseException:
             logger.exception("the engine loop died")

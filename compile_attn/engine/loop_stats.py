@@ -1,5 +1,5 @@
 """Counters of the steps an AsyncLLM's loop ran: how many, the seconds spent in them, and how many ran with each
-number of running requests. They only grow; two ``snapshot()`` copies subtract to what happened between them (a
+batch size (requests in the step). They only grow; two ``snapshot()`` copies subtract to what happened between them (a
 benchmark's run), which says the batch size the engine ran at and its mean step time."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class StepCounts:
-    """``by_batch[b]``: steps after which ``b`` requests held KV (the running batch); ``seconds``: wall time inside
-    ``LLM.step`` over all ``steps``."""
+    """``by_batch[b]``: steps that ran ``b`` requests; ``seconds``: wall time inside ``LLM.step`` over all
+    ``steps``."""
 
     steps: int = 0
     seconds: float = 0.0
@@ -25,12 +25,12 @@ class StepCounts:
 
     @property
     def mean_batch(self) -> float | None:
-        """Running requests per step, averaged over the steps (None: no step)."""
+        """Requests per step, averaged over the steps (None: no step)."""
         return sum(b * n for b, n in self.by_batch.items()) / self.steps if self.steps else None
 
     @property
     def median_batch(self) -> int | None:
-        """The running batch size of the middle step (the lower one of two; None: no step)."""
+        """The batch size of the middle step (the lower one of two; None: no step)."""
         if not self.steps:
             return None
         seen = 0
@@ -45,7 +45,7 @@ class StepCounts:
         return 1e3 * self.seconds / self.steps if self.steps else None
 
     def summary(self) -> dict:
-        """JSON-ready: steps, mean step ms, mean and median running batch size."""
+        """JSON-ready: steps, mean step ms, mean and median batch size."""
         return dict(steps=self.steps, mean_step_ms=self.mean_step_ms, mean_batch=self.mean_batch,
                     median_batch=self.median_batch)
 
@@ -59,11 +59,11 @@ class LoopStats:
         self._seconds = 0.0
         self._by_batch: Counter[int] = Counter()
 
-    def record(self, running: int, seconds: float) -> None:
+    def record(self, batch: int, seconds: float) -> None:
         with self._lock:
             self._steps += 1
             self._seconds += seconds
-            self._by_batch[running] += 1
+            self._by_batch[batch] += 1
 
     def snapshot(self) -> StepCounts:
         with self._lock:

@@ -146,7 +146,7 @@ def targets_markdown(result: dict) -> list[str]:
     if half is not None and den:
         b, p, d = half.get("batch", {}), den["prefill"], den["decode_step"]
         itl, ttft = t["itl_p50_over_decode_step"], t["ttft_p50_over_prefill"]
-        lines.append(f"- half load ({half['request_rate']:.3g} req/s; running batch median {b.get('median_batch')}, "
+        lines.append(f"- half load ({half['request_rate']:.3g} req/s; batch median {b.get('median_batch')}, "
                      f"mean {b.get('mean_batch') or 0:.1f}; in-server step {b.get('mean_step_ms') or 0:.2f} ms mean)")
         if itl["value"] is not None:
             lines.append(f"- ITL p50 {half['itl_p50_ms']:.2f} ms / decode step at batch {d['batch_size']} "

@@ -3,7 +3,8 @@ early aborts its request and frees its KV; max_pending is enforced with EngineOv
 refused at submit; shutdown ends unfinished streams with "abort" and leaves the KV pool fresh. A step that fails
 (a model whose forward raises on chosen calls) is retried: one failure leaves the tokens exactly those of a separate
 LLM, failures past max_step_retries fail the active streams with the model's exception and the engine serves the
-next request; the step counters count the steps the LLM ran; ``call`` runs on the loop thread."""
+next request; the step counters count the steps the LLM ran and the requests in each; ``call`` runs on the loop
+thread."""
 
 from __future__ import annotations
 
@@ -202,8 +203,12 @@ def test_step_counts_and_call(engine: AsyncLLM) -> None:
     assert [len(t) for t in run(main())] == [6, 6]
     wait_idle(engine)
     diff = engine.stats.snapshot() - before
-    assert diff.steps == engine.llm.num_steps - steps >= 1
-    assert sum(diff.by_batch.values()) == diff.steps and diff.seconds > 0
+    assert diff.steps == engine.llm.num_steps - steps >= 6
+    assert sum(diff.by_batch.values()) == diff.steps and max(diff.by_batch) <= 2 and diff.seconds > 0
+    before, steps = engine.stats.snapshot(), engine.llm.num_steps
+    assert len(run(_collect(engine, PROMPTS[2], params))) == 6
+    wait_idle(engine)
+    assert (engine.stats.snapshot() - before).by_batch == {1: engine.llm.num_steps - steps}  # the last step too
     assert engine.call(lambda llm: llm.num_steps).result(5) == engine.llm.num_steps
     with pytest.raises(ZeroDivisionError):
         engine.call(lambda llm: 1 / 0).result(5)
