@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 
 import torch
 
@@ -32,6 +33,9 @@ def add_parser(sub: argparse._SubParsersAction, formatter_class: type[argparse.H
     p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (default: all)")
     p.add_argument("--num-warmup", type=int, default=2, help="requests sent before the timed runs")
     p.add_argument("--seed", type=int, default=0, help="seeds the arrival times")
+    p.add_argument("--client-processes", type=int, default=max(1, min(4, (os.cpu_count() or 1) // 4)),
+                   help="client processes the requests are dealt to (default: a quarter of the CPU cores, 1 to 4); "
+                        "the table's 'client busy' near 100%% says the client set the pace: raise it")
     p.add_argument("--url", default=None, help="a running server's base URL (e.g. http://127.0.0.1:8000); "
                                                "without it a server is started in this process")
     p.add_argument("--served-model-name", default=None, help="the model name requests carry (with --url: the "
@@ -72,7 +76,7 @@ def prepare(args: argparse.Namespace) -> None:
     from compile_attn.server.bench_serving import ServingBenchConfig
 
     check_engine_options(args)
-    for name in ("num_seqs", "prompt_len", "output_len", "max_concurrency", "vocab_size"):
+    for name in ("num_seqs", "prompt_len", "output_len", "max_concurrency", "vocab_size", "client_processes"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -91,7 +95,8 @@ def prepare(args: argparse.Namespace) -> None:
     args.cfg = ServingBenchConfig(engine=engine, url=args.url, served_model_name=args.served_model_name,
                                   vocab_size=args.vocab_size, request_rates=_rates(args.request_rates),
                                   max_concurrency=args.max_concurrency, num_warmup=args.num_warmup,
-                                  offline=args.offline, offline_rounds=args.offline_rounds, seed=args.seed)
+                                  offline=args.offline, offline_rounds=args.offline_rounds,
+                                  client_processes=args.client_processes, seed=args.seed)
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:

@@ -10,7 +10,7 @@ here, each rate runs with an empty prefix cache (as each offline round does), th
 counted per rate, and after a half-load run the server stops and the same engine measures what its latencies are
 held against (``bench_targets``): the prefill of one prompt and the decode step at the batch size it ran at. The
 client always runs in a process of its own, so that its work never competes with the engine's step loop for the
-interpreter lock.
+interpreter lock (several, when one cannot read the streams as fast as the server writes them).
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ class ServingBenchConfig:
     num_warmup: int = 2
     offline: bool = False
     offline_rounds: int = 2
+    client_processes: int = 1  # the load is dealt to this many client processes
     seed: int = 0
 
 
@@ -112,11 +113,12 @@ def _sweep(url: str, model: str, workload: Workload, cfg: ServingBenchConfig, en
     ``engine`` (an AsyncLLM) each rate starts with an empty prefix cache and counts the steps it ran."""
     args = (url, model)
     out = []
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as client:
+    parts = cfg.client_processes
+    with ProcessPoolExecutor(parts, mp_context=multiprocessing.get_context("spawn")) as client:
         if cfg.num_warmup:
             n = min(cfg.num_warmup, workload.num_seqs)
-            warm = client.submit(load_and_summarize, *args, workload.prompts[:n], workload.output_lens[:n],
-                                 workload.temperature, math.inf, None, cfg.seed).result()
+            warm = load_and_summarize(*args, workload.prompts[:n], workload.output_lens[:n], workload.temperature,
+                                      math.inf, None, cfg.seed, pool=client, parts=parts)
             if warm["errors"]:
                 raise RuntimeError(f"the warm-up requests failed: {warm['first_errors']}")
         for name in cfg.request_rates:
@@ -124,8 +126,8 @@ def _sweep(url: str, model: str, workload: Workload, cfg: ServingBenchConfig, en
             if engine is not None:
                 hits = engine.call(_clear_prefix_cache).result()
                 before = engine.stats.snapshot()
-            r = client.submit(load_and_summarize, *args, workload.prompts, workload.output_lens,
-                              workload.temperature, rate, cfg.max_concurrency, cfg.seed).result()
+            r = load_and_summarize(*args, workload.prompts, workload.output_lens, workload.temperature, rate,
+                                   cfg.max_concurrency, cfg.seed, pool=client, parts=parts)
             if name == "half":
                 r["rate_name"] = "half"
             if engine is not None:
@@ -204,8 +206,8 @@ def to_markdown(result: dict) -> str:
         lines.append(f"offline LLM.generate of the same workload on the same engine: {rounds} output tok/s by round "
                      f"(the last one counts)")
     lines += ["", "| rate (req/s) | done / errors | output tok/s | vs offline | TTFT p50 / p99 ms | "
-              "ITL p50 / p99 ms | TPOT p50 / p99 ms | e2e p50 / p99 ms | batch median / mean |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "ITL p50 / p99 ms | TPOT p50 / p99 ms | e2e p50 / p99 ms | batch median / mean | client busy |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
 
     def pair(r: dict, name: str) -> str:
         a, b = r[f"{name}_p50_ms"], r[f"{name}_p99_ms"]
@@ -219,5 +221,6 @@ def to_markdown(result: dict) -> str:
         batch = "-" if b.get("mean_batch") is None else f"{b['median_batch']} / {b['mean_batch']:.1f}"
         lines.append(f"| {rate} | {r['completed']} / {r['errors']} | "
                      f"{'-' if tps is None else f'{tps:,.0f}'} | {vs} | {pair(r, 'ttft')} | {pair(r, 'itl')} | "
-                     f"{pair(r, 'tpot')} | {pair(r, 'e2e')} | {batch} |")
+                     f"{pair(r, 'tpot')} | {pair(r, 'e2e')} | {batch} | {r['client_busy']:.0%} of "
+                     f"{r['client_processes']} |")
     return "\n".join(lines + bench_targets.targets_markdown(result))
