@@ -124,7 +124,7 @@ def _sweep(url: str, model: str, workload: Workload, cfg: ServingBenchConfig, en
         for name in cfg.request_rates:
             rate = _half_rate(out) if name == "half" else name
             if engine is not None:
-                hits = engine.call(_clear_prefix_cache).result()
+                hits = engine.call(_clear_prefix_cache).result(60)
                 before = engine.stats.snapshot()
             r = load_and_summarize(*args, workload.prompts, workload.output_lens, workload.temperature, rate,
                                    cfg.max_concurrency, cfg.seed, pool=client, parts=parts)
@@ -132,7 +132,7 @@ def _sweep(url: str, model: str, workload: Workload, cfg: ServingBenchConfig, en
                 r["rate_name"] = "half"
             if engine is not None:
                 r["batch"] = (engine.stats.snapshot() - before).summary()
-                r["prefix_hit_tokens"] = engine.call(_prefix_hits).result() - hits
+                r["prefix_hit_tokens"] = engine.call(_prefix_hits).result(60) - hits
             logger.info("rate %s: %s", _rate_name(name), r)
             out.append(r)
     return out
