@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field, replace
 from compile_attn.bench_throughput import ThroughputConfig, engine_round
 from compile_attn.bench_workloads import Workload
 from compile_attn.server import bench_targets
-from compile_attn.server.load_client import load_and_summarize
+from compile_attn.server.load_client import client_ready, load_and_summarize
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +115,8 @@ def _sweep(url: str, model: str, workload: Workload, cfg: ServingBenchConfig, en
     out = []
     parts = cfg.client_processes
     with ProcessPoolExecutor(parts, mp_context=multiprocessing.get_context("spawn")) as client:
+        started = set(client.map(client_ready, range(parts)))  # every client process up before any timed send
+        logger.info("%d client processes started", len(started))
         if cfg.num_warmup:
             n = min(cfg.num_warmup, workload.num_seqs)
             warm = load_and_summarize(*args, workload.prompts[:n], workload.output_lens[:n], workload.temperature,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import random
 import time
 from concurrent.futures import Executor
@@ -140,6 +141,13 @@ def summarize(records: list[RequestRecord], duration: float) -> dict:
     return result
 
 
+def client_ready(_: object = None) -> int:
+    """Nothing (its process id): mapped over a process pool once, it makes every client process start and import
+    this module before any timed load (a pool spawns its processes on demand, so a load dealt to one not yet
+    started would be sent late)."""
+    return os.getpid()
+
+
 def load_part(base_url: str, model: str, prompts: list[list[int]], output_lens: list[int], temperature: float,
               offsets: list[float], max_concurrency: int | None, start_at: float | None) -> dict:
     """``run_load`` in a fresh event loop (the entry point of a client process): its records (as dicts), first send
@@ -157,7 +165,8 @@ def load_and_summarize(base_url: str, model: str, prompts: list[list[int]], outp
     ``summarize``. With a process ``pool`` the requests are dealt round-robin to ``parts`` client processes that
     send at the same wall-clock times (``max_concurrency`` shared out evenly), so that reading the streams never
     limits what is measured; ``client_busy`` is the busiest client process's CPU time over its wall time (near 1:
-    the client, not the server, set the pace)."""
+    the client, not the server, set the pace); ``client_start_lag_ms`` how late the last client process began
+    sending (a few ms; far more: a process that was not running yet)."""
     n = len(prompts)
     offsets = arrival_offsets(n, rate, seed)
     parts = max(1, min(parts, n)) if pool is not None else 1
@@ -174,7 +183,8 @@ def load_and_summarize(base_url: str, model: str, prompts: list[list[int]], outp
     duration = max(o["last"] for o in outs) - min(o["first"] for o in outs)
     busy = max(o["cpu_s"] / max(o["last"] - o["first"], 1e-9) for o in outs)
     return {"request_rate": rate if math.isfinite(rate) else "inf", **summarize(records, duration),
-            "client_processes": parts, "client_busy": busy}
+            "client_processes": parts, "client_busy": busy,
+            "client_start_lag_ms": 1e3 * (max(o["first"] for o in outs) - start_at)}
 
 
-__all__ = ["RequestRecord", "arrival_offsets", "load_and_summarize", "load_part", "percentile", "run_load", "summarize"]
+__all__ = ["RequestRecord", "arrival_offsets", "client_ready", "load_and_summarize", "load_part", "percentile", "run_load", "summarize"]

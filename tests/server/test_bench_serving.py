@@ -58,6 +58,7 @@ def test_bench_serve_in_process_tiny(tmp_path) -> None:
             assert 0 < r[f"{name}_p50_ms"] <= r[f"{name}_p99_ms"]
         assert r["vs_offline"] == pytest.approx(r["output_tok_per_s"] / result["offline"]["output_tok_s"])
         assert r["client_processes"] == 2 and r["client_busy"] > 0
+        assert r["client_start_lag_ms"] < 1000  # both client processes were up before the run (a start takes s)
         assert r["prefix_hit_tokens"] == 0  # the same prompts again: only an emptied cache misses them
         b = r["batch"]
         assert b["steps"] >= 4 and 1 <= b["median_batch"] <= 4 and 0 < b["mean_batch"] <= 4
