@@ -4,6 +4,12 @@ Only the loop thread calls the LLM (add_request, step, abort_request); coroutine
 queue and receive each request's new tokens and text after every step through an asyncio queue. A consumer that
 stops listening aborts its request at once (its KV is freed); past ``max_pending`` unfinished requests, new ones get
 EngineOverloadedError.
+
+A step that raises is retried: ``LLM.step`` is all-or-nothing (a failed step is undone, its requests are as
+before), so a passing fault costs nothing. A request whose own output is the fault does not raise: the LLM finishes
+it alone with reason "error" and the others go on. A step that still fails after ``max_step_retries`` retries fails
+every active request with its exception: the exception names no request, and the same batch fails the same way
+again, so no request can be singled out as the cause; the loop then goes on serving new requests.
 """
 
 from __future__ import annotations
@@ -12,12 +18,15 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 from compile_attn.engine.detokenizer import IncrementalDetokenizer
 from compile_attn.engine.llm import LLM
+from compile_attn.engine.loop_stats import LoopStats
 from compile_attn.engine.request import Request, RequestStatus
 from compile_attn.engine.sampling_params import SamplingParams
 from compile_attn.errors import CompileAttnError
@@ -102,12 +111,17 @@ class RequestStream:
 
 class AsyncLLM:
     """Serve one LLM to many coroutines. ``generate(prompt, params)`` is an async iterator of Delta; ``submit``
-    admits a request first (raising the LLM's InvalidRequestError for a bad one) and returns that iterator."""
+    admits a request first (raising the LLM's InvalidRequestError for a bad one) and returns that iterator.
+    ``stats`` counts the steps run (see LoopStats); ``call(fn)`` runs ``fn(llm)`` on the loop thread."""
 
-    def __init__(self, llm: LLM, *, max_pending: int = 256) -> None:
+    def __init__(self, llm: LLM, *, max_pending: int = 256, max_step_retries: int = 2) -> None:
         if not isinstance(max_pending, int) or max_pending < 1:
             raise ValueError(f"max_pending must be a positive int, got {max_pending!r}")
-        self.llm, self.max_pending = llm, max_pending
+        if not isinstance(max_step_retries, int) or max_step_retries < 0:
+            raise ValueError(f"max_step_retries must be an int >= 0, got {max_step_retries!r}")
+        self.llm, self.max_pending, self.max_step_retries = llm, max_pending, max_step_retries
+        self.stats = LoopStats()
+        self.num_failed_steps = 0  # step() calls that raised (each undone by the LLM)
         self._inbox: queue.Queue = queue.Queue()
         self._active: dict[int, _Stream] = {}  # loop thread only: request_id -> stream
         self._pending = 0
@@ -150,6 +164,16 @@ class AsyncLLM:
         finally:
             stream.abort()
 
+    def call(self, fn: Callable[[LLM], Any]) -> Future:
+        """Run ``fn(llm)`` on the loop thread between two steps (while the loop runs, no other thread may touch the
+        LLM); returns a ``concurrent.futures.Future`` of its result, e.g. ``engine.call(lambda llm:
+        llm.kv_cache.prefix_cache.clear()).result()``. EngineStoppedError once shut down."""
+        if not self.alive:
+            raise EngineStoppedError("the engine is shut down; call the LLM directly")
+        fut: Future = Future()
+        self._inbox.put(("call", fn, fut))
+        return fut
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the loop: unfinished requests end with finish_reason "abort" and their KV is freed."""
         if self._stopped:
@@ -169,6 +193,7 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------ the loop thread
     def _loop(self) -> None:
+        failures = 0  # step() calls failed in a row
         try:
             while True:
                 busy = self.llm.has_work()
@@ -185,15 +210,33 @@ class AsyncLLM:
                         cmd = self._inbox.get_nowait()
                     except queue.Empty:
                         cmd = None
-                if self.llm.has_work():
-                    try:
-                        self.llm.step()
-                    except Exception as exc:  # a failed step: its requests get the error, the loop goes on
-                        logger.exception("engine step failed; aborting its requests")
-                        for stream in list(self._active.values()):
-                            self._abort(stream, exc)
+                if not self.llm.has_work():
+                    continue
+                launched = self.llm.num_steps
+                before = {id(r) for r in self.llm.scheduler.running}
+                start = time.perf_counter()
+                try:
+                    self.llm.step()
+                except Exception as exc:
+                    self.num_failed_steps += 1
+                    failures += 1
+                    if failures <= self.max_step_retries:  # the LLM undid the step: run it again
+                        logger.warning("engine step failed (%s: %s); it was undone, retry %d of %d",
+                                       type(exc).__name__, exc, failures, self.max_step_retries)
                         continue
-                    self._publish()
+                    logger.exception("engine step failed %d times in a row; failing the %d active requests",
+                                     failures, len(self._active))
+                    failures = 0
+                    for stream in list(self._active.values()):
+                        self._abort(stream, exc)
+                    continue
+                failures = 0
+                if self.llm.num_steps != launched:  # a step ran (not only the last one's tokens read)
+                    # its batch: the requests running before it and those it admitted (one finishing in it, or
+                    # retired at its length limit, has left ``running`` by now)
+                    batch = len(before) + sum(id(r) not in before for r in self.llm.scheduler.running)
+                    self.stats.record(batch, time.perf_counter() - start)
+                self._publish()
         except BaseException:
             logger.exception("the engine loop died")
             self._stopped = True
@@ -218,6 +261,13 @@ class AsyncLLM:
             stream = cmd[1]
             if stream.req is not None and stream.req.request_id in self._active:
                 self._abort(stream, None)
+        elif cmd[0] == "call":
+            _, fn, fut = cmd
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(self.llm))
+                except Exception as exc:
+                    fut.set_exception(exc)
 
     def _abort(self, stream: _Stream, exc: BaseException | None) -> None:
         req = stream.req
@@ -233,6 +283,17 @@ class AsyncLLM:
         for stream in list(self._active.values()):
             self._abort(stream, None)
             stream.put(self._delta(stream, finished=True))
+        while True:  # what came in after "stop" is refused, not left waiting
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            stopped = EngineStoppedError("the engine was shut down before this reached it")
+            if cmd[0] == "add":
+                self._release()
+                cmd[3].put(stopped)
+            elif cmd[0] == "call" and cmd[2].set_running_or_notify_cancel():
+                cmd[2].set_exception(stopped)
 
     def _publish(self) -> None:
         """After a step: each request's new tokens (and finished ones' last Delta) to its consumer."""

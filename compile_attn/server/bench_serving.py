@@ -1,11 +1,16 @@
 """The serving benchmark behind ``compile-attn bench-serve``: a seeded workload (``compile_attn.bench_workloads``)
 sent to an OpenAI-compatible server at fixed request rates (Poisson arrivals) and all at once, reporting TTFT, ITL,
-TPOT and e2e percentiles and output tok/s per rate.
+TPOT and e2e percentiles and output tok/s per rate. The rate ``"half"`` is half the request throughput of the
+saturated (``inf``) run before it: the load that uses half the saturated output tok/s.
 
 The server is either at ``url`` or started here: an LLM (a local HF directory, or random weights of a shape) behind
-AsyncLLM and uvicorn on a free loopback port, after an optional offline ``LLM.generate`` round of the same workload
-(the throughput the server is compared with). The client always runs in a process of its own, so that its work
-never competes with the engine's step loop for the interpreter lock.
+AsyncLLM and uvicorn on a free loopback port, after optional offline ``LLM.generate`` rounds of the same workload on
+the same engine (the throughput the server is compared with; the last round counts, the first warms up). Started
+here, each rate runs with an empty prefix cache (as each offline round does), the engine's running batch size is
+counted per rate, and after a half-load run the server stops and the same engine measures what its latencies are
+held against (``bench_targets``): the prefill of one prompt and the decode step at the batch size it ran at. The
+client always runs in a process of its own, so that its work never competes with the engine's step loop for the
+interpreter lock (several, when one cannot read the streams as fast as the server writes them).
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from dataclasses import asdict, dataclass, field, replace
 
 from compile_attn.bench_throughput import ThroughputConfig, engine_round
 from compile_attn.bench_workloads import Workload
-from compile_attn.server.load_client import load_and_summarize
+from compile_attn.server import bench_targets
+from compile_attn.server.load_client import client_ready, load_and_summarize
 
 logger = logging.getLogger(__name__)
 
@@ -37,10 +43,12 @@ class ServingBenchConfig:
     url: str | None = None
     served_model_name: str | None = None
     vocab_size: int | None = None  # the workload's id range with ``url`` (default 10001); else the model's
-    request_rates: list[float] = field(default_factory=lambda: [math.inf])
+    request_rates: list[float | str] = field(default_factory=lambda: [math.inf])  # "half": see the module doc
     max_concurrency: int | None = None
     num_warmup: int = 2
     offline: bool = False
+    offline_rounds: int = 2
+    client_processes: int = 1  # the load is dealt to this many client processes
     seed: int = 0
 
 
@@ -57,18 +65,26 @@ def run(cfg: ServingBenchConfig) -> dict:
             workload = replace(workload, temperature=e.temperature)
         result["workload"] = workload.summary()
         result["rates"] = _sweep(cfg.url, cfg.served_model_name or "default", workload, cfg)
+        result["targets"] = bench_targets.targets(result)
         return result
     llm, workload = _start_llm(cfg, result)
     if cfg.offline:
-        result["offline"] = engine_round(llm, workload)
-        logger.info("offline generate: %.0f output tok/s", result["offline"]["output_tok_s"])
+        result["offline_rounds"] = []
+        for _ in range(cfg.offline_rounds):
+            result["offline_rounds"].append(engine_round(llm, workload))
+            logger.info("offline generate: %.0f output tok/s", result["offline_rounds"][-1]["output_tok_s"])
+        result["offline"] = result["offline_rounds"][-1]
     name = cfg.served_model_name or "bench"
-    with serve_in_thread(llm, name, max_pending=max(256, workload.num_seqs)) as url:
-        result["rates"] = _sweep(url, name, workload, cfg)
+    with serve_in_thread(llm, name, max_pending=max(256, workload.num_seqs)) as (url, engine):
+        result["rates"] = _sweep(url, name, workload, cfg, engine)
     if cfg.offline:
         for r in result["rates"]:
             if r["output_tok_per_s"]:
                 r["vs_offline"] = r["output_tok_per_s"] / result["offline"]["output_tok_s"]
+    half = next((r for r in result["rates"] if r.get("rate_name") == "half"), None)
+    if half is not None and half["batch"]["median_batch"] is not None:
+        result["denominators"] = bench_targets.denominators(llm, workload, half["batch"]["median_batch"])
+    result["targets"] = bench_targets.targets(result)
     return result
 
 
@@ -92,29 +108,62 @@ def _start_llm(cfg: ServingBenchConfig, result: dict) -> tuple[object, Workload]
     return llm, workload
 
 
-def _sweep(url: str, model: str, workload: Workload, cfg: ServingBenchConfig) -> list[dict]:
-    """Warm-up requests, then the workload at each rate, each run by a client in its own process."""
+def _sweep(url: str, model: str, workload: Workload, cfg: ServingBenchConfig, engine: object = None) -> list[dict]:
+    """Warm-up requests, then the workload at each rate, each run by a client in its own process. With the
+    ``engine`` (an AsyncLLM) each rate starts with an empty prefix cache and counts the steps it ran."""
     args = (url, model)
     out = []
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as client:
+    parts = cfg.client_processes
+    with ProcessPoolExecutor(parts, mp_context=multiprocessing.get_context("spawn")) as client:
+        started = set(client.map(client_ready, range(parts)))  # every client process up before any timed send
+        logger.info("%d client processes started", len(started))
         if cfg.num_warmup:
             n = min(cfg.num_warmup, workload.num_seqs)
-            warm = client.submit(load_and_summarize, *args, workload.prompts[:n], workload.output_lens[:n],
-                                 workload.temperature, math.inf, None, cfg.seed).result()
+            warm = load_and_summarize(*args, workload.prompts[:n], workload.output_lens[:n], workload.temperature,
+                                      math.inf, None, cfg.seed, pool=client, parts=parts)
             if warm["errors"]:
                 raise RuntimeError(f"the warm-up requests failed: {warm['first_errors']}")
-        for rate in cfg.request_rates:
-            r = client.submit(load_and_summarize, *args, workload.prompts, workload.output_lens,
-                              workload.temperature, rate, cfg.max_concurrency, cfg.seed).result()
-            logger.info("rate %s: %s", _rate_name(rate), r)
+        for name in cfg.request_rates:
+            rate = _half_rate(out) if name == "half" else name
+            if engine is not None:
+                hits = engine.call(_clear_prefix_cache).result(60)
+                before = engine.stats.snapshot()
+            r = load_and_summarize(*args, workload.prompts, workload.output_lens, workload.temperature, rate,
+                                   cfg.max_concurrency, cfg.seed, pool=client, parts=parts)
+            if name == "half":
+                r["rate_name"] = "half"
+            if engine is not None:
+                r["batch"] = (engine.stats.snapshot() - before).summary()
+                r["prefix_hit_tokens"] = engine.call(_prefix_hits).result(60) - hits
+            logger.info("rate %s: %s", _rate_name(name), r)
             out.append(r)
     return out
 
 
+def _half_rate(done: list[dict]) -> float:
+    """Half the request throughput of the last saturated run in ``done``."""
+    inf = [r for r in done if r["request_rate"] == "inf" and r["requests_per_s"]]
+    if not inf:
+        raise ValueError("the request rate 'half' needs an 'inf' run before it (e.g. --request-rates inf,half)")
+    return inf[-1]["requests_per_s"] / 2
+
+
+def _clear_prefix_cache(llm: object) -> int:
+    """Empty the prefix cache (if any); its hit count so far."""
+    if llm.kv_cache.prefix_cache is not None:
+        llm.kv_cache.prefix_cache.clear()
+    return _prefix_hits(llm)
+
+
+def _prefix_hits(llm: object) -> int:
+    cache = llm.kv_cache.prefix_cache
+    return 0 if cache is None else cache.num_hit_tokens
+
+
 @contextlib.contextmanager
-def serve_in_thread(llm: object, model_name: str, *, max_pending: int = 256) -> Iterator[str]:
+def serve_in_thread(llm: object, model_name: str, *, max_pending: int = 256) -> Iterator[tuple[str, object]]:
     """The OpenAI-compatible app on ``llm`` served by uvicorn on a free loopback port, in a thread of this process;
-    yields its base URL and shuts the server and the engine down after."""
+    yields its base URL and the AsyncLLM, and shuts the server and the engine down after."""
     import uvicorn
 
     from compile_attn.engine.async_engine import AsyncLLM
@@ -134,15 +183,15 @@ def serve_in_thread(llm: object, model_name: str, *, max_pending: int = 256) -> 
             if not thread.is_alive() or time.monotonic() > end:
                 raise RuntimeError(f"the benchmark's server did not start on 127.0.0.1:{port}")
             time.sleep(0.02)
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", engine
     finally:
         server.should_exit = True
         thread.join(30)
         engine.shutdown()
 
 
-def _rate_name(rate: float) -> str | float:
-    return "inf" if math.isinf(rate) else rate
+def _rate_name(rate: float | str) -> str | float:
+    return rate if isinstance(rate, str) else "inf" if math.isinf(rate) else rate
 
 
 def to_markdown(result: dict) -> str:
@@ -155,10 +204,12 @@ def to_markdown(result: dict) -> str:
         lines.append(f"engine: {e['backend']}, {e['graph_mode']}, {e['device']} {e['dtype']}, KV cache "
                      f"{e['kv_cache_tokens']:,} tokens" + (", random weights" if e["random_weights"] else ""))
     if "offline" in result:
-        lines.append(f"offline LLM.generate of the same workload: {result['offline']['output_tok_s']:,.0f} output "
-                     f"tok/s")
+        rounds = ", ".join(f"{r['output_tok_s']:,.0f}" for r in result.get("offline_rounds", [result["offline"]]))
+        lines.append(f"offline LLM.generate of the same workload on the same engine: {rounds} output tok/s by round "
+                     f"(the last one counts)")
     lines += ["", "| rate (req/s) | done / errors | output tok/s | vs offline | TTFT p50 / p99 ms | "
-              "ITL p50 / p99 ms | TPOT p50 / p99 ms | e2e p50 / p99 ms |", "|---|---|---|---|---|---|---|---|"]
+              "ITL p50 / p99 ms | TPOT p50 / p99 ms | e2e p50 / p99 ms | batch median / mean | client busy |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
 
     def pair(r: dict, name: str) -> str:
         a, b = r[f"{name}_p50_ms"], r[f"{name}_p99_ms"]
@@ -167,7 +218,11 @@ def to_markdown(result: dict) -> str:
     for r in result["rates"]:
         tps = r["output_tok_per_s"]
         vs = f"{r['vs_offline']:.0%}" if "vs_offline" in r else "-"
-        lines.append(f"| {r['request_rate']} | {r['completed']} / {r['errors']} | "
+        rate = f"half ({r['request_rate']:.3g})" if r.get("rate_name") == "half" else r["request_rate"]
+        b = r.get("batch", {})
+        batch = "-" if b.get("mean_batch") is None else f"{b['median_batch']} / {b['mean_batch']:.1f}"
+        lines.append(f"| {rate} | {r['completed']} / {r['errors']} | "
                      f"{'-' if tps is None else f'{tps:,.0f}'} | {vs} | {pair(r, 'ttft')} | {pair(r, 'itl')} | "
-                     f"{pair(r, 'tpot')} | {pair(r, 'e2e')} |")
-    return "\n".join(lines)
+                     f"{pair(r, 'tpot')} | {pair(r, 'e2e')} | {batch} | {r['client_busy']:.0%} of "
+                     f"{r['client_processes']} |")
+    return "\n".join(lines + bench_targets.targets_markdown(result))

@@ -3,7 +3,8 @@ requests, arriving as a Poisson process of a given rate (or all at once), with p
 first token, gaps between tokens, end to end) and the usage the server reported. Chunks carry their token ids
 (``return_token_ids``), so tokens are timed whether or not they make text (a model without a tokenizer, a character
 split over tokens); ``summarize`` turns them into
-percentiles and throughput. It talks HTTP only (httpx), so it runs in its own process beside any server.
+percentiles and throughput. It talks HTTP only (httpx), so it runs in processes of its own beside any server: one
+load can be dealt to several client processes sending on one wall-clock schedule.
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import random
 import time
-from dataclasses import dataclass, field
+from concurrent.futures import Executor
+from dataclasses import asdict, dataclass, field
 
 import httpx
 
@@ -62,14 +65,26 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict) -> RequestRecord
     return rec
 
 
-async def run_load(base_url: str, model: str, prompts: list[list[int]], output_lens: list[int], temperature: float,
-                   rate: float, max_concurrency: int | None = None, seed: int = 0,
-                   timeout: float = 3600.0) -> tuple[list[RequestRecord], float]:
-    """Send every prompt (request ``i`` asks for ``output_lens[i]`` tokens, EOS ignored) at ``rate`` requests per
-    second (Poisson arrivals; ``math.inf``: all at once), at most ``max_concurrency`` in flight. Returns each
-    request's record and the wall time from the first send to the last completion."""
-    url = base_url.rstrip("/") + "/v1/completions"
+def arrival_offsets(n: int, rate: float, seed: int = 0) -> list[float]:
+    """Send times in seconds from the start of ``n`` requests arriving as a Poisson process of ``rate`` per second
+    (the first at 0); all 0 for ``math.inf``."""
+    if not math.isfinite(rate):
+        return [0.0] * n
     rng = random.Random(seed)
+    out, t = [], 0.0
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+async def run_load(base_url: str, model: str, prompts: list[list[int]], output_lens: list[int], temperature: float,
+                   offsets: list[float], max_concurrency: int | None = None, start_at: float | None = None,
+                   timeout: float = 3600.0) -> tuple[list[RequestRecord], float, float]:
+    """Send every prompt (request ``i`` asks for ``output_lens[i]`` tokens, EOS ignored) ``offsets[i]`` seconds
+    after ``start_at`` (a ``time.time()``; None: now), at most ``max_concurrency`` in flight. Returns each request's
+    record and the ``time.time()`` of the first send and of the last completion."""
+    url = base_url.rstrip("/") + "/v1/completions"
     limit = max_concurrency or len(prompts)
     sem = asyncio.Semaphore(limit)
     limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
@@ -82,14 +97,15 @@ async def run_load(base_url: str, model: str, prompts: list[list[int]], output_l
             async with sem:
                 return await _one(client, url, body)
 
-        start = time.perf_counter()
+        start_at = time.time() if start_at is None else start_at
+        await asyncio.sleep(max(0.0, start_at - time.time()))
+        first = time.time()
         tasks = []
-        for prompt, out_len in zip(prompts, output_lens):
+        for prompt, out_len, at in zip(prompts, output_lens, offsets):
+            await asyncio.sleep(max(0.0, start_at + at - time.time()))
             tasks.append(asyncio.ensure_future(send(prompt, out_len)))
-            if math.isfinite(rate):
-                await asyncio.sleep(rng.expovariate(rate))
         records = await asyncio.gather(*tasks)
-        return list(records), time.perf_counter() - start
+        return list(records), first, time.time()
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -125,12 +141,50 @@ def summarize(records: list[RequestRecord], duration: float) -> dict:
     return result
 
 
+def client_ready(_: object = None) -> int:
+    """Nothing (its process id): mapped over a process pool once, it makes every client process start and import
+    this module before any timed load (a pool spawns its processes on demand, so a load dealt to one not yet
+    started would be sent late)."""
+    return os.getpid()
+
+
+def load_part(base_url: str, model: str, prompts: list[list[int]], output_lens: list[int], temperature: float,
+              offsets: list[float], max_concurrency: int | None, start_at: float | None) -> dict:
+    """``run_load`` in a fresh event loop (the entry point of a client process): its records (as dicts), first send
+    and last completion (``time.time()``) and the CPU seconds this process spent."""
+    cpu = time.process_time()
+    records, first, last = asyncio.run(run_load(base_url, model, prompts, output_lens, temperature, offsets,
+                                                max_concurrency, start_at))
+    return dict(records=[asdict(r) for r in records], first=first, last=last, cpu_s=time.process_time() - cpu)
+
+
 def load_and_summarize(base_url: str, model: str, prompts: list[list[int]], output_lens: list[int],
-                       temperature: float, rate: float, max_concurrency: int | None, seed: int) -> dict:
-    """``run_load`` then ``summarize``, in a fresh event loop (the entry point of the client's own process)."""
-    records, duration = asyncio.run(run_load(base_url, model, prompts, output_lens, temperature, rate,
-                                             max_concurrency, seed))
-    return {"request_rate": rate if math.isfinite(rate) else "inf", **summarize(records, duration)}
+                       temperature: float, rate: float, max_concurrency: int | None, seed: int,
+                       pool: Executor | None = None, parts: int = 1) -> dict:
+    """Send the prompts at ``rate`` (Poisson arrivals drawn with ``seed``; ``math.inf``: all at once) and
+    ``summarize``. With a process ``pool`` the requests are dealt round-robin to ``parts`` client processes that
+    send at the same wall-clock times (``max_concurrency`` shared out evenly), so that reading the streams never
+    limits what is measured; ``client_busy`` is the busiest client process's CPU time over its wall time (near 1:
+    the client, not the server, set the pace); ``client_start_lag_ms`` how late the last client process began
+    sending (a few ms; far more: a process that was not running yet)."""
+    n = len(prompts)
+    offsets = arrival_offsets(n, rate, seed)
+    parts = max(1, min(parts, n)) if pool is not None else 1
+    limit = None if max_concurrency is None else max(1, math.ceil(max_concurrency / parts))
+    start_at = time.time() + (0.2 if pool is not None else 0.0)
+    slices = [list(range(k, n, parts)) for k in range(parts)]
+    jobs = [(base_url, model, [prompts[i] for i in idx], [output_lens[i] for i in idx], temperature,
+             [offsets[i] for i in idx], limit, start_at) for idx in slices]
+    outs = [load_part(*jobs[0])] if pool is None else [f.result() for f in [pool.submit(load_part, *j) for j in jobs]]
+    records: list[RequestRecord | None] = [None] * n
+    for idx, out in zip(slices, outs):
+        for i, r in zip(idx, out["records"]):
+            records[i] = RequestRecord(**r)
+    duration = max(o["last"] for o in outs) - min(o["first"] for o in outs)
+    busy = max(o["cpu_s"] / max(o["last"] - o["first"], 1e-9) for o in outs)
+    return {"request_rate": rate if math.isfinite(rate) else "inf", **summarize(records, duration),
+            "client_processes": parts, "client_busy": busy,
+            "client_start_lag_ms": 1e3 * (max(o["first"] for o in outs) - start_at)}
 
 
-__all__ = ["RequestRecord", "load_and_summarize", "percentile", "run_load", "summarize"]
+__all__ = ["RequestRecord", "arrival_offsets", "client_ready", "load_and_summarize", "load_part", "percentile", "run_load", "summarize"]

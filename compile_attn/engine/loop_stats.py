@@ -1,0 +1,70 @@
+"""Counters of the steps an AsyncLLM's loop ran: how many, the seconds spent in them, and how many ran with each
+batch size (requests in the step). They only grow; two ``snapshot()`` copies subtract to what happened between them (a
+benchmark's run), which says the batch size the engine ran at and its mean step time."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class StepCounts:
+    """``by_batch[b]``: steps that ran ``b`` requests; ``seconds``: wall time inside ``LLM.step`` over all
+    ``steps``."""
+
+    steps: int = 0
+    seconds: float = 0.0
+    by_batch: dict[int, int] = field(default_factory=dict)
+
+    def __sub__(self, before: StepCounts) -> StepCounts:
+        diff = {b: n - before.by_batch.get(b, 0) for b, n in self.by_batch.items()}
+        return StepCounts(self.steps - before.steps, self.seconds - before.seconds,
+                          {b: n for b, n in diff.items() if n})
+
+    @property
+    def mean_batch(self) -> float | None:
+        """Requests per step, averaged over the steps (None: no step)."""
+        return sum(b * n for b, n in self.by_batch.items()) / self.steps if self.steps else None
+
+    @property
+    def median_batch(self) -> int | None:
+        """The batch size of the middle step (the lower one of two; None: no step)."""
+        if not self.steps:
+            return None
+        seen = 0
+        for b in sorted(self.by_batch):
+            seen += self.by_batch[b]
+            if 2 * seen >= self.steps:
+                return b
+        raise AssertionError("by_batch counts fewer steps than steps")  # pragma: no cover
+
+    @property
+    def mean_step_ms(self) -> float | None:
+        return 1e3 * self.seconds / self.steps if self.steps else None
+
+    def summary(self) -> dict:
+        """JSON-ready: steps, mean step ms, mean and median batch size."""
+        return dict(steps=self.steps, mean_step_ms=self.mean_step_ms, mean_batch=self.mean_batch,
+                    median_batch=self.median_batch)
+
+
+class LoopStats:
+    """Written by the loop thread (``record``), read from any thread (``snapshot``)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._steps = 0
+        self._seconds = 0.0
+        self._by_batch: Counter[int] = Counter()
+
+    def record(self, batch: int, seconds: float) -> None:
+        with self._lock:
+            self._steps += 1
+            self._seconds += seconds
+            self._by_batch[batch] += 1
+
+    def snapshot(self) -> StepCounts:
+        with self._lock:
+            return StepCounts(self._steps, self._seconds, dict(self._by_batch))
