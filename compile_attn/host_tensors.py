@@ -77,17 +77,59 @@ def to_device(
     host ones through a single copy.
 
     Host parts are packed into one ``array.array`` (lists in one C loop each, arrays and CPU tensors as bytes)
-    and go in one copy per call (per dtype per step), through pinned memory (see ``upload``): at small
-    batches the number of torch ops is the cost, so no per-part tensors are made. Arrays and tensors keep their
-    shape (a 0-d one becomes one entry). A value that does not fit ``dtype`` raises OverflowError.
+    and go in one copy per call, through pinned memory (see ``upload``): at small batches the number of torch
+    ops is the cost, so no per-part tensors are made. Arrays and tensors keep their shape (a 0-d one becomes one
+    entry). A value that does not fit ``dtype`` raises OverflowError. ``to_device_groups`` sends parts of several
+    dtypes in one copy.
     """
+    return to_device_groups([(parts, dtype)], device)[0]
+
+
+def to_device_groups(
+    groups: Sequence[tuple[list[torch.Tensor | np.ndarray | array.array | Sequence[int]], torch.dtype]],
+    device: torch.device,
+) -> list[list[torch.Tensor]]:
+    """``to_device`` of each ``(parts, dtype)`` group, all host parts in one host-to-device copy: the groups are
+    packed as bytes, each starting at a multiple of 8 bytes, and the device tensors are typed views of the one
+    uploaded buffer (a step's int32 and int64 fields: one copy instead of one per dtype)."""
+    outs: list[list[torch.Tensor | None]] = []
+    packed: list[tuple[array.array, list[tuple[int, int, tuple[int, ...] | None]]]] = []
+    for parts, dtype in groups:
+        out, buf, host = _pack(parts, dtype, device)
+        outs.append(out)
+        packed.append((buf, host))
+    sizes = [len(buf) * buf.itemsize for buf, _ in packed]
+    if not any(host for _, host in packed):
+        return outs  # type: ignore[return-value]
+    if len(groups) == 1:  # no byte packing needed
+        (buf, host), dtype = packed[0], groups[0][1]
+        flat = upload(torch.frombuffer(buf, dtype=dtype) if len(buf) else torch.empty(0, dtype=dtype), device)
+        _unpack(flat, host, outs[0])
+        return outs  # type: ignore[return-value]
+    raw = bytearray()
+    starts = []
+    for buf, _ in packed:
+        raw.extend(bytes(-len(raw) % 8))
+        starts.append(len(raw))
+        raw.extend(buf.tobytes())
+    flat = upload(torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8), device)
+    for (buf, host), (_, dtype), out, start, size in zip(packed, groups, outs, starts, sizes):
+        if host:
+            _unpack(flat[start:start + size].view(dtype), host, out)
+    return outs  # type: ignore[return-value]
+
+
+def _pack(parts: list, dtype: torch.dtype, device: torch.device,
+          ) -> tuple[list[torch.Tensor | None], array.array, list[tuple[int, int, tuple[int, ...] | None]]]:
+    """(outputs with device parts filled in, the host parts packed, per host part: its index, entries and the
+    shape to restore)."""
     code = _TYPECODES.get(dtype)
     if code is None:
         raise TypeError(f"to_device packs int64 or int32 values, got dtype {dtype}")
     np_dtype = np.dtype(code)
     out: list[torch.Tensor | None] = [None] * len(parts)
     buf = array.array(code)
-    host: list[tuple[int, int, tuple[int, ...] | None]] = []  # (part index, entries, shape to restore)
+    host: list[tuple[int, int, tuple[int, ...] | None]] = []
     for i, x in enumerate(parts):
         if isinstance(x, torch.Tensor):
             if not x.is_cpu:
@@ -104,13 +146,15 @@ def to_device(
             n = len(buf)
             buf.extend(x)  # an array.array of the same type: a memory copy
             host.append((i, len(buf) - n, None))
-    if not host:
-        return out  # type: ignore[return-value]
-    flat = upload(torch.frombuffer(buf, dtype=dtype) if len(buf) else torch.empty(0, dtype=dtype), device)
+    return out, buf, host
+
+
+def _unpack(flat: torch.Tensor, host: list[tuple[int, int, tuple[int, ...] | None]],
+            out: list[torch.Tensor | None]) -> None:
+    """Fill ``out``'s host parts with views of the uploaded ``flat``."""
     pieces = flat.split_with_sizes([n for _, n, _ in host])  # the C method: Tensor.split adds a Python layer
     for (i, _, shape), piece in zip(host, pieces):
         out[i] = piece if shape is None else piece.view(shape)
-    return out  # type: ignore[return-value]
 
 
 def _fitting(arr: np.ndarray, np_dtype: np.dtype) -> np.ndarray:
