@@ -56,7 +56,7 @@ class _StepOps(TorchDispatchMode):
     def __init__(self, device_tensors: list[torch.Tensor]) -> None:
         super().__init__()
         self.device = {_ptr(t) for t in device_tensors if t.numel()}
-        self.keep: list[Any] = []
+        self.keep: list[Any] = list(device_tensors)  # per-step state among them too: its memory is not reused
         self.region = "step"
         self.quiet = False
         self.ops: dict[str, Counter[str]] = {r: Counter() for r in REGIONS}
