@@ -119,8 +119,8 @@ def feed_tokens_torch(input_ids: torch.Tensor, tokens: torch.Tensor, vocab_size:
 def copy_decode_inputs(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], feed: TokenFeed | None) -> None:
     """``dst.copy_(src)`` for the six fields of a decode step (input ids, positions, KV slots, request rows, then
     the int32 sequence and prefix lengths; one entry per request each) into the graph runner's static buffers,
-    the placeholders of the input ids replaced on the way (``feed``; the sources are left as they are). One kernel
-    (``kernels_usable``), else the feed in place and a ``_foreach_copy_`` per dtype."""
+    the placeholders of the input ids replaced on the way (``feed``). One kernel (``kernels_usable``), which
+    leaves the sources as they are; else the feed in place in the source ids and a ``_foreach_copy_`` per dtype."""
     if len(dsts) != 6 or len(srcs) != 6:
         raise ValueError(f"copy_decode_inputs copies six fields, got {len(dsts)} destinations and {len(srcs)} "
                          f"sources")
@@ -130,8 +130,8 @@ def copy_decode_inputs(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor
         args = [t for pair in zip(dsts, srcs) for t in pair]
         _copy_decode_kernel[(triton.cdiv(n, COPY_BLOCK),)](
             *args, tokens if tokens is not None else srcs[0], n, 0 if tokens is None else tokens.numel(),
-            (feed.vocab_size or 0) if feed is not None else 0, FEED=tokens is not None,
-            HAS_VOCAB=bool(feed is not None and feed.vocab_size), BLOCK=COPY_BLOCK)
+            (feed.vocab_size or 0) if tokens is not None else 0, FEED=tokens is not None,
+            HAS_VOCAB=tokens is not None and bool(feed.vocab_size), BLOCK=COPY_BLOCK)
         return
     if feed is not None:
         feed.apply(srcs[0])
