@@ -193,7 +193,7 @@ class ForwardBatch:
             acc += e
         if input_ids is None:
             input_ids = torch.zeros(num_tokens, dtype=torch.int64)
-        # Host values go to the device in one copy per dtype; default positions are expanded on the host.
+        # Host values go to the device in one copy (both dtypes); default positions are expanded on the host.
         if positions is None:  # decode (one token per request): each position is the prefix length
             positions = prefix_lens if num_tokens == bs and extend_lens.count(1) == bs else (
                 ragged_arange(prefix_lens, extend_lens))

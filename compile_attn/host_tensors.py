@@ -4,9 +4,9 @@ A prefill step of thousands of tokens turns thousands of Python ints into tensor
 anything to do, so this is on the critical path of every step. ``torch.tensor(list)`` converts element by
 element; going through ``array.array`` (one C loop) is several times faster. The ragged helpers replace
 per-token Python loops with a few NumPy ops on the host, whose results go to the device in the step's one
-upload per dtype. Not torch ops: on the CPU ``torch.repeat_interleave`` splits even an 8-row input over every
-OpenMP thread (costly on a many-core host), and on the device each op is a kernel launch that the GPU waits
-for at the step's start (docs/performance.md).
+upload (``to_device_groups``: every dtype in one copy). Not torch ops: on the CPU ``torch.repeat_interleave``
+splits even an 8-row input over every OpenMP thread (costly on a many-core host), and on the device each op is a
+kernel launch that the GPU waits for at the step's start (docs/performance.md).
 """
 
 from __future__ import annotations
