@@ -10,13 +10,11 @@ kernel serves every batch size and every offset of the step's uploaded inputs (`
 
 from __future__ import annotations
 
-import logging
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 try:
     import triton
@@ -45,6 +43,12 @@ class TokenFeed:
 
 if triton is not None:
 
+    def _jit(**options: object):  # noqa: ANN202
+        """``triton.jit`` with these options, less pointer-alignment ones a Triton without them does not take."""
+        if "do_not_specialize_on_alignment" not in inspect.signature(triton.jit).parameters:
+            options.pop("do_not_specialize_on_alignment", None)
+        return triton.jit(**options)
+
     @triton.jit
     def _fed(x, Tokens, num_tokens, vocab_size, mask, HAS_VOCAB: tl.constexpr):
         """``x`` with each negative entry ``-(i + 1)`` replaced by ``Tokens[i]`` (``i`` clamped into the tokens,
@@ -56,15 +60,14 @@ if triton is not None:
             tok = tl.minimum(tl.maximum(tok, 0), vocab_size - 1)
         return tl.where(placeholder, tok, x.to(tl.int64))
 
-    @triton.jit(do_not_specialize=["n", "num_tokens", "vocab_size"],
-                do_not_specialize_on_alignment=["Ids", "Tokens"])
+    @_jit(do_not_specialize=["n", "num_tokens", "vocab_size"], do_not_specialize_on_alignment=["Ids", "Tokens"])
     def _feed_kernel(Ids, Tokens, n, num_tokens, vocab_size, HAS_VOCAB: tl.constexpr, BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         x = tl.load(Ids + offs, mask=mask, other=0)
         tl.store(Ids + offs, _fed(x, Tokens, num_tokens, vocab_size, mask, HAS_VOCAB).to(x.dtype), mask=mask)
 
-    @triton.jit(do_not_specialize=["n", "num_tokens", "vocab_size"], do_not_specialize_on_alignment=_COPY_POINTERS)
+    @_jit(do_not_specialize=["n", "num_tokens", "vocab_size"], do_not_specialize_on_alignment=_COPY_POINTERS)
     def _copy_decode_kernel(Ids_Dst, Ids_Src, Pos_Dst, Pos_Src, Loc_Dst, Loc_Src, Rows_Dst, Rows_Src, Seq_Dst,
                             Seq_Src, Pre_Dst, Pre_Src, Tokens, n, num_tokens, vocab_size, FEED: tl.constexpr,
                             HAS_VOCAB: tl.constexpr, BLOCK: tl.constexpr):
