@@ -5,8 +5,9 @@ With overlap scheduling the engine launches step N+1 before it reads step N's to
 step N gets a placeholder in its ``token_ids`` at launch: ``-(i + 1)`` where ``i`` is its row in step N's token
 tensor. The scheduler counts it like any token, so step N+1 is planned as if the token were known; its input ids
 carry the placeholder, and every negative id is replaced with step N's token on the device before the forward runs
-(``step_kernels.TokenFeed``: in the copy of a decode step's inputs into the graph's buffers, else ``feed_tokens``). When the host reads step N's tokens (``InFlightStep.read``, the step's one wait on the device), the
-engine writes them over the placeholders and runs the finish checks one step late.
+(``step_kernels.TokenFeed``: in the copy of a decode step's inputs into the graph's buffers, else ``feed_tokens``).
+When the host reads step N's tokens (``InFlightStep.read``, the step's one wait on the device), the engine writes
+them over the placeholders and runs the finish checks one step late.
 """
 
 from __future__ import annotations
