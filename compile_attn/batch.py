@@ -201,10 +201,10 @@ class ForwardBatch:
         # recognises the tensor its alloc_extend returned (check()).
         keep_loc = (isinstance(out_cache_loc, torch.Tensor) and out_cache_loc.is_cpu and device.type == "cpu"
                     and out_cache_loc.dtype == torch.int64)
-        try:  # the int32 and int64 fields in one copy
-            ints, longs = to_device_groups([
-                ([seq_lens, prefix_lens, extend_lens, start_loc], torch.int32),
+        try:  # one copy; input ids first, at storage offset 0 (else duck sizing ties a compiled model to the offset)
+            longs, ints = to_device_groups([
                 ([input_ids, positions, req_idx, *(() if keep_loc else (out_cache_loc,))], torch.int64),
+                ([seq_lens, prefix_lens, extend_lens, start_loc], torch.int32),
             ], device)
         except (TypeError, OverflowError) as exc:  # e.g. a float in a list, a value past int64
             raise InvalidBatchError(f"input_ids, positions and out_cache_loc must hold int64 values: {exc}") from None

@@ -89,16 +89,19 @@ def to_device_groups(
     groups: Sequence[tuple[list[torch.Tensor | np.ndarray | array.array | Sequence[int]], torch.dtype]],
     device: torch.device,
 ) -> list[list[torch.Tensor]]:
-    """``to_device`` of each ``(parts, dtype)`` group, all host parts in one host-to-device copy: the groups are
-    packed as bytes, each starting at a multiple of 8 bytes, and the device tensors are typed views of the one
-    uploaded buffer (a step's int32 and int64 fields: one copy instead of one per dtype)."""
+    """``to_device`` of each ``(parts, dtype)`` group, all host parts in one host-to-device copy (a step's int32 and
+    int64 fields: one copy instead of one per dtype).
+
+    The groups are packed as bytes into one int64 buffer, each group starting at a whole int64 entry; an int64
+    group's tensors are plain views of the uploaded buffer, like ``to_device``'s (torch.compile sees the same kind
+    of input: a dtype-changing view as a model input makes Dynamo compile again), an int32 group's a dtype view.
+    """
     outs: list[list[torch.Tensor | None]] = []
     packed: list[tuple[array.array, list[tuple[int, int, tuple[int, ...] | None]]]] = []
     for parts, dtype in groups:
         out, buf, host = _pack(parts, dtype, device)
         outs.append(out)
         packed.append((buf, host))
-    sizes = [len(buf) * buf.itemsize for buf, _ in packed]
     if not any(host for _, host in packed):
         return outs  # type: ignore[return-value]
     if len(groups) == 1:  # no byte packing needed
@@ -107,15 +110,17 @@ def to_device_groups(
         _unpack(flat, host, outs[0])
         return outs  # type: ignore[return-value]
     raw = bytearray()
-    starts = []
+    spans = []  # per group: its first int64 entry and its int64 entries
     for buf, _ in packed:
-        raw.extend(bytes(-len(raw) % 8))
-        starts.append(len(raw))
+        start = len(raw) // 8
         raw.extend(buf.tobytes())
-    flat = upload(torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8), device)
-    for (buf, host), (_, dtype), out, start, size in zip(packed, groups, outs, starts, sizes):
+        raw.extend(bytes(-len(raw) % 8))
+        spans.append((start, len(raw) // 8 - start))
+    flat = upload(torch.frombuffer(raw, dtype=torch.int64) if raw else torch.empty(0, dtype=torch.int64), device)
+    for (buf, host), (_, dtype), out, (start, size) in zip(packed, groups, outs, spans):
         if host:
-            _unpack(flat[start:start + size].view(dtype), host, out)
+            words = flat[start:start + size]
+            _unpack(words if dtype == torch.int64 else words.view(dtype)[:len(buf)], host, out)
     return outs  # type: ignore[return-value]
 
 
