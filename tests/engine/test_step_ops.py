@@ -4,7 +4,8 @@ A steady greedy decode step with overlap issues exactly six device ops around th
 slots with the table write, one upload of the batch, one kernel copying the inputs into the graph's buffers with
 the in-flight tokens fed in, the argmax and the tokens' copy back), at every batch size: a new op fails the count.
 The Triton feed and decode copy (interpreted on the CPU) and the torch ops they replace all agree with a plain
-Python reference on random inputs: placeholders, tokens outside the vocabulary, no placeholders, all placeholders.
+Python reference on random inputs: placeholders, tokens outside the vocabulary, no placeholders, all placeholders;
+the engine's overlapped greedy tokens are the serial loop's with either.
 """
 
 from __future__ import annotations
@@ -168,3 +169,22 @@ def test_compiled_kernels_match_the_reference_without_a_sync_or_a_new_build() ->
         expected = reference_feed(ids.tolist(), tokens.tolist(), VOCAB)
         assert fed.tolist() == expected and dsts[0].tolist() == expected
         assert [d.tolist() for d in dsts[1:]] == [s.tolist() for s in srcs[1:]]
+
+
+def test_greedy_tokens_are_the_same_with_the_kernels_and_with_the_torch_ops(llm: LLM) -> None:
+    """Overlapped greedy decoding with the step kernels, with the torch ops that run without Triton, and the serial
+    loop (no placeholders to feed) give the same tokens."""
+    from compile_attn.engine import SamplingParams
+
+    prompts = [[(7 * i + 3 * j) % 128 for j in range(n)] for i, n in enumerate([3, 9, 5, 14, 2])]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    runs = {}
+    for name, overlap, kernels in (("serial", False, True), ("kernels", True, True), ("torch", True, False)):
+        llm.overlap = overlap
+        with contextlib.ExitStack() as stack:
+            if not kernels:
+                stack.enter_context(mock.patch.object(step_kernels, "kernels_usable", lambda t: False))
+            runs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    llm.overlap = True
+    assert runs["kernels"] == runs["serial"] and runs["torch"] == runs["serial"]
+    assert all(len(t) == 12 for t in runs["serial"])
