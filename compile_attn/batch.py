@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from compile_attn.errors import InvalidBatchError
-from compile_attn.host_tensors import int_tensor, ragged_arange, to_device
+from compile_attn.host_tensors import int_tensor, ragged_arange, to_device_groups
 from compile_attn.kv_cache import PAD_REQUEST, PAD_SLOT
 
 if TYPE_CHECKING:
@@ -197,18 +197,19 @@ class ForwardBatch:
             acc += e
         if input_ids is None:
             input_ids = torch.zeros(num_tokens, dtype=torch.int64)
-        # Host values go to the device in one copy per dtype; default positions are expanded on the host.
+        # Host values go to the device in one copy (both dtypes); default positions are expanded on the host.
         if positions is None:  # decode (one token per request): each position is the prefix length
             positions = prefix_lens if num_tokens == bs and extend_lens.count(1) == bs else (
                 ragged_arange(prefix_lens, extend_lens))
-        ints = to_device([seq_lens, prefix_lens, extend_lens, start_loc], torch.int32, device)
         # A slot tensor already in place is used as it is (on a GPU to_device does the same): the KV cache then
         # recognises the tensor its alloc_extend returned (check()).
         keep_loc = (isinstance(out_cache_loc, torch.Tensor) and out_cache_loc.is_cpu and device.type == "cpu"
                     and out_cache_loc.dtype == torch.int64)
-        try:
-            longs = to_device([input_ids, positions, req_idx, *(() if keep_loc else (out_cache_loc,))], torch.int64,
-                              device)
+        try:  # one copy; input ids first, at storage offset 0 (else duck sizing ties a compiled model to the offset)
+            longs, ints = to_device_groups([
+                ([input_ids, positions, req_idx, *(() if keep_loc else (out_cache_loc,))], torch.int64),
+                ([seq_lens, prefix_lens, extend_lens, start_loc], torch.int32),
+            ], device)
         except (TypeError, OverflowError) as exc:  # e.g. a float in a list, a value past int64
             raise InvalidBatchError(f"input_ids, positions and out_cache_loc must hold int64 values: {exc}") from None
         fb = cls(

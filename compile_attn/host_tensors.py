@@ -4,9 +4,9 @@ A prefill step of thousands of tokens turns thousands of Python ints into tensor
 anything to do, so this is on the critical path of every step. ``torch.tensor(list)`` converts element by
 element; going through ``array.array`` (one C loop) is several times faster. The ragged helpers replace
 per-token Python loops with a few NumPy ops on the host, whose results go to the device in the step's one
-upload per dtype. Not torch ops: on the CPU ``torch.repeat_interleave`` splits even an 8-row input over every
-OpenMP thread (costly on a many-core host), and on the device each op is a kernel launch that the GPU waits
-for at the step's start (docs/performance.md).
+upload (``to_device_groups``: every dtype in one copy). Not torch ops: on the CPU ``torch.repeat_interleave``
+splits even an 8-row input over every OpenMP thread (costly on a many-core host), and on the device each op is a
+kernel launch that the GPU waits for at the step's start (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -77,17 +77,64 @@ def to_device(
     host ones through a single copy.
 
     Host parts are packed into one ``array.array`` (lists in one C loop each, arrays and CPU tensors as bytes)
-    and go in one copy per call (per dtype per step), through pinned memory (see ``upload``): at small
-    batches the number of torch ops is the cost, so no per-part tensors are made. Arrays and tensors keep their
-    shape (a 0-d one becomes one entry). A value that does not fit ``dtype`` raises OverflowError.
+    and go in one copy per call, through pinned memory (see ``upload``): at small batches the number of torch
+    ops is the cost, so no per-part tensors are made. Arrays and tensors keep their shape (a 0-d one becomes one
+    entry). A value that does not fit ``dtype`` raises OverflowError. ``to_device_groups`` sends parts of several
+    dtypes in one copy.
     """
+    return to_device_groups([(parts, dtype)], device)[0]
+
+
+def to_device_groups(
+    groups: Sequence[tuple[list[torch.Tensor | np.ndarray | array.array | Sequence[int]], torch.dtype]],
+    device: torch.device,
+) -> list[list[torch.Tensor]]:
+    """``to_device`` of each ``(parts, dtype)`` group, all host parts in one host-to-device copy (a step's int32 and
+    int64 fields: one copy instead of one per dtype).
+
+    The groups are packed as bytes into one int64 buffer, each group starting at a whole int64 entry; an int64
+    group's tensors are plain views of the uploaded buffer, like ``to_device``'s (torch.compile sees the same kind
+    of input: a dtype-changing view as a model input makes Dynamo compile again), an int32 group's a dtype view.
+    """
+    outs: list[list[torch.Tensor | None]] = []
+    packed: list[tuple[array.array, list[tuple[int, int, tuple[int, ...] | None]]]] = []
+    for parts, dtype in groups:
+        out, buf, host = _pack(parts, dtype, device)
+        outs.append(out)
+        packed.append((buf, host))
+    if not any(host for _, host in packed):
+        return outs  # type: ignore[return-value]
+    if len(groups) == 1:  # no byte packing needed
+        (buf, host), dtype = packed[0], groups[0][1]
+        flat = upload(torch.frombuffer(buf, dtype=dtype) if len(buf) else torch.empty(0, dtype=dtype), device)
+        _unpack(flat, host, outs[0])
+        return outs  # type: ignore[return-value]
+    raw = bytearray()
+    spans = []  # per group: its first int64 entry and its int64 entries
+    for buf, _ in packed:
+        start = len(raw) // 8
+        raw.extend(buf.tobytes())
+        raw.extend(bytes(-len(raw) % 8))
+        spans.append((start, len(raw) // 8 - start))
+    flat = upload(torch.frombuffer(raw, dtype=torch.int64) if raw else torch.empty(0, dtype=torch.int64), device)
+    for (buf, host), (_, dtype), out, (start, size) in zip(packed, groups, outs, spans):
+        if host:
+            words = flat[start:start + size]
+            _unpack(words if dtype == torch.int64 else words.view(dtype)[:len(buf)], host, out)
+    return outs  # type: ignore[return-value]
+
+
+def _pack(parts: list, dtype: torch.dtype, device: torch.device,
+          ) -> tuple[list[torch.Tensor | None], array.array, list[tuple[int, int, tuple[int, ...] | None]]]:
+    """(outputs with device parts filled in, the host parts packed, per host part: its index, entries and the
+    shape to restore)."""
     code = _TYPECODES.get(dtype)
     if code is None:
         raise TypeError(f"to_device packs int64 or int32 values, got dtype {dtype}")
     np_dtype = np.dtype(code)
     out: list[torch.Tensor | None] = [None] * len(parts)
     buf = array.array(code)
-    host: list[tuple[int, int, tuple[int, ...] | None]] = []  # (part index, entries, shape to restore)
+    host: list[tuple[int, int, tuple[int, ...] | None]] = []
     for i, x in enumerate(parts):
         if isinstance(x, torch.Tensor):
             if not x.is_cpu:
@@ -104,13 +151,15 @@ def to_device(
             n = len(buf)
             buf.extend(x)  # an array.array of the same type: a memory copy
             host.append((i, len(buf) - n, None))
-    if not host:
-        return out  # type: ignore[return-value]
-    flat = upload(torch.frombuffer(buf, dtype=dtype) if len(buf) else torch.empty(0, dtype=dtype), device)
+    return out, buf, host
+
+
+def _unpack(flat: torch.Tensor, host: list[tuple[int, int, tuple[int, ...] | None]],
+            out: list[torch.Tensor | None]) -> None:
+    """Fill ``out``'s host parts with views of the uploaded ``flat``."""
     pieces = flat.split_with_sizes([n for _, n, _ in host])  # the C method: Tensor.split adds a Python layer
     for (i, _, shape), piece in zip(host, pieces):
         out[i] = piece if shape is None else piece.view(shape)
-    return out  # type: ignore[return-value]
 
 
 def _fitting(arr: np.ndarray, np_dtype: np.dtype) -> np.ndarray:

@@ -22,7 +22,7 @@ import torch
 
 from compile_attn.arg_checks import kv_dtype, positive_int, renamed_keywords
 from compile_attn.errors import InvalidBatchError, KVCacheExhaustedError
-from compile_attn.host_tensors import ragged_arange, repeat_each, to_device
+from compile_attn.host_tensors import ragged_arange, repeat_each, to_device, to_device_groups
 from compile_attn.kv_batch_checks import BatchChecks
 from compile_attn.page_allocator import PageAllocator
 
@@ -322,9 +322,10 @@ class KVCache(BatchChecks):
             return torch.empty(0, dtype=torch.int64, device=self.device)
         # One host-to-device copy: the slots, then each token's request row and position (expanded on the host),
         # and the table written with them on the device.
-        out, token_rows, token_positions = to_device(
-            [slots, repeat_each(rows, extend_lens), ragged_arange(starts, extend_lens)], torch.int64, self.device)
-        self.req_to_token[token_rows, token_positions] = out.to(torch.int32)
+        (out, token_rows, token_positions), (slots32,) = to_device_groups([  # the table's int32 copy rides along
+            ([slots, repeat_each(rows, extend_lens), ragged_arange(starts, extend_lens)], torch.int64),
+            ([slots], torch.int32)], self.device)
+        self.req_to_token[token_rows, token_positions] = slots32
         self._issued.append((weakref.ref(out), rows, starts, extend_lens))
         return out
 
@@ -355,8 +356,9 @@ class KVCache(BatchChecks):
             slots = [pages[s // ps] * ps + s % ps for pages, s in zip(page_lists, starts)]
         lens.update(zip(rows, [s + 1 for s in starts]))
         # one token per request: nothing to expand on the device
-        out, rows_t, starts_t = to_device([slots, rows, starts], torch.int64, self.device)
-        self.req_to_token[rows_t, starts_t] = out.to(torch.int32)
+        (out, rows_t, starts_t), (slots32,) = to_device_groups([([slots, rows, starts], torch.int64),
+                                                                 ([slots], torch.int32)], self.device)
+        self.req_to_token[rows_t, starts_t] = slots32
         self._issued.append((weakref.ref(out), rows, starts, [1] * len(rows)))
         return out
 

@@ -8,7 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compile_attn.host_tensors import int_tensor, ragged_arange, repeat_each, to_device
+from compile_attn import host_tensors
+from compile_attn.host_tensors import int_tensor, ragged_arange, repeat_each, to_device, to_device_groups
 
 ints64 = st.integers(min_value=-(2**63), max_value=2**63 - 1)
 ints32 = st.integers(min_value=-(2**31), max_value=2**31 - 1)
@@ -81,6 +82,25 @@ def test_to_device_mixes_lists_arrays_and_tensors(parts: list, dtype: torch.dtyp
     out = to_device(parts, dtype, torch.device("cpu"))
     assert [t.dtype for t in out] == [dtype] * len(parts)
     assert [t.tolist() for t in out] == [list(map(int, p)) for p in parts]
+
+
+@settings(max_examples=40)
+@given(groups=st.lists(st.tuples(st.lists(st.one_of(st.lists(ints32, max_size=5),
+                                                    st.lists(ints32, max_size=5).map(np.asarray)), max_size=4),
+                                  st.sampled_from([torch.int32, torch.int64])), max_size=4))
+def test_to_device_groups_sends_every_dtype_in_one_copy(groups: list) -> None:
+    """Each group comes back as to_device alone would give it (values, dtypes); all of them through one upload."""
+    uploads = []
+    real = host_tensors.upload
+    host_tensors.upload = lambda t, d: uploads.append(t) or real(t, d)
+    try:
+        out = to_device_groups(groups, torch.device("cpu"))
+    finally:
+        host_tensors.upload = real
+    assert len(uploads) == (1 if any(parts for parts, _ in groups) else 0)
+    for (parts, dtype), tensors in zip(groups, out):
+        assert [t.dtype for t in tensors] == [dtype] * len(parts)
+        assert [t.tolist() for t in tensors] == [list(map(int, p)) for p in parts]
 
 
 def test_to_device_refuses_array_values_that_do_not_fit() -> None:

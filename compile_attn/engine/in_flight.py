@@ -4,9 +4,10 @@ tokens into the next step's input ids.
 With overlap scheduling the engine launches step N+1 before it reads step N's tokens. Each request that samples in
 step N gets a placeholder in its ``token_ids`` at launch: ``-(i + 1)`` where ``i`` is its row in step N's token
 tensor. The scheduler counts it like any token, so step N+1 is planned as if the token were known; its input ids
-carry the placeholder, and ``feed_tokens`` replaces every negative id with step N's token on the device before the
-forward runs. When the host reads step N's tokens (``InFlightStep.read``, the step's one wait on the device), the
-engine writes them over the placeholders and runs the finish checks one step late.
+carry the placeholder, and every negative id is replaced with step N's token on the device before the forward runs
+(``step_kernels.TokenFeed``: in the copy of a decode step's inputs into the graph's buffers, else ``feed_tokens``).
+When the host reads step N's tokens (``InFlightStep.read``, the step's one wait on the device), the engine writes
+them over the placeholders and runs the finish checks one step late.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from compile_attn import step_kernels
 from compile_attn.engine.request import Request
 
 
@@ -79,15 +81,6 @@ def has_placeholders(requests: list[Request], prefix_lens: list[int], extend_len
 
 
 def feed_tokens(input_ids: torch.Tensor, tokens: torch.Tensor, vocab_size: int | None) -> None:
-    """Replace, in place and on the device, each placeholder ``-(i + 1)`` in ``input_ids`` with ``tokens[i]``.
-
-    A token outside the vocabulary (the request finishes with an error once the host sees it) is clamped into it
-    here, so that the step computing the extra token does not index the embedding out of bounds.
-    """
-    if tokens.numel() == 0:
-        return
-    rows = input_ids.neg().sub_(1).clamp_(0, tokens.numel() - 1)
-    fed = tokens.index_select(0, rows)
-    if vocab_size:
-        fed.clamp_(0, vocab_size - 1)
-    torch.where(input_ids < 0, fed, input_ids, out=input_ids)
+    """Replace, in place and on the device, each placeholder ``-(i + 1)`` in ``input_ids`` with ``tokens[i]``,
+    clamped into the vocabulary (``step_kernels.feed_tokens``: one kernel where it can)."""
+    step_kernels.feed_tokens(input_ids, tokens, vocab_size)

@@ -23,7 +23,7 @@ from compile_attn.engine.admission import encode_prompt, find_vocab_size, split_
 from compile_attn.engine.chat import render_chat, split_conversations
 from compile_attn.engine.config import EngineConfig
 from compile_attn.engine.errors import EngineBusyError, InvalidRequestError
-from compile_attn.engine.in_flight import InFlightStep, feed_tokens, has_placeholders
+from compile_attn.engine.in_flight import InFlightStep, has_placeholders
 from compile_attn.engine.model_loading import LoadedModel, load_for_engine
 from compile_attn.engine.request import CompletionOutput, Request, RequestOutput, RequestStatus
 from compile_attn.engine import sampler
@@ -36,6 +36,8 @@ from compile_attn.engine.step_extras import StepExtras, start_penalty_rows
 from compile_attn.engine.step_sampling import forward_and_sample
 from compile_attn.engine.stop_strings import StopStringMatcher, backend_tokenizer
 from compile_attn.kv_cache import KVCache
+from compile_attn import step_kernels
+from compile_attn.step_kernels import TokenFeed
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +90,8 @@ class LLM:
         self.vocab_size = find_vocab_size(self.model)  # None: prompts' token ids are only checked to be >= 0
         if config.capture and device.type == "cuda" and self.vocab_size:  # the sampler's kernels, before traffic
             sampler.warmup(device, self.vocab_size, config.max_batch_size, dtype=dtype)
+        if config.capture:  # the step's own kernels (the feed of in-flight tokens), before traffic
+            step_kernels.warm_up(device, self.vocab_size)
         self.overlap = config.overlap
         self.penalties: PenaltyState | None = None  # made when the first request with penalties arrives
         self._in_flight: deque[InFlightStep] = deque()  # launched steps whose tokens are not read yet (<= 1)
@@ -277,15 +281,16 @@ class LLM:
                 input_ids=step.input_ids(), device=self.device,
             )
             in_flight = self._in_flight[-1].tokens if self._in_flight else None  # what placeholders stand for
+            feed = None  # replaced on the device, in the copy into the graph's inputs where there is one
             if in_flight is not None and has_placeholders(step.requests, step.prefix_lens, step.extend_lens):
-                feed_tokens(fb.input_ids, in_flight, self.vocab_size)
+                feed = TokenFeed(in_flight, self.vocab_size)
             sampled = [i for i, (r, p, n) in enumerate(zip(step.requests, step.prefix_lens, step.extend_lens))
                        if p + n == len(r.token_ids)]
             reqs = [step.requests[i] for i in sampled]
             if self.penalties is not None:
                 start_penalty_rows(reqs, self.penalties, in_flight, self.vocab_size, self.device)
             extras = StepExtras.for_step(reqs, self.penalties, self.device)
-            tokens, logprobs = forward_and_sample(self.step_runner, fb, reqs, sampled, self.device, extras)
+            tokens, logprobs = forward_and_sample(self.step_runner, fb, reqs, sampled, self.device, extras, feed)
         except BaseException:
             for r in step.requests if step is not None else ():
                 r.penalty_row = None  # its statistics may hold part of this step: count them again

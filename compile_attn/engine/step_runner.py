@@ -21,6 +21,7 @@ from compile_attn.config import GraphConfig
 from compile_attn.graph_mode import GraphMode
 from compile_attn.graph_runner import GraphRunner
 from compile_attn.host_tensors import to_device
+from compile_attn.step_kernels import TokenFeed
 
 logger = logging.getLogger(__name__)
 
@@ -66,9 +67,10 @@ class StepRunner:
         return self.run(fb, to_device([[e - 1 for e in ends]], torch.int64, fb.input_ids.device)[0])
 
     @torch.inference_mode()
-    def run(self, fb: ForwardBatch, keep: torch.Tensor | None) -> torch.Tensor:
-        """Logits of the rows ``keep`` of this step (None: every token's row), copied out of graph memory."""
-        out = self.runner.run(fb)
+    def run(self, fb: ForwardBatch, keep: torch.Tensor | None, feed: TokenFeed | None = None) -> torch.Tensor:
+        """Logits of the rows ``keep`` of this step (None: every token's row), copied out of graph memory.
+        ``feed``: what the placeholders among the input ids stand for (``GraphRunner.run``)."""
+        out = self.runner.run(fb, feed)
         if keep is not None:
             rows = out[keep]
         else:  # decode: every row is sampled, no gather (the LM head's output is fresh memory already)

@@ -17,22 +17,23 @@ from compile_attn.engine.sampler import SamplingPlan, sample
 from compile_attn.engine.step_extras import StepExtras
 from compile_attn.engine.step_runner import StepRunner
 from compile_attn.host_tensors import to_device, upload
+from compile_attn.step_kernels import TokenFeed
 
 
 def forward_and_sample(runner: StepRunner, fb: ForwardBatch, reqs: list[Request], sampled: list[int],
-                       device: torch.device, extras: StepExtras | None = None,
+                       device: torch.device, extras: StepExtras | None = None, feed: TokenFeed | None = None,
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """int64 device tensor of the next token of each request ``reqs[i]`` (row ``sampled[i]`` of the batch: the
     request whose last token the step computes), after running ``fb`` through ``runner``; and, when ``extras``
     asks for them, the packed log-probabilities of the rows that want them (else None). ``extras`` also applies
-    the penalties before sampling."""
+    the penalties before sampling. ``feed``: what the placeholders among ``fb``'s input ids stand for."""
     ends = list(accumulate(fb.extend_seq_lens_cpu))
     keep = [ends[i] - 1 for i in sampled]
     every_row = len(keep) == fb.num_tokens  # the LM head runs on every row (a decode step): no index tensor
     temps = [r.params.temperature for r in reqs]
     if all(t <= 0 for t in temps):  # all greedy: no noise kernels and no parameter uploads
         keep_t = None if every_row else to_device([keep], torch.int64, device)[0]
-        raw = runner.run(fb, keep_t)  # a step that samples no row: logits [0, V], no tokens
+        raw = runner.run(fb, keep_t, feed)  # a step that samples no row: logits [0, V], no tokens
         if extras is None:
             return raw.argmax(dim=-1), None
         tokens = extras.penalise(raw).argmax(dim=-1)
@@ -50,7 +51,7 @@ def forward_and_sample(runner: StepRunner, fb: ForwardBatch, reqs: list[Request]
     on_device = to_device(ints, torch.int64, device)
     seeds, positions = on_device[0], on_device[1]
     top_k = on_device[2] if plan.max_top_k else None
-    logits = runner.run(fb, None if every_row else on_device[-1])
+    logits = runner.run(fb, None if every_row else on_device[-1], feed)
     floats = [temps] + ([top_ps] if plan.top_p_rows else []) + ([min_ps] if plan.min_p_rows else [])
     temperature, *filters = upload(torch.tensor(floats, dtype=torch.float32), device).unbind(0)
     top_p = filters.pop(0) if plan.top_p_rows else None

@@ -17,6 +17,7 @@ import torch
 from compile_attn.batch import ForwardBatch
 from compile_attn.graph_runner.static_buffers import StaticBuffers
 from compile_attn.kv_cache import PAD_REQUEST, PAD_SLOT
+from compile_attn.step_kernels import TokenFeed, copy_decode_inputs
 
 
 def next_bucket(buckets: Sequence[int], n: int) -> int | None:
@@ -68,8 +69,12 @@ class ReplayViews:
         """The ``n`` token fields and the request rows into ``targets``, in one ``_foreach_copy_`` (a single kernel
         on a GPU: each launch costs the host time on the critical path of a graph step); re-pads stale token
         entries."""
-        b = self.buffers
         torch._foreach_copy_(targets, [fb.input_ids, fb.positions, fb.out_cache_loc, fb.req_pool_indices])
+        self._repad_tokens(n)
+
+    def _repad_tokens(self, n: int) -> None:
+        """Padding values in the token entries from ``n`` on that may hold a live batch's."""
+        b = self.buffers
         if self._tokens_dirty > n:
             pad = slice(n, self._tokens_dirty)
             b.input_ids[pad].zero_()
@@ -78,12 +83,14 @@ class ReplayViews:
         self._tokens_dirty = n
 
     # ------------------------------------------------------------------ views
-    def decode_view(self, fb: ForwardBatch, bucket: int) -> ForwardBatch:
-        """``fb`` (DECODE, ``batch_size <= bucket``) padded with requests up to ``bucket``."""
+    def decode_view(self, fb: ForwardBatch, bucket: int, feed: TokenFeed | None = None) -> ForwardBatch:
+        """``fb`` (DECODE, ``batch_size <= bucket``) padded with requests up to ``bucket``; its live fields go in
+        one kernel where it can (``copy_decode_inputs``), the placeholders of its input ids replaced by ``feed``."""
         b, bs = self.buffers, fb.batch_size
         int64_targets, int32_targets = self._targets(bs, bs)
-        self._copy_int64_fields(fb, bs, int64_targets)
-        torch._foreach_copy_(int32_targets[:2], [fb.seq_lens, fb.extend_prefix_lens])
+        copy_decode_inputs(int64_targets + int32_targets[:2], [fb.input_ids, fb.positions, fb.out_cache_loc,
+                           fb.req_pool_indices, fb.seq_lens, fb.extend_prefix_lens], feed)
+        self._repad_tokens(bs)
         if self._requests_dirty > bs:
             pad = slice(bs, self._requests_dirty)
             b.req_pool_indices[pad].fill_(PAD_REQUEST)

@@ -34,6 +34,7 @@ from compile_attn.graph_runner.static_buffers import StaticBuffers
 from compile_attn.graph_runner.stats import GraphRunnerStats
 from compile_attn.graph_runner.verify import verify_runner
 from compile_attn.graph_runner.warmup import warm_up
+from compile_attn.step_kernels import TokenFeed
 
 if TYPE_CHECKING:
     from compile_attn.attention.base import AttentionBackend
@@ -238,14 +239,19 @@ class GraphRunner:
 
     # ------------------------------------------------------------------ run
     @torch.inference_mode()
-    def run(self, fb: ForwardBatch) -> Any:
-        """Run one step; returns the model output for the batch's real tokens.
+    def run(self, fb: ForwardBatch, feed: TokenFeed | None = None) -> Any:
+        """Run one step; returns the model output for the batch's real tokens. ``feed``: what the placeholders in
+        ``fb.input_ids`` stand for (engine/in_flight.py); a graph-bucketed decode step replaces them on the way into
+        the static buffers, in the same kernel as the copy (``step_kernels.copy_decode_inputs``), others in place.
 
         Capture and every step run under ``torch.inference_mode()``, whatever the caller's mode: the compiled
         model's Dynamo guards include the inputs' dispatch keys, which differ between inference-mode and
         no-grad tensors, so a step in another mode than capture would compile the model again (and capture its
         piecewise graphs again, on first use of each bucket)."""
         route = self.route(fb)
+        if feed is not None and (route is None or not fb.forward_mode.is_decode()):
+            feed.apply(fb.input_ids)
+            feed = None
         if route is None:
             return self.run_eager(fb)
         fb.check(self.backend.kv_cache)  # a graph replay reads the batch unchecked: the eager entry's check here
@@ -255,7 +261,7 @@ class GraphRunner:
             )
         mode, bucket = route
         view = (
-            self.views.decode_view(fb, bucket)
+            self.views.decode_view(fb, bucket, feed)
             if fb.forward_mode.is_decode()
             else self.views.extend_view(fb, bucket)
         )

@@ -119,9 +119,9 @@ def log_steps(llm: LLM) -> Iterator[StepLog]:
     runner = llm.step_runner
     real = runner.run
 
-    def run(fb, keep):  # noqa: ANN001, ANN202
+    def run(fb, keep, *feed):  # noqa: ANN001, ANN202
         log.steps.append((fb.forward_mode.name, fb.batch_size, fb.num_tokens))
-        return real(fb, keep)
+        return real(fb, keep, *feed)
 
     runner.run = run
     try:

@@ -35,9 +35,9 @@ class ComputedTokens:
         self.total = 0
         real = llm.step_runner.run
 
-        def run(fb, keep):  # noqa: ANN001, ANN202
+        def run(fb, keep, *feed):  # noqa: ANN001, ANN202
             self.total += sum(fb.extend_seq_lens_cpu)
-            return real(fb, keep)
+            return real(fb, keep, *feed)
 
         llm.step_runner.run = run
 
