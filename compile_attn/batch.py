@@ -6,11 +6,10 @@ Tokens are laid out request after request. A batch padded for a CUDA graph bucke
 tokens after the last request's tokens; they belong to no request and write KV only to the scratch slot.
 This module builds and checks batches; it never allocates KV slots (see ``kv_cache``).
 
-Where a batch is checked: ``build`` checks what its host lists say (lengths agree, nothing negative, the
-token count); ``check(kv_cache)``, which every backend's eager entry ``init_forward_metadata`` runs, checks
-the batch against the cache (rows, allocated lengths, slots) with host values, and is a few list comparisons
-for the engine's batches, whose slots come straight from ``kv_cache.alloc_extend``; ``validate`` is the
-thorough check that also reads device tensors (tests, debugging).
+Where a batch is checked: ``build`` checks what its host lists say (lengths agree, nothing negative, the token
+count); ``check(kv_cache)``, run by every backend's eager ``init_forward_metadata``, checks the batch against the
+cache (rows, allocated lengths, slots) with host values, a few list comparisons for the engine's batches (their
+slots come from ``kv_cache.alloc_extend``); ``validate`` also reads device tensors (tests, debugging).
 """
 
 from __future__ import annotations
