@@ -114,8 +114,10 @@ def compile_attn_attention(
     # q and k come out of the rotary embedding: under Inductor the copy into [T, H, D] fuses into it. v comes
     # straight from its projection (with fuse_linears, a slice of the fused q/k/v GEMM's output whose token stride
     # is the whole q|k|v row): the backends read and store strided k/v, so it goes in as a view, not a copy.
-    q = query[0].transpose(0, 1).contiguous()  # [T, Hq, D]
-    k = key[0].transpose(0, 1).contiguous()  # [T, Hkv, D]
+    # clone, not contiguous(): with one head the rotary output [1, 1, T, D] is already contiguous, and Inductor fails
+    # on a view of it as a piece output when T is unbacked (torch 2.13; tests/hf/test_hf_mqa.py pins the cause).
+    q = query[0].transpose(0, 1).clone(memory_format=torch.contiguous_format)  # [T, Hq, D]
+    k = key[0].transpose(0, 1).clone(memory_format=torch.contiguous_format)  # [T, Hkv, D]
     v = value[0].transpose(0, 1)  # [T, Hkv, Dv]
     out = q.new_empty(num_tokens, num_heads, v.shape[-1])
     torch.ops.compile_attn.attention(q, k, v, out, module.layer_idx)

@@ -37,7 +37,15 @@ _COMMON: dict[str, Any] = dict(
 )
 
 
-def tiny_config(family: str) -> PretrainedConfig:
+def tiny_config(family: str, **overrides: Any) -> PretrainedConfig:
+    """The tiny config of ``family``; ``overrides`` replace its fields (e.g. ``num_key_value_heads=1``)."""
+    config = _tiny_config(family)
+    for name, value in overrides.items():
+        setattr(config, name, value)
+    return config
+
+
+def _tiny_config(family: str) -> PretrainedConfig:
     if family == "llama":
         return LlamaConfig(**_COMMON)
     if family == "qwen2":  # layer 0 full, layer 1 sliding
@@ -69,17 +77,20 @@ def tiny_config(family: str) -> PretrainedConfig:
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3")
 
 
-def build_pair(family: str, attn: str = "eager", seed: int = 0) -> tuple[torch.nn.Module, torch.nn.Module]:
+def build_pair(
+    family: str, attn: str = "eager", seed: int = 0, **overrides: Any
+) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(model with attn_implementation="compile_attn", reference with ``attn``): same weights, eval, fp32.
 
-    ``attn="stock"`` leaves the reference at HF's default attention implementation.
+    ``attn="stock"`` leaves the reference at HF's default attention implementation; ``overrides`` go to
+    ``tiny_config``.
     """
-    config = tiny_config(family)
+    config = tiny_config(family, **overrides)
     torch.manual_seed(seed)
     ours = AutoModelForCausalLM.from_config(
         config, attn_implementation="compile_attn", dtype=torch.float32
     ).eval()
     ref_kwargs = {} if attn == "stock" else {"attn_implementation": attn}
-    ref = AutoModelForCausalLM.from_config(tiny_config(family), dtype=torch.float32, **ref_kwargs).eval()
+    ref = AutoModelForCausalLM.from_config(tiny_config(family, **overrides), dtype=torch.float32, **ref_kwargs).eval()
     ref.load_state_dict(ours.state_dict())
     return ours, ref
