@@ -6,7 +6,8 @@ groups: run eagerly, ``ForwardBatch.shared_prefix`` when the batch carries them,
 (``SharedPrefixFinder``); as a graph runner view, only the groups the runner passed on, which it does for the decode
 batches it runs through piecewise graphs (attention eager between captured pieces; the view's padding tokens belong
 to no request). Full decode graphs keep the plain split-K kernel: the cascade kernels' grid follows the groups,
-which a captured graph would freeze.
+which a captured graph would freeze. (Capturing a second full decode graph per bucket with the cascade kernels at
+their largest grid, index buffers at capacity, would save the piecewise step's host overhead; it is not built.)
 """
 
 from __future__ import annotations

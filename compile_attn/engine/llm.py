@@ -87,7 +87,7 @@ class LLM:
             self.kv_cache.pool.bytes / 2**20, config.page_size,
         )
         if config.capture:
-            self.step_runner.capture()
+            self.step_runner.capture(shared_prefix=self.prefix_groups is not None)
             if sized:
                 check_memory_after_capture(device, config.gpu_memory_utilization)
         self.vocab_size = find_vocab_size(self.model)  # None: prompts' token ids are only checked to be >= 0

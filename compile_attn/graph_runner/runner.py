@@ -214,13 +214,14 @@ class GraphRunner:
             verify_runner(self)
         return self.stats
 
-    def warm_up(self, run: Callable[[ForwardBatch], Any] | None = None) -> int:
+    def warm_up(self, run: Callable[[ForwardBatch], Any] | None = None, *, shared_prefix: bool = False) -> int:
         """Run dummy batches of every shape class through ``run`` (default ``self.run``) after capture: cached
         prefixes, mixed steps, eager batches over the largest buckets, on a GPU every alignment of the step's index
-        tensors (see ``graph_runner.warmup``). Step statistics are unchanged; returns the batches run."""
+        tensors, with ``shared_prefix`` decode batches with a shared-prefix group (see ``graph_runner.warmup``).
+        Step statistics are unchanged; returns the batches run."""
         if not self.captured:
             raise RuntimeError("GraphRunner.warm_up() runs after capture(): call runner.capture() first")
-        return warm_up(self, run)
+        return warm_up(self, run, shared_prefix=shared_prefix)
 
     def _capture_one(self, mode: GraphMode, bucket: int, pool: Any, stream: Any) -> None:
         backend, model = self.backend, self.model

@@ -79,13 +79,20 @@ def full_decode_backend() -> Iterator[str]:
     registry._BACKENDS.pop(name, None)
 
 
-def run_engine(model: torch.nn.Module, backend: str, compile: bool, cascade: bool) -> tuple[LLM, list[list[int]]]:
+def run_engine(model: torch.nn.Module, backend: str, compile: bool, cascade: bool,
+               calls: list[int]) -> tuple[LLM, list[list[int]]]:
     """The prompts through an engine in the default graph mode, the page account checked after every step; with
-    ``cascade`` a group is 2 requests sharing 8 tokens (small sizes)."""
+    ``cascade`` a group is 2 requests sharing 8 tokens (small sizes). The start-up's cascade steps (the warm-up's
+    shared-prefix batches: one request count, with and without a request outside the group, on the CPU) are
+    checked, then the counters ``calls`` and ``backend.cascade.steps`` start again from 0."""
+    calls[0] = 0
     llm = LLM(model, attn_backend=backend, compile=compile, compile_options={"compiler": "eager"}, max_batch_size=8,
               max_num_tokens=64, max_context=64, page_size=PAGE, device="cpu", cascade_decode=cascade)
     assert llm.step_runner.graph_mode is GraphMode.FULL_AND_PIECEWISE
     assert (llm.prefix_groups is not None) == cascade
+    warm = 2 if cascade else 0
+    assert llm.backend.cascade.steps == warm and calls[0] == warm * len(model.model.layers)
+    llm.backend.cascade.steps = calls[0] = 0
     if cascade:
         llm.prefix_groups.min_requests, llm.prefix_groups.min_tokens = 2, 8
     params = SamplingParams(max_tokens=N_NEW, ignore_eos=True)
@@ -107,8 +114,7 @@ def test_cascade_in_the_default_graph_mode_matches_off_and_hf(models, cascade_ca
     model, refs = models
     outs = {}
     for on in (False, True):
-        cascade_calls[0] = 0
-        llm, outs[on] = run_engine(model, "triton", compile, on)
+        llm, outs[on] = run_engine(model, "triton", compile, on, cascade_calls)
         stats = llm.step_runner.runner.stats
         steps = llm.backend.cascade.steps
         if not on:
@@ -126,8 +132,7 @@ def test_decode_with_groups_leaves_the_full_graph_for_the_pieces(models, cascade
     model, refs = models
     outs, runs = {}, {}
     for on in (False, True):
-        cascade_calls[0] = 0
-        llm, outs[on] = run_engine(model, full_decode_backend, True, on)
+        llm, outs[on] = run_engine(model, full_decode_backend, True, on, cascade_calls)
         stats = llm.step_runner.runner.stats
         runs[on] = stats.runs[GraphMode.FULL.value], stats.shared_prefix_runs, llm.backend.cascade.steps
         assert cascade_calls[0] == runs[on][2] * len(model.model.layers)
