@@ -4,10 +4,13 @@ kernels (counted) and give the greedy tokens of the engine without it."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from compile_attn.engine import LLM, SamplingParams
 from compile_attn.models import ToyDecoder, ToyDecoderConfig
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter test (the engine runs on the CPU)")
 
 CFG = ToyDecoderConfig(vocab_size=53, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64,
                        intermediate_size=64)

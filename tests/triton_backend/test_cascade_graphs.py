@@ -27,6 +27,10 @@ PROMPTS.append([(11 * j + 2) % 96 for j in range(13)])  # shares nothing: in no 
 N_NEW = 4
 PAGE = 4
 
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="CPU interpreter tests; the GPU runs test_cascade_graphs_gpu.py"
+)
+
 
 @pytest.fixture(scope="module")
 def models() -> tuple[torch.nn.Module, list[list[int]]]:
