@@ -41,6 +41,7 @@ class ThroughputConfig:
     compile: bool = True
     overlap: bool = True  # the engine keeps one step in flight
     prefix_cache: bool = True  # the prefix-cache workloads also run with it off unless this is False
+    cascade_decode: bool | None = None  # EngineConfig.cascade_decode (None: COMPILE_ATTN_CASCADE_DECODE)
     max_batch_size: int = 256
     max_num_tokens: int = 8192
     kv_cache_tokens: int | None = None  # None: sized from gpu_memory_utilization
@@ -60,7 +61,8 @@ class ThroughputConfig:
                     max_batch_size=self.max_batch_size, max_num_tokens=self.max_num_tokens,
                     kv_cache_tokens=self.kv_cache_tokens, gpu_memory_utilization=self.gpu_memory_utilization,
                     max_context=self.max_context or workload.longest, page_size=self.page_size, device=self.device,
-                    dtype=dtype, overlap=self.overlap, enable_prefix_cache=self.prefix_cache)
+                    dtype=dtype, overlap=self.overlap, enable_prefix_cache=self.prefix_cache,
+                    cascade_decode=self.cascade_decode)
 
 
 def run(cfg: ThroughputConfig) -> dict:

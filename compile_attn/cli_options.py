@@ -19,7 +19,8 @@ def add_engine_options(p: argparse.ArgumentParser, *, device_help: str, max_batc
                        max_context: int | None = None,
                        max_context_help: str = "tokens per request at most (default: the model's)") -> None:
     """--device, --backend, --graph-mode, --no-compile, --max-batch-size, --max-num-tokens, --kv-cache-tokens,
-    --gpu-memory-utilization, --page-size, --max-context, --no-overlap: one flag per EngineConfig field."""
+    --gpu-memory-utilization, --page-size, --max-context, --cascade-decode, --no-overlap: one flag per EngineConfig
+    field."""
     p.add_argument("--device", default=None, help=device_help)
     p.add_argument("--backend", default="auto",
                    help="attention backend, or '<prefill>+<decode>' (see `compile-attn info`)")
@@ -36,6 +37,10 @@ def add_engine_options(p: argparse.ArgumentParser, *, device_help: str, max_batc
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="do not reuse the KV of prompts that start alike (default: a radix-tree prefix cache; "
                         "`throughput` then also runs its prefix-cache workloads with it off)")
+    p.add_argument("--cascade-decode", choices=("on", "off"), default=None,
+                   help="decode batches whose requests share a cached prefix read it once (the triton backend's "
+                        "shared-prefix kernels, run between piecewise graphs); default: COMPILE_ATTN_CASCADE_DECODE, "
+                        "else off")
     p.add_argument("--no-overlap", action="store_true",
                    help="run each step to completion before scheduling the next (default: keep one step in flight)")
 
@@ -63,7 +68,8 @@ def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
 
     options = dict(attn_backend=args.backend, graph_mode=args.graph_mode, compile=not args.no_compile,
                    gpu_memory_utilization=args.gpu_memory_utilization, device=args.device,
-                   overlap=not args.no_overlap, enable_prefix_cache=not args.no_prefix_cache, **{name: getattr(args, name) for name in _SIZES})
+                   overlap=not args.no_overlap, enable_prefix_cache=not args.no_prefix_cache,
+                   cascade_decode=None if args.cascade_decode is None else args.cascade_decode == "on", **{name: getattr(args, name) for name in _SIZES})
     return EngineConfig(**{**options, **overrides})
 
 

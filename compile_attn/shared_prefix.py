@@ -4,12 +4,15 @@ A group is batch indices whose request rows hold the same KV pages for their fir
 prefix cache lends one set of tree pages to every row that matched them). ``ForwardBatch.shared_prefix`` carries the
 groups when whoever builds the batch knows them; otherwise ``find_shared_prefixes`` finds them from the KV cache's
 host page lists (identical leading page ids); ``SharedPrefixFinder`` picks between the two for a backend's
-``cascade_decode`` option.
+``cascade_decode`` option; ``engine_prefix_finder`` is the engine's hook (``EngineConfig.cascade_decode``), which
+sets the groups of its decode batches so that the graph runner can route them to the backend's shared-prefix path.
 Only whole shared pages count, and each member keeps at least one position of its own (the step's new token).
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -17,12 +20,21 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
+    from compile_attn.attention.base import AttentionBackend
     from compile_attn.batch import ForwardBatch
     from compile_attn.kv_cache import KVCache
+
+logger = logging.getLogger(__name__)
 
 # A group worth a cascade pass: this many requests sharing at least this many tokens (below that, plain decode).
 MIN_REQUESTS = 4
 MIN_TOKENS = 256
+CASCADE_ENV = "COMPILE_ATTN_CASCADE_DECODE"  # 1 / true / on / yes: shared-prefix decode on where not set otherwise
+
+
+def cascade_decode_from_env() -> bool:
+    """The default of the ``cascade_decode`` options: on when ``COMPILE_ATTN_CASCADE_DECODE`` says so, else off."""
+    return os.environ.get(CASCADE_ENV, "0").strip().lower() in ("1", "true", "on", "yes")
 
 
 @dataclass(frozen=True)
@@ -91,3 +103,17 @@ class SharedPrefixFinder:
                                           min_requests=self.min_requests, min_tokens=self.min_tokens)
             self._memo = (key, groups)
         return self._memo[1]
+
+
+def engine_prefix_finder(option: bool | None, kv: KVCache, backend: AttentionBackend) -> SharedPrefixFinder | None:
+    """The finder whose groups the engine puts on its decode batches (``fb.shared_prefix``), or None when it sets
+    none: ``option`` False, or None with ``COMPILE_ATTN_CASCADE_DECODE`` unset; no prefix cache (pages are shared
+    only through it); or a backend without a shared-prefix decode path (``takes_shared_prefix_decode``)."""
+    on = cascade_decode_from_env() if option is None else bool(option)
+    if not on:
+        return None
+    if kv.prefix_cache is None or not backend.takes_shared_prefix_decode():
+        logger.info("cascade_decode: off, %s", "the prefix cache is off" if kv.prefix_cache is None else
+                    f"attention backend {backend.name!r} has no shared-prefix decode path for this model")
+        return None
+    return SharedPrefixFinder(kv, detect=True)

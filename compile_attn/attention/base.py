@@ -96,6 +96,11 @@ class AttentionBackend(ABC):
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:  # noqa: B027
         """Allocate static buffers for graphs of up to ``max_bs`` requests / ``max_num_tokens`` tokens."""
 
+    def takes_shared_prefix_decode(self) -> bool:
+        """Whether decode batches carrying ``shared_prefix`` groups take a shared-prefix path that runs attention
+        eagerly: the graph runner then runs them piecewise instead of in a full decode graph. Default: no."""
+        return False
+
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         """seq_len given to padded requests in a graph bucket (they point at the scratch slot)."""
         return 1

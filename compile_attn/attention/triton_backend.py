@@ -11,13 +11,13 @@ break) keeps its launch after the first step (``DecodePlan``): while its q/k/v/o
 (address, shape, strides, dtype), later steps relaunch it without the argument checks and launch keys.
 
 An eager decode batch whose requests share a cached prefix (``fb.shared_prefix``, or found in the KV cache with
-``cascade_decode=True``) runs the shared-prefix (cascade) kernels instead: see ``triton_cascade``.
+``cascade_decode=True``) runs the shared-prefix (cascade) kernels instead, and so does a decode batch the graph
+runner routes to its piecewise graphs because it carries groups: see ``triton_cascade``.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Mapping, Sequence
 from itertools import accumulate
 from types import ModuleType
@@ -44,6 +44,7 @@ from compile_attn.graph_mode import GraphMode
 from compile_attn.host_tensors import to_device
 from compile_attn.kv_cache import KVCache
 from compile_attn.layer import AttentionLayer
+from compile_attn.shared_prefix import CASCADE_ENV, cascade_decode_from_env  # noqa: F401 - CASCADE_ENV: flashinfer_backend
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +93,6 @@ def _run_into(out: torch.Tensor, fn: Callable[[torch.Tensor], None]) -> None:
 
 
 ONE_LAUNCH_ENV = "COMPILE_ATTN_DECODE_ONE_LAUNCH"
-CASCADE_ENV = "COMPILE_ATTN_CASCADE_DECODE"  # 1 / true / on / yes: cascade_decode's default is on
 
 
 @register_backend("triton")
@@ -148,7 +148,7 @@ class TritonBackend(AttentionBackend):
         self._step: DecodeStep | ExtendStep | CascadeStep | None = None
         # Shared-prefix decode needs every layer to see the whole sequence (no sliding window).
         if cascade_decode is None:
-            cascade_decode = os.environ.get(CASCADE_ENV, "0").strip().lower() in ("1", "true", "on", "yes")
+            cascade_decode = cascade_decode_from_env()
         self.cascade = (CascadePlanner(kv_cache, self._ops, detect=cascade_decode) if self.windows == [None]
                         else None)
         # Graph-bound decode layers' launches, per (layer, batch size, save_kv_cache): see forward_decode.
@@ -204,6 +204,10 @@ class TritonBackend(AttentionBackend):
         return self._graph
 
     # ------------------------------------------------------------------ metadata contract
+    def takes_shared_prefix_decode(self) -> bool:
+        """Decode batches with ``shared_prefix`` groups run the cascade kernels (models without sliding windows)."""
+        return self.cascade is not None
+
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1  # a padded request reads one token: row PAD_REQUEST's scratch slot
 
@@ -228,11 +232,15 @@ class TritonBackend(AttentionBackend):
         if fb.forward_mode.is_idle() or fb.batch_size == 0:
             self._step = None
         elif fb.forward_mode.is_decode():
-            if fb.graph_bucket is not None:
-                self._step = self._bind_graph_decode(fb)
+            # A graph view takes the cascade only with the groups the runner passed it (a piecewise route, where
+            # attention runs eagerly); a full-graph decode view carries none and keeps the split-K kernel.
+            eager = fb.graph_bucket is None
+            cascade = (self.cascade.prepare(fb) if self.cascade is not None and (eager or fb.shared_prefix)
+                       else None)
+            if cascade is not None:
+                self._step = cascade
             else:
-                cascade = self.cascade.prepare(fb) if self.cascade is not None else None
-                self._step = cascade if cascade is not None else self._alloc_eager_decode(fb)
+                self._step = self._alloc_eager_decode(fb) if eager else self._bind_graph_decode(fb)
         else:
             self._step = self._prepare_extend(fb)
 

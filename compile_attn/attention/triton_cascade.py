@@ -1,10 +1,13 @@
 """Shared-prefix (cascade) decode for the triton backend: which batches take it, their metadata, and the layer call.
 
-A decode batch takes the cascade path when it runs eagerly (no graph bucket), the model has no sliding-window
-layers, and it has shared-prefix groups: ``ForwardBatch.shared_prefix`` when the batch carries them, else (with
-the backend's ``cascade_decode`` option) the groups ``shared_prefix.find_shared_prefixes`` finds in the KV cache's
-page lists (``SharedPrefixFinder``). Graph-bucketed decode keeps the plain split-K kernel:
-the cascade kernels' grid depends on the groups, which a captured graph would freeze.
+A decode batch takes the cascade path when the model has no sliding-window layers and the batch has shared-prefix
+groups: run eagerly, ``ForwardBatch.shared_prefix`` when the batch carries them, else (with the backend's
+``cascade_decode`` option) the groups ``shared_prefix.find_shared_prefixes`` finds in the KV cache's page lists
+(``SharedPrefixFinder``); as a graph runner view, only the groups the runner passed on, which it does for the decode
+batches it runs through piecewise graphs (attention eager between captured pieces; the view's padding tokens belong
+to no request). Full decode graphs keep the plain split-K kernel: the cascade kernels' grid follows the groups,
+which a captured graph would freeze. (Capturing a second full decode graph per bucket with the cascade kernels at
+their largest grid, index buffers at capacity, would save the piecewise step's host overhead; it is not built.)
 """
 
 from __future__ import annotations

@@ -44,6 +44,10 @@ class EngineConfig:
     device: "cpu", "cuda" or "cuda:N" (None: CUDA when there is one).
     overlap: keep one step in flight (the host schedules step N+1 while the device runs step N).
     enable_prefix_cache: keep computed KV in a radix tree so that prompts starting alike reuse it.
+    cascade_decode: give decode batches their shared-prefix groups (requests reading the same cached prefix pages,
+    ``shared_prefix.MIN_REQUESTS`` or more sharing ``MIN_TOKENS`` tokens or more), so that a backend with a
+    shared-prefix decode path (triton) reads each shared prefix once; such batches run through the piecewise graphs
+    instead of a full decode graph. None: on when ``COMPILE_ATTN_CASCADE_DECODE=1``, else off.
     """
 
     attn_backend: str = "auto"
@@ -61,6 +65,7 @@ class EngineConfig:
     device: str | torch.device | None = None
     overlap: bool = True
     enable_prefix_cache: bool = True
+    cascade_decode: bool | None = None
 
     def __post_init__(self) -> None:
         check_backend_name(self.attn_backend)  # a misspelt name or mode fails here, not after the model has loaded

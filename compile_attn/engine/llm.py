@@ -36,6 +36,7 @@ from compile_attn.engine.step_extras import StepExtras, start_penalty_rows
 from compile_attn.engine.step_sampling import forward_and_sample
 from compile_attn.engine.stop_strings import StopStringMatcher, backend_tokenizer
 from compile_attn.kv_cache import KVCache
+from compile_attn.shared_prefix import engine_prefix_finder
 from compile_attn import step_kernels
 from compile_attn.step_kernels import TokenFeed
 
@@ -73,6 +74,8 @@ class LLM:
         self.kv_cache.enable_prefix_cache(config.enable_prefix_cache)  # reuse computed prompts' KV
         self.backend = create_backend(config.attn_backend, self.kv_cache, layers)
         self.scheduler = Scheduler(self.kv_cache, config.max_batch_size, config.max_num_tokens)
+        # Shared-prefix groups of decode batches (None: not looked for); see EngineConfig.cascade_decode.
+        self.prefix_groups = engine_prefix_finder(config.cascade_decode, self.kv_cache, self.backend)
         self.step_runner = StepRunner(
             self.model, self.backend, graph_mode=config.graph_mode, compile=config.compile,
             compile_options=config.compile_options, max_batch_size=config.max_batch_size,
@@ -84,7 +87,7 @@ class LLM:
             self.kv_cache.pool.bytes / 2**20, config.page_size,
         )
         if config.capture:
-            self.step_runner.capture()
+            self.step_runner.capture(shared_prefix=self.prefix_groups is not None)
             if sized:
                 check_memory_after_capture(device, config.gpu_memory_utilization)
         self.vocab_size = find_vocab_size(self.model)  # None: prompts' token ids are only checked to be >= 0
@@ -280,6 +283,8 @@ class LLM:
                 extend_lens=step.extend_lens, out_cache_loc=step.out_cache_loc,
                 input_ids=step.input_ids(), device=self.device,
             )
+            if self.prefix_groups is not None and fb.forward_mode.is_decode():
+                fb.shared_prefix = self.prefix_groups.groups_for(fb)
             in_flight = self._in_flight[-1].tokens if self._in_flight else None  # what placeholders stand for
             feed = None  # replaced on the device, in the copy into the graph's inputs where there is one
             if in_flight is not None and has_placeholders(step.requests, step.prefix_lens, step.extend_lens):

@@ -53,11 +53,12 @@ class StepRunner:
             self.forward, backend, self.config, max_batch_size=max_batch_size, max_num_tokens=max_num_tokens
         )
 
-    def capture(self) -> None:
+    def capture(self, shared_prefix: bool = False) -> None:
         """Capture every bucket's graph (progress bar; time and memory logged by the runner), then warm up every
-        other step path through ``run``, the LM head on the sampled rows included (``GraphRunner.warm_up``)."""
+        other step path through ``run``, the LM head on the sampled rows included, with ``shared_prefix`` also
+        decode batches with shared-prefix groups (``GraphRunner.warm_up``)."""
         self.runner.capture(warm_up=False)
-        self.runner.warm_up(run=self._warm_up_step)
+        self.runner.warm_up(run=self._warm_up_step, shared_prefix=shared_prefix)
 
     def _warm_up_step(self, fb: ForwardBatch) -> torch.Tensor:
         """``run`` as the engine calls it: every row of a decode step, else each request's last token."""

@@ -5,7 +5,10 @@ runner picks the mode (full graph, piecewise, breakable, or eager), pads the bat
 buffers, calls ``backend.init_forward_metadata_out_graph`` on the padded view, replays, and returns the
 outputs sliced to the real token count. It sets the forward context's ``graph_mode`` and ``bucket``: the compile
 backend's piecewise wrappers capture and replay only on piecewise steps, at the bucket the runner names (the
-runner owns the buckets). See docs/graph_runner.md.
+runner owns the buckets). A decode batch carrying shared-prefix groups that the backend runs through its
+shared-prefix (cascade) kernels goes to the piecewise graphs of its token count instead of a full decode graph
+(``shared_prefix_route``): the kernels' grid follows the groups, so attention must run eagerly between pieces. See
+docs/graph_runner.md.
 """
 
 from __future__ import annotations
@@ -135,6 +138,18 @@ class GraphRunner:
             return None
         return mode, bucket
 
+    def shared_prefix_route(self, fb: ForwardBatch) -> Route | None:
+        """The piecewise ``(mode, token bucket)`` for a decode batch that carries shared-prefix groups the backend
+        runs eagerly (``backend.takes_shared_prefix_decode``), or None (the batch takes ``route``'s way, with the
+        groups unused where that is a full graph). The batch runs like an extend of one token per request: its
+        tokens padded to the bucket, no padded requests, attention eager between the captured pieces."""
+        if not fb.shared_prefix or not fb.forward_mode.is_decode() or not self.backend.takes_shared_prefix_decode():
+            return None
+        mode, bucket = self.plan.extend, next_bucket(self.extend_buckets, fb.num_tokens)
+        if mode is GraphMode.NONE or bucket is None or fb.batch_size > self.buffers.max_batch_size:
+            return None
+        return mode, bucket
+
     def _count_fallback(self, fb: ForwardBatch) -> None:
         self.stats.eager_fallbacks += 1
         log = logger.debug if self._warned_fallback else logger.info
@@ -199,13 +214,14 @@ class GraphRunner:
             verify_runner(self)
         return self.stats
 
-    def warm_up(self, run: Callable[[ForwardBatch], Any] | None = None) -> int:
+    def warm_up(self, run: Callable[[ForwardBatch], Any] | None = None, *, shared_prefix: bool = False) -> int:
         """Run dummy batches of every shape class through ``run`` (default ``self.run``) after capture: cached
         prefixes, mixed steps, eager batches over the largest buckets, on a GPU every alignment of the step's index
-        tensors (see ``graph_runner.warmup``). Step statistics are unchanged; returns the batches run."""
+        tensors, with ``shared_prefix`` decode batches with a shared-prefix group (see ``graph_runner.warmup``).
+        Step statistics are unchanged; returns the batches run."""
         if not self.captured:
             raise RuntimeError("GraphRunner.warm_up() runs after capture(): call runner.capture() first")
-        return warm_up(self, run)
+        return warm_up(self, run, shared_prefix=shared_prefix)
 
     def _capture_one(self, mode: GraphMode, bucket: int, pool: Any, stream: Any) -> None:
         backend, model = self.backend, self.model
@@ -248,8 +264,11 @@ class GraphRunner:
         model's Dynamo guards include the inputs' dispatch keys, which differ between inference-mode and
         no-grad tensors, so a step in another mode than capture would compile the model again (and capture its
         piecewise graphs again, on first use of each bucket)."""
-        route = self.route(fb)
-        if feed is not None and (route is None or not fb.forward_mode.is_decode()):
+        route = self.shared_prefix_route(fb) if fb.shared_prefix else None
+        shared = route is not None
+        if not shared:
+            route = self.route(fb)
+        if feed is not None and (route is None or shared or not fb.forward_mode.is_decode()):
             feed.apply(fb.input_ids)
             feed = None
         if route is None:
@@ -260,11 +279,14 @@ class GraphRunner:
                 "GraphRunner.run() needs graphs: call runner.capture() once before the first step"
             )
         mode, bucket = route
-        view = (
-            self.views.decode_view(fb, bucket, feed)
-            if fb.forward_mode.is_decode()
-            else self.views.extend_view(fb, bucket)
-        )
+        if shared:  # the groups index the batch's requests, which the token-padded view keeps as they are
+            view = self.views.extend_view(fb, bucket)
+            view.shared_prefix, view.req_pool_indices_cpu = fb.shared_prefix, fb.req_pool_indices_cpu
+            self.stats.shared_prefix_runs += 1
+        elif fb.forward_mode.is_decode():
+            view = self.views.decode_view(fb, bucket, feed)
+        else:
+            view = self.views.extend_view(fb, bucket)
         self.backend.init_forward_metadata_out_graph(view)
         if mode is not _FULL:
             self.backend.init_forward_metadata_in_graph(view)

@@ -18,7 +18,8 @@ class GraphRunnerStats:
     capture_seconds: the whole capture; capture_seconds_by_mode: its split per mode; first_capture_seconds: the
     first graph (the largest bucket), which includes the first call of a compiled model (Dynamo's trace and
     the compile, or the load of cached pieces). direct_calls: piecewise steps that called the compiled graph
-    directly, without Dynamo's frame (``GraphConfig.direct_calls``).
+    directly, without Dynamo's frame (``GraphConfig.direct_calls``). shared_prefix_runs: decode steps with
+    shared-prefix groups run piecewise for the backend's shared-prefix kernels (``GraphRunner.shared_prefix_route``).
     """
 
     captures: Counter = field(default_factory=Counter)
@@ -32,3 +33,4 @@ class GraphRunnerStats:
     first_capture_seconds: float = 0.0
     graph_memory_bytes: int = 0
     direct_calls: int = 0
+    shared_prefix_runs: int = 0

@@ -7,8 +7,10 @@ batches larger than the largest bucket (eager), and every batch size's own host 
 (Triton's JIT) are built per specialisation, and Triton specialises pointer arguments on 16-byte alignment:
 a step's index tensors are views into one upload whose offsets follow the batch size and token count, so on
 a GPU each path runs with 1-4 requests and 4 token-count residues (every alignment of those views). Each
-bucket also runs once with prefixes and several requests (on a GPU, where it costs a replay). Dummy requests
-use row ``PAD_REQUEST`` and write only ``PAD_SLOT``, as capture's dummy batches do.
+bucket also runs once with prefixes and several requests (on a GPU, where it costs a replay). With
+``shared_prefix`` (the engine's ``cascade_decode``), decode batches carrying a shared-prefix group run too, through
+the runner's shared-prefix route (the backend's cascade kernels). Dummy requests use row ``PAD_REQUEST`` and write
+only ``PAD_SLOT``, as capture's dummy batches do.
 """
 
 from __future__ import annotations
@@ -94,6 +96,26 @@ def warmup_shapes(runner: GraphRunner) -> list[Shape]:
     return list(dict.fromkeys(shapes))  # in order, each once
 
 
+def shared_prefix_batches(runner: GraphRunner) -> list[ForwardBatch]:
+    """Decode batches of 4 request counts (every alignment of the cascade index's views on a GPU; one on the CPU)
+    whose requests share a ``prefix``-token group, all of them or all but the last, for a runner that routes such
+    batches (``GraphRunner.shared_prefix_route``); empty when it routes none."""
+    from compile_attn.shared_prefix import MIN_REQUESTS, SharedPrefixGroup
+
+    max_context = runner.backend.kv_cache.max_context
+    prefix = min(16, max_context - 1)
+    if prefix < 1 or not runner.backend.takes_shared_prefix_decode():
+        return []
+    batches = []
+    for bs in range(MIN_REQUESTS + 1, MIN_REQUESTS + (5 if runner.device.type == "cuda" else 2)):
+        for members in (bs, bs - 1):
+            fb = dummy_batch(((prefix,) * bs, (1,) * bs), runner.device)
+            fb.shared_prefix = (SharedPrefixGroup(tuple(range(members)), prefix),)
+            if runner.shared_prefix_route(fb) is not None:
+                batches.append(fb)
+    return batches
+
+
 def dummy_batch(shape: Shape, device: torch.device) -> ForwardBatch:
     """A batch of ``shape`` on row ``PAD_REQUEST``, every new token written to ``PAD_SLOT``, built as the engine
     builds its steps (host lists, outside inference mode: the tensor kinds the compiled model's guards saw)."""
@@ -102,22 +124,28 @@ def dummy_batch(shape: Shape, device: torch.device) -> ForwardBatch:
         return ForwardBatch.build_scratch(prefix, lens, device)
 
 
-def warm_up(runner: GraphRunner, run: Callable[[ForwardBatch], Any] | None = None) -> int:
-    """Run every ``warmup_shapes`` batch through ``run`` (default ``runner.run``); the runner's step statistics
-    are left as they were. Returns how many batches ran."""
+def warm_up(runner: GraphRunner, run: Callable[[ForwardBatch], Any] | None = None, *,
+            shared_prefix: bool = False) -> int:
+    """Run every ``warmup_shapes`` batch (and with ``shared_prefix`` every ``shared_prefix_batches`` batch) through
+    ``run`` (default ``runner.run``); the runner's step statistics are left as they were. Returns how many batches
+    ran."""
     run = run or runner.run
     stats = runner.stats
-    saved = (stats.runs.copy(), stats.eager_fallbacks, stats.direct_calls, runner._warned_fallback)
+    saved = (stats.runs.copy(), stats.eager_fallbacks, stats.direct_calls, stats.shared_prefix_runs,
+             runner._warned_fallback)
     runner._warned_fallback = True  # the warm-up's eager batches are not news: no log line for them
     start = time.perf_counter()
-    shapes = warmup_shapes(runner)
+    batches = [dummy_batch(shape, runner.device) for shape in warmup_shapes(runner)]
+    if shared_prefix:
+        batches += shared_prefix_batches(runner)
     try:
-        for shape in shapes:
-            run(dummy_batch(shape, runner.device))
+        for fb in batches:
+            run(fb)
         if runner.device.type == "cuda":
             torch.cuda.synchronize(runner.device)
     finally:
-        stats.runs, stats.eager_fallbacks, stats.direct_calls, runner._warned_fallback = saved
-    logger.info("warm-up: %d dummy batches through every step path in %.2f s", len(shapes),
+        (stats.runs, stats.eager_fallbacks, stats.direct_calls, stats.shared_prefix_runs,
+         runner._warned_fallback) = saved
+    logger.info("warm-up: %d dummy batches through every step path in %.2f s", len(batches),
                 time.perf_counter() - start)
-    return len(shapes)
+    return len(batches)
