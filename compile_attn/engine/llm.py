@@ -340,7 +340,14 @@ class LLM:
             r.token_ids[at] = tok
             if i in logprobs:
                 r.logprobs.append(logprobs[i])
-            reason = self._stop_reason(r, tok, at + 1)
+            try:
+                reason = self._stop_reason(r, tok, at + 1)
+            except Exception:  # e.g. detokenising its stop strings: this request alone finishes, the step resolves
+                logger.exception("request %d: the stop check failed; finishing it with reason 'error'", r.request_id)
+                del r.token_ids[at + 1:]  # a later step's placeholders
+                r.unresolved = 0
+                done.append((r, "error"))
+                continue
             if reason:
                 r.drop_unresolved()
                 done.append((r, reason))

@@ -3,7 +3,8 @@ exactly the tokens and finish reason it gets with the serial loop (``overlap=Fal
 every graph mode, when requests stop on EOS, on stop tokens and on max tokens in the same step, under preemption in
 a small KV cache, and with seeded sampling mixed with greedy rows. The serial run is checked against an independent
 reference first (its tokens are HF ``generate``'s, cut at the first stop token); the KV pool is empty after every
-run and no token computed after a request stopped reaches its output.
+run and no token computed after a request stopped reaches its output. A stop check that raises while a step's
+tokens are read finishes its request alone.
 """
 
 from __future__ import annotations
@@ -128,3 +129,34 @@ def test_step_api_reports_each_request_once_and_step_later() -> None:
     assert sorted(reported) == [r.request_id for r in reqs]
     assert [r.output_ids for r in reqs] == [ref[:n] for ref, n in zip(refs, (2, 5, 9))]
     assert calls == 9 + 1  # one prefill step, eight decode steps, one call to read the last step's tokens
+
+
+class _StopCheckFailsAt:
+    """A stop-string matcher whose ``n``-th update raises (a detokeniser failing on one request's text)."""
+
+    def __init__(self, n: int) -> None:
+        self.calls, self.n = 0, n
+
+    def update(self, token_ids: list[int], prompt_len: int) -> None:
+        self.calls += 1
+        if self.calls == self.n:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_failing_stop_check_finishes_only_its_request(overlap: bool) -> None:
+    """A stop check that raises while a step's tokens are read finishes that request alone with reason "error",
+    keeping the tokens it had; the step's other requests get all their tokens (HF's), and no KV leaks."""
+    model, stock = build_pair("llama", attn="eager")
+    refs = [hf_greedy(stock, p, N_NEW) for p in PROMPTS[:3]]
+    llm = LLM(model, graph_mode="none", compile=False, max_batch_size=4, max_num_tokens=32, max_context=64,
+              page_size=4, device="cpu", overlap=overlap)
+    reqs = [llm.add_request(p, SamplingParams(max_tokens=N_NEW, ignore_eos=True)) for p in PROMPTS[:3]]
+    reqs[1].stop_matcher = _StopCheckFailsAt(3)
+    while llm.has_work():
+        llm.step()
+    assert [r.finish_reason for r in reqs] == ["length", "error", "length"]
+    assert reqs[1].output_ids == refs[1][:3]
+    assert reqs[0].output_ids == refs[0] and reqs[2].output_ids == refs[2]
+    assert llm.kv_cache.available_tokens == llm.kv_cache.allocator.num_pages * llm.kv_cache.page_size
+    assert llm.kv_cache.req_to_token_pool.available == llm.scheduler.max_batch_size
