@@ -5,9 +5,8 @@ from __future__ import annotations
 
 
 import pytest
-import torch
 
-from tests.hf.hf_tiny_models import build_pair  # noqa: E402
+from tests.hf.hf_tiny_models import build_pair, hf_greedy  # noqa: E402
 
 from compile_attn.engine import LLM, SamplingParams  # noqa: E402
 
@@ -20,12 +19,7 @@ def family_models(request: pytest.FixtureRequest):  # noqa: ANN201
     # HF's eager attention: the reference semantics. Not the default implementation: transformers 5.17 picks SDPA
     # for Gemma2, which does not apply its attention softcap (its logits differ from eager's; 5.24 picks eager).
     ours, stock = build_pair(request.param, attn="eager")
-    refs = []
-    for p in PROMPTS:
-        ids = torch.tensor([p])
-        out = stock.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N_NEW, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-        refs.append(out[0, len(p):].tolist())
+    refs = [hf_greedy(stock, p, N_NEW) for p in PROMPTS]
     return request.param, ours, refs
 
 

@@ -10,22 +10,14 @@ tokens are read finishes its request alone.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from compile_attn.engine import LLM, SamplingParams
-from tests.hf.hf_tiny_models import FAMILIES, build_pair
+from tests.hf.hf_tiny_models import FAMILIES, build_pair, hf_greedy
 
 PROMPTS = [[(5 * i + 3 * j + 1) % 96 for j in range(n)] for i, n in enumerate([3, 12, 7, 20, 5, 9])]
 N_NEW = 10
 GRAPH_MODES = [("none", False), ("full", False), ("breakable", False), ("piecewise", True),
                ("full_and_piecewise", True)]
-
-
-def hf_greedy(stock: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = stock.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                         eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def cut_at(tokens: list[int], stops: set[int]) -> list[int]:

@@ -18,7 +18,7 @@ from compile_attn.engine import LLM, SamplingParams
 from compile_attn.models import ToyDecoder, ToyDecoderConfig
 from compile_attn.prefix_cache import page_account
 from tests.greedy_reference import greedy_by_recompute
-from tests.hf.hf_tiny_models import FAMILIES, build_pair
+from tests.hf.hf_tiny_models import FAMILIES, build_pair, hf_greedy
 
 SHARED = [(7 * j + 3) % 96 for j in range(21)]
 FIRST = SHARED + [5, 6, 7]
@@ -56,13 +56,6 @@ def generate_checked(llm: LLM, prompts: list[list[int]], params: SamplingParams)
     assert account.running == 0 and account.free + account.cached_only == account.total
     assert llm.kv_cache.available_pages == account.total
     return [r.output_ids for r in reqs]
-
-
-def hf_greedy(stock: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = stock.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                         eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -94,3 +94,11 @@ def build_pair(
     ref = AutoModelForCausalLM.from_config(tiny_config(family, **overrides), dtype=torch.float32, **ref_kwargs).eval()
     ref.load_state_dict(ours.state_dict())
     return ours, ref
+
+
+def hf_greedy(stock: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    """HF ``generate``'s ``n`` greedy tokens after ``prompt`` (no EOS): the reference the engine tests compare with."""
+    ids = torch.tensor([prompt])
+    out = stock.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.hf.hf_tiny_models import build_pair
+from tests.hf.hf_tiny_models import build_pair, hf_greedy
 from torch._dynamo.decorators import mark_unbacked
 from torch._inductor.exc import InductorError
 
@@ -30,12 +30,7 @@ def test_one_kv_head_compiled_greedy_equals_hf_generate(family: str, num_heads: 
     torch._dynamo.reset()
     ours, ref = build_pair(family, attn="eager", num_key_value_heads=1, num_attention_heads=num_heads,
                            head_dim=head_dim)
-    refs = []
-    for p in PROMPTS:
-        ids = torch.tensor([p])
-        out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N_NEW, do_sample=False,
-                           eos_token_id=None, pad_token_id=0)
-        refs.append(out[0, len(p):].tolist())
+    refs = [hf_greedy(ref, p, N_NEW) for p in PROMPTS]
     before = compile_counters.snapshot()
     # cache_dir None: every piece goes through Inductor (a cached artifact would skip the lowering under test)
     llm = LLM(ours, graph_mode=graph_mode, compile=True, compile_options={"compiler": "inductor", "cache_dir": None},

@@ -20,6 +20,7 @@ from compile_attn.compiler import compile_counters
 from compile_attn.engine import LLM, SamplingParams
 from compile_attn.graph_mode import GraphMode
 from compile_attn.prefix_cache import page_account
+from tests.hf.hf_tiny_models import hf_greedy
 
 SYSTEM = [(7 * j + 3) % 96 for j in range(37)]
 PROMPTS = [SYSTEM + [(5 * i + j) % 96 for j in range(1 + i % 3)] for i in range(5)]
@@ -44,12 +45,7 @@ def models() -> tuple[torch.nn.Module, list[list[int]]]:
                                             dtype=torch.float32).eval()
     ref = AutoModelForCausalLM.from_config(LlamaConfig(**cfg), attn_implementation="eager", dtype=torch.float32).eval()
     ref.load_state_dict(ours.state_dict())
-    refs = []
-    for p in PROMPTS:
-        ids = torch.tensor([p])
-        out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N_NEW, do_sample=False,
-                           eos_token_id=None, pad_token_id=0)
-        refs.append(out[0, len(p):].tolist())
+    refs = [hf_greedy(ref, p, N_NEW) for p in PROMPTS]
     return ours, refs
 
 
