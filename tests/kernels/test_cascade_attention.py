@@ -66,9 +66,11 @@ def run_cascade(groups, own_lens, *, num_q_heads=4, num_kv_heads=2, head_dim=64,
     seq = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     index = build_cascade_index(table, rows.long(), seq, groups, req_pool_indices_cpu=rows_cpu, seq_lens_cpu=seq_lens)
     out = torch.full((bs, num_q_heads, head_dim), float("nan"), dtype=dtype, device=DEVICE)
-    part_out, part_lse = cascade_scratch(bs, num_q_heads, head_dim, 4, DEVICE)
-    part_out.fill_(float("nan"))  # a partial read but never written shows as NaN
-    part_lse.fill_(float("nan"))
+    part_out = part_lse = None  # the automatic split plan (sized by the GPU's SMs) allocates its own scratch
+    if num_prefix_splits is not None:
+        part_out, part_lse = cascade_scratch(bs, num_q_heads, head_dim, num_prefix_splits, DEVICE)
+        part_out.fill_(float("nan"))  # a partial read but never written shows as NaN
+        part_lse.fill_(float("nan"))
     sm_scale = head_dim ** -0.5
     cascade_decode_fwd(q, k, v, out, index, sm_scale, logit_cap, num_prefix_splits=num_prefix_splits,
                        part_out=part_out, part_lse=part_lse, split_levels=split_levels)
