@@ -57,30 +57,67 @@ class Delta:
     num_prompt_tokens: int
     num_output_tokens: int
     logprobs: list | None = None
+    final_text: str | None = None  # on the last Delta: the request's whole text (None: not known to the engine)
+
+
+class LoopSink:
+    """Where a stream's items go: an asyncio event loop (its consumer's), one ``call_soon_threadsafe`` per batch of
+    items (``deliver`` raises RuntimeError once that loop has closed)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+
+    def deliver(self, items: list[tuple[_Stream, Any]]) -> None:
+        self.loop.call_soon_threadsafe(_deliver, [(stream.out, item) for stream, item in items])
+
+
+def _deliver(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    """On a consumer's event loop: one step's items into their queues (one wake-up of the loop per step)."""
+    for out, item in items:
+        out.put_nowait(item)
 
 
 class _Stream:
-    """One request's state on the loop thread: what was sent to its consumer, and where to send more."""
+    """One request's state on the loop thread: what was sent to its consumer, and where to send more (``sink``:
+    a LoopSink, or another process's pipe). ``detok`` is None where the consumer detokenises itself (a pipe) or
+    there is no tokenizer."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, out: asyncio.Queue) -> None:
-        self.loop, self.out = loop, out
+    def __init__(self, sink: Any, out: asyncio.Queue | None = None, key: Any = None) -> None:
+        self.sink, self.out, self.key = sink, out, key
         self.req: Request | None = None
         self.sent_tokens = 0
-        self.detok: IncrementalDetokenizer | None = None  # the request's streamed text (None: no tokenizer)
+        self.detok: IncrementalDetokenizer | None = None  # the request's streamed text
+        self.wants_text = out is not None  # a local consumer: the loop thread detokenises for it
         self.gone = False  # the consumer's event loop is closed: nobody will read more
 
     def put(self, item: Any) -> None:
         try:
-            self.loop.call_soon_threadsafe(self.out.put_nowait, item)
+            self.sink.deliver([(self, item)])
         except RuntimeError:  # its event loop has closed
             self.gone = True
+
+
+def _merge(a: Delta, b: Delta) -> Delta:
+    """``a`` then ``b`` as one Delta."""
+    logprobs = None if a.logprobs is None and b.logprobs is None else (a.logprobs or []) + (b.logprobs or [])
+    return Delta(a.token_ids + b.token_ids, a.text + b.text, b.finished, b.finish_reason, b.num_prompt_tokens,
+                 b.num_output_tokens, logprobs, b.final_text)
+
+
+def _requeue_first(out: asyncio.Queue, item: Any) -> None:
+    """Put ``item`` back at the head of ``out`` (nothing else reads it concurrently: one consumer per stream)."""
+    rest = [item]
+    while not out.empty():
+        rest.append(out.get_nowait())
+    for x in rest:
+        out.put_nowait(x)
 
 
 class RequestStream:
     """One submitted request's Deltas (an async iterator). ``abort()`` (or ``aclose()``) before the last Delta
     drops the request and frees its KV; so does a stream dropped unfinished."""
 
-    def __init__(self, engine: AsyncLLM, stream: _Stream) -> None:
+    def __init__(self, engine: Any, stream: Any) -> None:  # an AsyncLLM and its _Stream, or an EngineClient's
         self._engine, self._stream = engine, stream
         self.finished = False
 
@@ -88,9 +125,18 @@ class RequestStream:
         return self
 
     async def __anext__(self) -> Delta:
+        """The next Delta: everything the request produced since the last one taken (a consumer that falls behind
+        the steps gets their Deltas merged into one, so it never lags further)."""
         if self.finished:
             raise StopAsyncIteration
-        item = await self._stream.out.get()
+        out = self._stream.out
+        item = await out.get()
+        while isinstance(item, Delta) and not item.finished and not out.empty():
+            nxt = out.get_nowait()
+            if not isinstance(nxt, Delta):  # an exception after tokens: hand over the tokens, raise it next time
+                _requeue_first(out, nxt)
+                break
+            item = _merge(item, nxt)
         if isinstance(item, BaseException):
             self.finished = True
             raise item
@@ -100,7 +146,7 @@ class RequestStream:
     def abort(self) -> None:
         if not self.finished:
             self.finished = True
-            self._engine._inbox.put(("abort", self._stream))
+            self._engine.abort_stream(self._stream)
 
     async def aclose(self) -> None:
         self.abort()
@@ -147,7 +193,7 @@ class AsyncLLM:
                                             f"{self.max_pending}; retry later or raise max_pending")
             self._pending += 1
         out: asyncio.Queue = asyncio.Queue()
-        stream = _Stream(asyncio.get_running_loop(), out)
+        stream = _Stream(LoopSink(asyncio.get_running_loop()), out)
         self._inbox.put(("add", prompt, params, stream))
         first = await out.get()
         if isinstance(first, BaseException):
@@ -173,6 +219,45 @@ class AsyncLLM:
         fut: Future = Future()
         self._inbox.put(("call", fn, fut))
         return fut
+
+    def abort_stream(self, stream: _Stream) -> None:
+        """Drop ``stream``'s request (if still running) on the loop thread; its KV is freed there."""
+        self._inbox.put(("abort", stream))
+
+    def add_stream(self, prompt: Any, params: SamplingParams, stream: _Stream) -> None:
+        """Queue a request whose items go to ``stream.sink`` (its admission, an error, its Deltas): the entry for a
+        consumer in another process (``engine_pipe``). Counts toward ``num_pending`` until it ends; past
+        ``max_pending`` the stream gets EngineOverloadedError instead."""
+        with self._count_lock:
+            overloaded = self._pending >= self.max_pending
+            if not overloaded:
+                self._pending += 1
+        if overloaded:
+            stream.put(EngineOverloadedError(f"{self._pending} requests are unfinished, the limit (max_pending) is "
+                                             f"{self.max_pending}; retry later or raise max_pending"))
+        elif not self.alive:
+            self._release()
+            stream.put(EngineStoppedError("the engine is shut down"))
+        else:
+            self._inbox.put(("add", prompt, params, stream))
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.llm.tokenizer
+
+    @property
+    def max_context(self) -> int:
+        return self.llm.kv_cache.max_context
+
+    def gauges(self) -> dict[str, float]:
+        """Requests running / waiting / pending and the KV cache's used fraction and capacity (tokens), read
+        without a lock from the loop's state (len() is atomic; a reading may be one step stale)."""
+        llm = self.llm
+        kv = llm.kv_cache
+        capacity = kv.allocator.num_pages * kv.page_size
+        return {"running": len(llm.scheduler.running), "waiting": len(llm.scheduler.waiting),
+                "pending": self._pending, "kv_usage": 1.0 - kv.available_tokens / capacity,
+                "kv_capacity_tokens": capacity}
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the loop: unfinished requests end with finish_reason "abort" and their KV is freed."""
@@ -252,7 +337,7 @@ class AsyncLLM:
                 stream.put(exc)
                 return
             self._active[stream.req.request_id] = stream
-            if self.llm.tokenizer is not None:
+            if stream.wants_text and self.llm.tokenizer is not None:
                 stream.detok = IncrementalDetokenizer(self.llm.tokenizer, stream.req.params.stop)
             stream.put(None)  # admitted
             if stream.gone:
@@ -296,16 +381,25 @@ class AsyncLLM:
                 cmd[2].set_exception(stopped)
 
     def _publish(self) -> None:
-        """After a step: each request's new tokens (and finished ones' last Delta) to its consumer."""
+        """After a step: each request's new tokens (and finished ones' last Delta) to its consumer, handed to each
+        sink in one call (a call per request would wake an event loop once per request)."""
+        by_sink: dict[int, list[tuple[_Stream, Delta]]] = {}
         for rid, stream in list(self._active.items()):
             req = stream.req
             done = req.status is RequestStatus.FINISHED
             if done or req.num_output_known > stream.sent_tokens:
-                stream.put(self._delta(stream, finished=done))
+                by_sink.setdefault(id(stream.sink), []).append((stream, self._delta(stream, finished=done)))
             if done:
                 del self._active[rid]
                 self._release()
-            elif stream.gone:
+        for items in by_sink.values():
+            try:
+                items[0][0].sink.deliver(items)
+            except RuntimeError:  # that event loop has closed: nobody reads its streams any more
+                for stream, _ in items:
+                    stream.gone = True
+        for stream in list(self._active.values()):
+            if stream.gone:
                 self._abort(stream, None)
 
     def _delta(self, stream: _Stream, *, finished: bool) -> Delta:
@@ -330,4 +424,5 @@ class AsyncLLM:
             logprobs = list(recorded[stream.sent_tokens: stream.sent_tokens + len(new)])
         stream.sent_tokens += len(new)
         reason = (req.finish_reason or "abort") if finished else None
-        return Delta(new, text, finished, reason, num_prompt, stream.sent_tokens, logprobs)
+        return Delta(new, text, finished, reason, num_prompt, stream.sent_tokens, logprobs,
+                     req.text if finished else None)

@@ -6,6 +6,7 @@ disconnecting client aborts its requests, freeing their KV.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -17,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from compile_attn.engine.async_engine import AsyncLLM, Delta, EngineOverloadedError, EngineStoppedError, RequestStream
+from compile_attn.engine.engine_pipe import EngineClient
 from compile_attn.engine.errors import InvalidRequestError
 from compile_attn.engine.llm import sample_seed
 from compile_attn.server import logprobs_format
@@ -24,11 +26,11 @@ from compile_attn.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from compile_attn.server.protocol import APIError, Parsed, parse
 
 
-def create_app(engine: AsyncLLM, model_name: str) -> FastAPI:
-    """The app serving ``engine`` under ``model_name`` (what clients pass as ``model``)."""
+def create_app(engine: AsyncLLM | EngineClient, model_name: str) -> FastAPI:
+    """The app serving ``engine`` under ``model_name`` (what clients pass as ``model``): an AsyncLLM in this
+    process, or an EngineClient of one in another process (``compile_attn.server.frontend``)."""
     app = FastAPI(title="compile_attn")
-    llm = engine.llm
-    max_context = llm.kv_cache.max_context
+    tokenizer, max_context = engine.tokenizer, engine.max_context
     metrics = ServerMetrics(engine, model_name)
     app.state.metrics = metrics
 
@@ -56,7 +58,7 @@ def create_app(engine: AsyncLLM, model_name: str) -> FastAPI:
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise APIError(f"the request body is not valid JSON: {exc}") from None
-        req = parse(body, chat=chat, tokenizer=llm.tokenizer, model_name=model_name, max_context=max_context)
+        req = parse(body, chat=chat, tokenizer=tokenizer, model_name=model_name, max_context=max_context)
         start = time.perf_counter()
         streams = await _submit_all(engine, req)
         metrics.prompt_tokens.inc(len(req.prompt_ids))
@@ -64,9 +66,9 @@ def create_app(engine: AsyncLLM, model_name: str) -> FastAPI:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         if req.stream:
-            return StreamingResponse(_sse(samples, streams, req, rid, created, model_name, chat, llm.tokenizer),
+            return StreamingResponse(_sse(samples, streams, req, rid, created, model_name, chat, tokenizer),
                                      media_type="text/event-stream")
-        return await _whole(samples, streams, req, rid, created, model_name, chat, llm.tokenizer)
+        return await _whole(samples, streams, req, rid, created, model_name, chat, tokenizer)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -79,7 +81,7 @@ def create_app(engine: AsyncLLM, model_name: str) -> FastAPI:
     return app
 
 
-async def _submit_all(engine: AsyncLLM, req: Parsed) -> list[RequestStream]:
+async def _submit_all(engine: AsyncLLM | EngineClient, req: Parsed) -> list[RequestStream]:
     """Submit the request's ``n`` samples (seeded as LLM.generate seeds them); on any refusal abort those taken."""
     streams: list[RequestStream] = []
     try:
@@ -169,10 +171,12 @@ async def _gather_or_abort(coros: list, streams: list[RequestStream]) -> list:
             s.abort()
 
 
-async def _sse(samples: list[AsyncIterator[Delta]], streams: list[RequestStream], req: Parsed, rid: str, created: int,
-               model: str, chat: bool, tokenizer: Any) -> AsyncIterator[str]:
-    """Server-sent events: one chunk per Delta of any sample, the usage chunk if asked, then ``[DONE]``."""
-    obj = "chat.completion.chunk" if chat else "text_completion"
+async def _interleave(samples: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int, Delta]]:
+    """``(k, delta)`` of every sample as each arrives; one sample is read directly (no task or queue per token)."""
+    if len(samples) == 1:
+        async for d in samples[0]:
+            yield 0, d
+        return
     merged: asyncio.Queue = asyncio.Queue()
 
     async def pump(k: int, s: AsyncIterator[Delta]) -> None:
@@ -180,36 +184,49 @@ async def _sse(samples: list[AsyncIterator[Delta]], streams: list[RequestStream]
             await merged.put((k, d))
         await merged.put((k, None))
 
+    tasks = [asyncio.ensure_future(pump(k, s)) for k, s in enumerate(samples)]
+    try:
+        open_ = len(samples)
+        while open_:
+            k, d = await merged.get()
+            if d is None:
+                open_ -= 1
+                continue
+            yield k, d
+        for t in tasks:
+            t.result()  # re-raise a sample's failure
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _sse(samples: list[AsyncIterator[Delta]], streams: list[RequestStream], req: Parsed, rid: str, created: int,
+               model: str, chat: bool, tokenizer: Any) -> AsyncIterator[str]:
+    """Server-sent events: one chunk per Delta of any sample, the usage chunk if asked, then ``[DONE]``."""
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
     def chunk(choices: list, usage: dict | None = None) -> str:
         body: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
         if req.include_usage:
             body["usage"] = usage
         return f"data: {json.dumps(body)}\n\n"
 
-    tasks = [asyncio.ensure_future(pump(k, s)) for k, s in enumerate(samples)]
     try:
         if chat:
             yield chunk([{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None} for k in range(req.n)])
-        open_, prompt, outputs = req.n, 0, [0] * req.n
+        prompt, outputs = 0, [0] * req.n
         formats = [_LogprobsFormatter(chat, tokenizer, req.params.logprobs) for _ in range(req.n)]
-        while open_:
-            k, d = await merged.get()
-            if d is None:
-                open_ -= 1
-                continue
-            prompt, outputs[k] = d.num_prompt_tokens, d.num_output_tokens
-            lp = formats[k](d)
-            ids = d.token_ids if req.return_token_ids else None
-            if d.text or d.finished or lp or ids:
-                yield chunk([_choice(chat, k, d.text, d.finish_reason, delta=True, logprobs=lp, token_ids=ids)])
-        for t in tasks:
-            t.result()  # re-raise a sample's failure
+        async with contextlib.aclosing(_interleave(samples)) as deltas:  # closed (its tasks cancelled) on any exit
+            async for k, d in deltas:
+                prompt, outputs[k] = d.num_prompt_tokens, d.num_output_tokens
+                lp = formats[k](d)
+                ids = d.token_ids if req.return_token_ids else None
+                if d.text or d.finished or lp or ids:
+                    yield chunk([_choice(chat, k, d.text, d.finish_reason, delta=True, logprobs=lp, token_ids=ids)])
         if req.include_usage:
             yield chunk([], _usage(prompt, sum(outputs)))
         yield "data: [DONE]\n\n"
     finally:
-        for t in tasks:
-            t.cancel()
         for s in streams:
             s.abort()

@@ -12,6 +12,7 @@ import torch
 
 from compile_attn.bench_workloads import WORKLOADS
 from compile_attn.cli_options import add_engine_options, check_engine_options
+from compile_attn.server.frontend import FRONTENDS
 
 
 def add_parser(sub: argparse._SubParsersAction, formatter_class: type[argparse.HelpFormatter]) -> None:
@@ -46,6 +47,9 @@ def add_parser(sub: argparse._SubParsersAction, formatter_class: type[argparse.H
     model.add_argument("--model", default=None, help="a local HF model directory (default: random weights of the "
                                                      "Llama-3.2-1B shape)")
     model.add_argument("--tiny", action="store_true", help="a small model with random weights")
+    p.add_argument("--frontend", choices=FRONTENDS, default="process",
+                   help="where the server started here runs its HTTP front end: a process of its own, or a thread "
+                        "of the engine's process (whose per-token work then competes with the step loop)")
     p.add_argument("--offline", action="store_true",
                    help="first time LLM.generate on the same workload and engine, and report each rate against it")
     p.add_argument("--offline-rounds", type=int, default=2,
@@ -96,7 +100,7 @@ def prepare(args: argparse.Namespace) -> None:
                                   vocab_size=args.vocab_size, request_rates=_rates(args.request_rates),
                                   max_concurrency=args.max_concurrency, num_warmup=args.num_warmup,
                                   offline=args.offline, offline_rounds=args.offline_rounds,
-                                  client_processes=args.client_processes, seed=args.seed)
+                                  client_processes=args.client_processes, seed=args.seed, frontend=args.frontend)
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:

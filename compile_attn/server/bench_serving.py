@@ -4,7 +4,8 @@ TPOT and e2e percentiles and output tok/s per rate. The rate ``"half"`` is half 
 saturated (``inf``) run before it: the load that uses half the saturated output tok/s.
 
 The server is either at ``url`` or started here: an LLM (a local HF directory, or random weights of a shape) behind
-AsyncLLM and uvicorn on a free loopback port, after optional offline ``LLM.generate`` rounds of the same workload on
+AsyncLLM and uvicorn on a free loopback port (the HTTP front end in a process of its own unless ``frontend`` is
+"thread", see ``compile_attn.server.frontend``), after optional offline ``LLM.generate`` rounds of the same workload on
 the same engine (the throughput the server is compared with; the last round counts, the first warms up). Started
 here, each rate runs with an empty prefix cache (as each offline round does), the engine's running batch size is
 counted per rate, and after a half-load run the server stops and the same engine measures what its latencies are
@@ -15,20 +16,18 @@ interpreter lock (several, when one cannot read the streams as fast as the serve
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import multiprocessing
-import socket
-import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 
 from compile_attn.bench_throughput import ThroughputConfig, engine_round
 from compile_attn.bench_workloads import Workload
+from compile_attn.engine.async_engine import AsyncLLM
 from compile_attn.server import bench_targets
+from compile_attn.server.frontend import serving
 from compile_attn.server.load_client import client_ready, load_and_summarize
 
 logger = logging.getLogger(__name__)
@@ -50,6 +49,7 @@ class ServingBenchConfig:
     offline_rounds: int = 2
     client_processes: int = 1  # the load is dealt to this many client processes
     seed: int = 0
+    frontend: str = "process"  # where a server started here runs its HTTP front end (see server.frontend)
 
 
 def run(cfg: ServingBenchConfig) -> dict:
@@ -75,8 +75,12 @@ def run(cfg: ServingBenchConfig) -> dict:
             logger.info("offline generate: %.0f output tok/s", result["offline_rounds"][-1]["output_tok_s"])
         result["offline"] = result["offline_rounds"][-1]
     name = cfg.served_model_name or "bench"
-    with serve_in_thread(llm, name, max_pending=max(256, workload.num_seqs)) as (url, engine):
-        result["rates"] = _sweep(url, name, workload, cfg, engine)
+    engine = AsyncLLM(llm, max_pending=max(256, workload.num_seqs))
+    try:
+        with serving(engine, name, cfg.frontend) as url:
+            result["rates"] = _sweep(url, name, workload, cfg, engine)
+    finally:
+        engine.shutdown()
     if cfg.offline:
         for r in result["rates"]:
             if r["output_tok_per_s"]:
@@ -158,36 +162,6 @@ def _clear_prefix_cache(llm: object) -> int:
 def _prefix_hits(llm: object) -> int:
     cache = llm.kv_cache.prefix_cache
     return 0 if cache is None else cache.num_hit_tokens
-
-
-@contextlib.contextmanager
-def serve_in_thread(llm: object, model_name: str, *, max_pending: int = 256) -> Iterator[tuple[str, object]]:
-    """The OpenAI-compatible app on ``llm`` served by uvicorn on a free loopback port, in a thread of this process;
-    yields its base URL and the AsyncLLM, and shuts the server and the engine down after."""
-    import uvicorn
-
-    from compile_attn.engine.async_engine import AsyncLLM
-    from compile_attn.server.app import create_app
-
-    engine = AsyncLLM(llm, max_pending=max_pending)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, model_name), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, name="compile-attn-bench-server", daemon=True)
-    thread.start()
-    try:
-        end = time.monotonic() + 60
-        while not server.started:
-            if not thread.is_alive() or time.monotonic() > end:
-                raise RuntimeError(f"the benchmark's server did not start on 127.0.0.1:{port}")
-            time.sleep(0.02)
-        yield f"http://127.0.0.1:{port}", engine
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        engine.shutdown()
 
 
 def _rate_name(rate: float | str) -> str | float:

@@ -4,9 +4,14 @@ serve the OpenAI-compatible app with uvicorn until interrupted."""
 from __future__ import annotations
 
 import argparse
+import logging
+import time
 from pathlib import Path
 
 from compile_attn.cli_options import add_engine_options, check_engine_options, engine_config
+from compile_attn.server.frontend import FRONTENDS
+
+logger = logging.getLogger(__name__)
 
 
 def add_parser(sub: argparse._SubParsersAction, formatter_class: type[argparse.HelpFormatter]) -> None:
@@ -21,6 +26,9 @@ def add_parser(sub: argparse._SubParsersAction, formatter_class: type[argparse.H
                        max_num_tokens=2048)
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template (a file or the template itself) for a tokenizer without one")
+    p.add_argument("--frontend", choices=FRONTENDS, default="process",
+                   help="where the HTTP front end runs: a process of its own (parsing, detokenising and streaming "
+                        "never hold up the engine's steps), or a thread of the engine's process")
     p.add_argument("--max-pending", type=int, default=256,
                    help="unfinished requests at most; past it new ones get 503 with Retry-After")
     p.set_defaults(func=cmd_serve, prepare=prepare, subparser=p)
@@ -42,11 +50,9 @@ def prepare(args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from compile_attn.engine import LLM
     from compile_attn.engine.async_engine import AsyncLLM
-    from compile_attn.server.app import create_app
+    from compile_attn.server.frontend import serving
 
     llm = LLM(args.model, config=engine_config(args))
     if args.chat_template is not None and llm.tokenizer is not None:
@@ -54,8 +60,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         llm.tokenizer.chat_template = path.read_text() if path.is_file() else args.chat_template
     engine = AsyncLLM(llm, max_pending=args.max_pending)
     try:
-        uvicorn.run(create_app(engine, args.served_model_name or args.model), host=args.host, port=args.port,
-                    log_level="info" if args.verbose else "warning")
+        with serving(engine, args.served_model_name or args.model, args.frontend, host=args.host, port=args.port,
+                     log_level="info" if args.verbose else "warning") as url:
+            logger.info("serving %s on %s (front end: %s)", args.model, url, args.frontend)
+            print(f"compile-attn serve: {url}/v1 (Ctrl-C stops)", flush=True)
+            while engine.alive:
+                time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
     finally:
         engine.shutdown()
     return 0

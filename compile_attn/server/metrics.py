@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from compile_attn.engine.async_engine import AsyncLLM, Delta
+from compile_attn.engine.engine_pipe import EngineClient
 
 PREFIX = "compile_attn"
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -26,27 +27,22 @@ __all__ = ["CONTENT_TYPE_LATEST", "ServerMetrics"]
 
 
 class ServerMetrics:
-    """The metrics of one app on ``engine``; ``render()`` is the Prometheus text exposition."""
+    """The metrics of one app on ``engine`` (in this process, or behind a pipe: its ``gauges()`` are the last the
+    engine sent); ``render()`` is the Prometheus text exposition."""
 
-    def __init__(self, engine: AsyncLLM, model_name: str) -> None:
+    def __init__(self, engine: AsyncLLM | EngineClient, model_name: str) -> None:
         self.registry = CollectorRegistry()
-        llm = engine.llm
-        sched, kv = llm.scheduler, llm.kv_cache
-        capacity = kv.allocator.num_pages * kv.page_size
         labels = {"model_name": model_name}
 
-        def gauge(name: str, doc: str, read) -> None:
+        def gauge(name: str, doc: str, key: str) -> None:
             g = Gauge(f"{PREFIX}_{name}", doc, list(labels), registry=self.registry)
-            g.labels(**labels).set_function(read)
+            g.labels(**labels).set_function(lambda: engine.gauges()[key])
 
-        # Read without a lock from the engine's thread: len() of a list/deque is atomic, and a scrape may be one
-        # step stale.
-        gauge("num_requests_running", "Requests in the running batch (KV allocated).", lambda: len(sched.running))
-        gauge("num_requests_waiting", "Requests queued for their first step (or preempted).", lambda: len(sched.waiting))
-        gauge("num_requests_pending", "Requests submitted to the server and not finished.", lambda: engine.num_pending)
-        gauge("kv_cache_usage_perc", "Fraction of the KV cache's token slots in use (0 to 1).",
-              lambda: 1.0 - kv.available_tokens / capacity)
-        gauge("kv_cache_capacity_tokens", "Token slots in the KV cache.", lambda: capacity)
+        gauge("num_requests_running", "Requests in the running batch (KV allocated).", "running")
+        gauge("num_requests_waiting", "Requests queued for their first step (or preempted).", "waiting")
+        gauge("num_requests_pending", "Requests submitted to the server and not finished.", "pending")
+        gauge("kv_cache_usage_perc", "Fraction of the KV cache's token slots in use (0 to 1).", "kv_usage")
+        gauge("kv_cache_capacity_tokens", "Token slots in the KV cache.", "kv_capacity_tokens")
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
             return Counter(f"{PREFIX}_{name}", doc, [*labels, *extra], registry=self.registry)

@@ -3,8 +3,6 @@ CPU, the engine behind it, and a reference LLM on the same model to compare outp
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,12 +14,11 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 openai = pytest.importorskip("openai")
 
-import uvicorn  # noqa: E402
 
 from compile_attn.engine import LLM  # noqa: E402
 from compile_attn.engine.async_engine import AsyncLLM  # noqa: E402
 from compile_attn.models.tiny_llama import tiny_llama  # noqa: E402
-from compile_attn.server.app import create_app  # noqa: E402
+from compile_attn.server.frontend import FRONTENDS, serving  # noqa: E402
 
 ENGINE = dict(max_batch_size=8, max_num_tokens=256, kv_cache_tokens=4096, max_context=512, page_size=4,
               graph_mode="none", compile=False, device="cpu")
@@ -52,35 +49,21 @@ class Served:
                              f"{self.llm.kv_cache.available_tokens} of {self.fresh_kv_tokens} KV tokens free")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _llm(path: str) -> LLM:
     llm = LLM(path, **ENGINE)
     llm.tokenizer.chat_template = TEMPLATE
     return llm
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+@pytest.fixture(scope="module", params=FRONTENDS)
+def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """The server with its HTTP front end in a process of its own (as ``compile-attn serve`` runs it) and in a
+    thread of the engine's process (the app on an AsyncLLM, as a library user may embed it)."""
     path = str(tiny_llama(tmp_path_factory.mktemp("tiny") / "model", steps=60))
     llm, reference = _llm(path), _llm(path)
     engine = AsyncLLM(llm, max_pending=64)
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, MODEL), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    end = time.monotonic() + 20
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < end, "the server did not start"
-        time.sleep(0.02)
     try:
-        yield Served(f"http://127.0.0.1:{port}", engine, llm, reference, llm.kv_cache.available_tokens)
+        with serving(engine, MODEL, request.param) as url:
+            yield Served(url, engine, llm, reference, llm.kv_cache.available_tokens)
     finally:
-        server.should_exit = True
-        thread.join(10)
         engine.shutdown()
