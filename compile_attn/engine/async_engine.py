@@ -282,10 +282,14 @@ class AsyncLLM:
         try:
             while True:
                 busy = self.llm.has_work()
+                t0 = time.perf_counter()
                 try:
                     cmd = self._inbox.get(block=not busy, timeout=None)
                 except queue.Empty:
                     cmd = None
+                t1 = time.perf_counter()
+                if not busy:
+                    self.stats.add_idle(t1 - t0)
                 while cmd is not None:
                     if cmd[0] == "stop":
                         self._stop_all()
@@ -296,10 +300,12 @@ class AsyncLLM:
                     except queue.Empty:
                         cmd = None
                 if not self.llm.has_work():
+                    self.stats.add_other(time.perf_counter() - t1)
                     continue
                 launched = self.llm.num_steps
                 before = {id(r) for r in self.llm.scheduler.running}
                 start = time.perf_counter()
+                self.stats.add_other(start - t1)
                 try:
                     self.llm.step()
                 except Exception as exc:
@@ -321,7 +327,11 @@ class AsyncLLM:
                     # retired at its length limit, has left ``running`` by now)
                     batch = len(before) + sum(id(r) not in before for r in self.llm.scheduler.running)
                     self.stats.record(batch, time.perf_counter() - start)
+                else:
+                    self.stats.add_other(time.perf_counter() - start)
+                t2 = time.perf_counter()
                 self._publish()
+                self.stats.add_other(time.perf_counter() - t2)
         except BaseException:
             logger.exception("the engine loop died")
             self._stopped = True

@@ -9,7 +9,8 @@ token ids (and the engine's gauges), and the consumer's process detokenises and 
 
 Messages (pickled by ``multiprocessing.connection``): to the engine ``("add", key, prompt, params)`` and
 ``("abort", key)``; from it ``("out", [(key, item), ...], gauges)`` where an item is None (admitted), an exception
-(refused or failed) or a Delta (token ids, no text: the client's IncrementalDetokenizer makes it). A closed pipe on
+(refused or failed) or a Delta's fields as a tuple (token ids, no text: the client's IncrementalDetokenizer makes
+it). A closed pipe on
 either side ends what it served: the engine aborts the client's requests (their KV is freed), the client fails its
 streams with EngineStoppedError.
 """
@@ -59,8 +60,11 @@ class PipeBridge:
             if isinstance(item, BaseException):
                 item = _portable(item)
                 self._streams.pop(stream.key, None)
-            elif isinstance(item, Delta) and item.finished:
-                self._streams.pop(stream.key, None)
+            elif isinstance(item, Delta):
+                if item.finished:
+                    self._streams.pop(stream.key, None)
+                item = (item.token_ids, item.finished, item.finish_reason, item.num_prompt_tokens,
+                        item.num_output_tokens, item.logprobs, item.final_text)  # a tuple pickles ~6x faster
             out.append((stream.key, item))
         try:
             with self._send_lock:
@@ -214,6 +218,7 @@ class EngineClient:
                 else:
                     stream.out.put_nowait(item)
             else:
+                item = Delta(item[0], "", *item[1:])
                 self._text(stream, item)
                 if item.finished:
                     self._end(stream)

@@ -1,5 +1,6 @@
 """Counters of the steps an AsyncLLM's loop ran: how many, the seconds spent in them, and how many ran with each
-batch size (requests in the step). They only grow; two ``snapshot()`` copies subtract to what happened between them (a
+batch size (requests in the step); and where the rest of the loop's time went: handing Deltas out and handling
+commands (``other_seconds``), waiting for work with nothing to run (``idle_seconds``). They only grow; two ``snapshot()`` copies subtract to what happened between them (a
 benchmark's run), which says the batch size the engine ran at and its mean step time."""
 
 from __future__ import annotations
@@ -17,11 +18,14 @@ class StepCounts:
     steps: int = 0
     seconds: float = 0.0
     by_batch: dict[int, int] = field(default_factory=dict)
+    other_seconds: float = 0.0  # the loop outside LLM.step: Deltas handed out, commands handled
+    idle_seconds: float = 0.0  # the loop waiting for a command with no work
 
     def __sub__(self, before: StepCounts) -> StepCounts:
         diff = {b: n - before.by_batch.get(b, 0) for b, n in self.by_batch.items()}
         return StepCounts(self.steps - before.steps, self.seconds - before.seconds,
-                          {b: n for b, n in diff.items() if n})
+                          {b: n for b, n in diff.items() if n}, self.other_seconds - before.other_seconds,
+                          self.idle_seconds - before.idle_seconds)
 
     @property
     def mean_batch(self) -> float | None:
@@ -45,9 +49,10 @@ class StepCounts:
         return 1e3 * self.seconds / self.steps if self.steps else None
 
     def summary(self) -> dict:
-        """JSON-ready: steps, mean step ms, mean and median batch size."""
+        """JSON-ready: steps, mean step ms, mean and median batch size, seconds in steps / elsewhere / idle."""
         return dict(steps=self.steps, mean_step_ms=self.mean_step_ms, mean_batch=self.mean_batch,
-                    median_batch=self.median_batch)
+                    median_batch=self.median_batch, step_s=self.seconds, other_s=self.other_seconds,
+                    idle_s=self.idle_seconds)
 
 
 class LoopStats:
@@ -58,6 +63,8 @@ class LoopStats:
         self._steps = 0
         self._seconds = 0.0
         self._by_batch: Counter[int] = Counter()
+        self._other = 0.0
+        self._idle = 0.0
 
     def record(self, batch: int, seconds: float) -> None:
         with self._lock:
@@ -65,6 +72,14 @@ class LoopStats:
             self._seconds += seconds
             self._by_batch[batch] += 1
 
+    def add_other(self, seconds: float) -> None:
+        with self._lock:
+            self._other += seconds
+
+    def add_idle(self, seconds: float) -> None:
+        with self._lock:
+            self._idle += seconds
+
     def snapshot(self) -> StepCounts:
         with self._lock:
-            return StepCounts(self._steps, self._seconds, dict(self._by_batch))
+            return StepCounts(self._steps, self._seconds, dict(self._by_batch), self._other, self._idle)

@@ -199,4 +199,9 @@ def to_markdown(result: dict) -> str:
                      f"{'-' if tps is None else f'{tps:,.0f}'} | {vs} | {pair(r, 'ttft')} | {pair(r, 'itl')} | "
                      f"{pair(r, 'tpot')} | {pair(r, 'e2e')} | {batch} | {r['client_busy']:.0%} of "
                      f"{r['client_processes']} |")
+    loops = [f"{_rate_name(r.get('rate_name') or r['request_rate'])}: {b['step_s']:.2f} s in {b['steps']} steps, "
+             f"{b['other_s']:.2f} s handing out tokens and commands, {b['idle_s']:.2f} s idle"
+             for r in result["rates"] if (b := r.get("batch")) and "step_s" in b]
+    if loops:
+        lines += ["", "engine loop by rate: " + "; ".join(loops)]
     return "\n".join(lines + bench_targets.targets_markdown(result))

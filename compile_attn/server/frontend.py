@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # the engine is imported where a server starts, not by the CL
     from compile_attn.engine.async_engine import AsyncLLM
 
 logger = logging.getLogger(__name__)
+GRACEFUL_SHUTDOWN_S = 3  # seconds a stopping front end waits for open connections
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -45,7 +46,9 @@ def frontend_main(conn: Connection, tokenizer: Any, max_context: int, model_name
 
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.WARNING))
     client = EngineClient(conn, tokenizer=tokenizer, max_context=max_context)
-    uvicorn.run(create_app(client, model_name), host=host, port=port, log_level=log_level)
+    # on SIGTERM (serve_in_process's exit): stop accepting, give open streams a moment, then close them
+    uvicorn.run(create_app(client, model_name), host=host, port=port, log_level=log_level,
+                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
 
 
 @contextlib.contextmanager
