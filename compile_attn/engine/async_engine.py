@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from compile_attn.engine.detokenizer import IncrementalDetokenizer
@@ -169,6 +171,13 @@ class AsyncLLM:
         self.stats = LoopStats()
         self.num_failed_steps = 0  # step() calls that raised (each undone by the LLM)
         self._inbox: queue.Queue = queue.Queue()
+        # A byte per command wakes an idle loop; pipes of consumers in other processes (``attach``) are polled by
+        # the loop itself between steps (a reader thread would need the interpreter lock the loop holds).
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._wake_lock = threading.Lock()  # the write end is closed under it once the loop ends
+        self._pipes: dict[int, tuple[Connection, Callable[[Any], None], Callable[[], None]]] = {}  # loop thread
         self._active: dict[int, _Stream] = {}  # loop thread only: request_id -> stream
         self._pending = 0
         self._count_lock = threading.Lock()
@@ -194,7 +203,7 @@ class AsyncLLM:
             self._pending += 1
         out: asyncio.Queue = asyncio.Queue()
         stream = _Stream(LoopSink(asyncio.get_running_loop()), out)
-        self._inbox.put(("add", prompt, params, stream))
+        self._post(("add", prompt, params, stream))
         first = await out.get()
         if isinstance(first, BaseException):
             raise first
@@ -217,12 +226,24 @@ class AsyncLLM:
         if not self.alive:
             raise EngineStoppedError("the engine is shut down; call the LLM directly")
         fut: Future = Future()
-        self._inbox.put(("call", fn, fut))
+        self._post(("call", fn, fut))
         return fut
 
     def abort_stream(self, stream: _Stream) -> None:
         """Drop ``stream``'s request (if still running) on the loop thread; its KV is freed there."""
-        self._inbox.put(("abort", stream))
+        self._command(("abort", stream))
+
+    def attach(self, conn: Connection, on_message: Callable[[Any], None], on_close: Callable[[], None]) -> None:
+        """Have the loop read ``conn`` between steps (and wait on it when idle): ``on_message(msg)`` for each
+        message, ``on_close()`` once its other end closed (or ``detach``); both run on the loop thread."""
+        self._post(("attach", conn, on_message, on_close))
+
+    def detach(self, conn: Connection) -> None:
+        """Stop reading ``conn`` (its ``on_close`` runs) and close it."""
+        if self.alive:
+            self._post(("detach", conn))
+        else:
+            conn.close()
 
     def add_stream(self, prompt: Any, params: SamplingParams, stream: _Stream) -> None:
         """Queue a request whose items go to ``stream.sink`` (its admission, an error, its Deltas): the entry for a
@@ -239,7 +260,7 @@ class AsyncLLM:
             self._release()
             stream.put(EngineStoppedError("the engine is shut down"))
         else:
-            self._inbox.put(("add", prompt, params, stream))
+            self._command(("add", prompt, params, stream))
 
     @property
     def tokenizer(self) -> Any:
@@ -264,7 +285,7 @@ class AsyncLLM:
         if self._stopped:
             return
         self._stopped = True
-        self._inbox.put(("stop",))
+        self._post(("stop",))
         self._thread.join(timeout)
 
     @property
@@ -276,29 +297,37 @@ class AsyncLLM:
         with self._count_lock:
             self._pending -= 1
 
+    def _post(self, cmd: tuple) -> None:
+        """Queue ``cmd`` for the loop thread and wake it if idle."""
+        self._inbox.put(cmd)
+        with self._wake_lock:
+            if self._wake_w is None:  # the loop has ended
+                return
+            try:
+                os.write(self._wake_w, b"\0")
+            except BlockingIOError:  # the wake pipe is full: the loop has wake-ups enough
+                pass
+
+    def _command(self, cmd: tuple) -> None:
+        """Run ``cmd`` now when on the loop thread (a pipe's message), else queue it."""
+        if threading.get_ident() == self._thread.ident:
+            self._handle(cmd)
+        else:
+            self._post(cmd)
+
     # ------------------------------------------------------------------ the loop thread
     def _loop(self) -> None:
         failures = 0  # step() calls failed in a row
         try:
             while True:
-                busy = self.llm.has_work()
-                t0 = time.perf_counter()
-                try:
-                    cmd = self._inbox.get(block=not busy, timeout=None)
-                except queue.Empty:
-                    cmd = None
+                if not self.llm.has_work():
+                    t0 = time.perf_counter()
+                    wait([self._wake_r, *(c for c, _, _ in self._pipes.values())])
+                    self.stats.add_idle(time.perf_counter() - t0)
                 t1 = time.perf_counter()
-                if not busy:
-                    self.stats.add_idle(t1 - t0)
-                while cmd is not None:
-                    if cmd[0] == "stop":
-                        self._stop_all()
-                        return
-                    self._handle(cmd)
-                    try:
-                        cmd = self._inbox.get_nowait()
-                    except queue.Empty:
-                        cmd = None
+                if self._drain_commands():
+                    return
+                self._read_pipes()
                 if not self.llm.has_work():
                     self.stats.add_other(time.perf_counter() - t1)
                     continue
@@ -336,6 +365,40 @@ class AsyncLLM:
             logger.exception("the engine loop died")
             self._stopped = True
             raise
+        finally:
+            for conn, _, _ in self._pipes.values():
+                conn.close()
+            with self._wake_lock:
+                os.close(self._wake_w)
+                self._wake_w = None
+            os.close(self._wake_r)
+
+    def _drain_commands(self) -> bool:
+        """Handle every queued command; True on "stop" (the loop then ends)."""
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return False
+            if cmd[0] == "stop":
+                self._stop_all()
+                return True
+            self._handle(cmd)
+
+    def _read_pipes(self) -> None:
+        """Every message the attached pipes hold now; a pipe whose other end closed is dropped (its on_close)."""
+        for fd, (conn, on_message, on_close) in list(self._pipes.items()):
+            try:
+                while conn.poll():
+                    on_message(conn.recv())
+            except (EOFError, OSError):
+                del self._pipes[fd]
+                on_close()
 
     def _handle(self, cmd: tuple) -> None:
         if cmd[0] == "add":
@@ -356,6 +419,15 @@ class AsyncLLM:
             stream = cmd[1]
             if stream.req is not None and stream.req.request_id in self._active:
                 self._abort(stream, None)
+        elif cmd[0] == "attach":
+            _, conn, on_message, on_close = cmd
+            self._pipes[conn.fileno()] = (conn, on_message, on_close)
+        elif cmd[0] == "detach":
+            conn = cmd[1]
+            entry = self._pipes.pop(conn.fileno(), None) if not conn.closed else None
+            if entry is not None:
+                entry[2]()
+            conn.close()
         elif cmd[0] == "call":
             _, fn, fut = cmd
             if fut.set_running_or_notify_cancel():

@@ -42,15 +42,15 @@ def _portable(exc: BaseException) -> BaseException:
 
 
 class PipeBridge:
-    """The engine's side: a thread reads the client's commands into the AsyncLLM; the loop thread sends each
-    step's items (``deliver``) as one message. ``close()`` (or the client's end closing) aborts what is left."""
+    """The engine's side: the AsyncLLM's loop reads the client's commands between steps (``AsyncLLM.attach``) and
+    sends each step's items (``deliver``) as one message. ``close()`` (or the client's end closing) aborts what is
+    left."""
 
     def __init__(self, engine: AsyncLLM, conn: Connection) -> None:
         self.engine, self.conn = engine, conn
         self._streams: dict[int, _Stream] = {}
         self._send_lock = threading.Lock()
-        self._thread = threading.Thread(target=self._read, name="compile-attn-engine-pipe", daemon=True)
-        self._thread.start()
+        engine.attach(conn, self._on_message, self._abort_all)
 
     def deliver(self, items: list[tuple[_Stream, Any]]) -> None:
         """Called on the loop thread: the items of one step (or one admission) in one message. RuntimeError if the
@@ -72,24 +72,19 @@ class PipeBridge:
         except (OSError, EOFError, ValueError) as exc:  # ValueError: the connection was closed here
             raise RuntimeError(f"the engine's client is gone ({exc})") from None
 
-    def _read(self) -> None:
-        try:
-            while True:
-                msg = self.conn.recv()
-                if msg[0] == "add":
-                    _, key, prompt, params = msg
-                    stream = _Stream(self, key=key)
-                    self._streams[key] = stream
-                    self.engine.add_stream(prompt, params, stream)
-                elif msg[0] == "abort":
-                    stream = self._streams.pop(msg[1], None)
-                    if stream is not None:
-                        self.engine.abort_stream(stream)
-                else:
-                    logger.warning("engine pipe: unknown message %r", msg[0])
-        except (EOFError, OSError):
-            pass
-        self._abort_all()
+    def _on_message(self, msg: tuple) -> None:
+        """On the loop thread: one command of the client."""
+        if msg[0] == "add":
+            _, key, prompt, params = msg
+            stream = _Stream(self, key=key)
+            self._streams[key] = stream
+            self.engine.add_stream(prompt, params, stream)
+        elif msg[0] == "abort":
+            stream = self._streams.pop(msg[1], None)
+            if stream is not None:
+                self.engine.abort_stream(stream)
+        else:
+            logger.warning("engine pipe: unknown message %r", msg[0])
 
     def _abort_all(self) -> None:
         for stream in list(self._streams.values()):
@@ -98,13 +93,9 @@ class PipeBridge:
         self._streams.clear()
 
     def close(self) -> None:
-        """Close the engine's end: the client sees the engine stopped; its requests are aborted here."""
-        try:
-            self.conn.close()
-        except OSError:
-            pass
-        self._thread.join(5)
-        self._abort_all()
+        """Close the engine's end (on the loop thread): the client sees the engine stopped; its requests are
+        aborted here."""
+        self.engine.detach(self.conn)
 
 
 class _ClientStream:
@@ -148,8 +139,10 @@ class EngineClient:
 
     def _start(self) -> None:
         if self._loop is None:
+            # the pipe is read by the event loop itself when it has data (no reader thread: a thread would take
+            # the interpreter lock from the loop between every message)
             self._loop = asyncio.get_running_loop()
-            threading.Thread(target=self._read, name="compile-attn-engine-client", daemon=True).start()
+            self._loop.add_reader(self.conn.fileno(), self._read_ready)
 
     async def submit(self, prompt: Any, params: SamplingParams) -> RequestStream:
         """As AsyncLLM.submit: the request's Delta iterator once the engine admitted it."""
@@ -190,17 +183,14 @@ class EngineClient:
         with self._send_lock:
             self.conn.send(msg)
 
-    def _read(self) -> None:
+    def _read_ready(self) -> None:
+        """On the event loop: every message the pipe holds now; the engine's end closed fails the streams."""
         try:
-            while True:
-                msg = self.conn.recv()
-                self._loop.call_soon_threadsafe(self._dispatch, msg)
+            while self.conn.poll():
+                self._dispatch(self.conn.recv())
         except (EOFError, OSError):
-            pass
-        try:
-            self._loop.call_soon_threadsafe(self._fail_all)
-        except RuntimeError:  # the event loop has closed
-            pass
+            self._loop.remove_reader(self.conn.fileno())
+            self._fail_all()
 
     def _dispatch(self, msg: tuple) -> None:
         _, items, self._gauges = msg

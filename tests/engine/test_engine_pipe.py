@@ -1,0 +1,103 @@
+"""An AsyncLLM behind a pipe (PipeBridge on the engine's side, EngineClient on the other; here both ends in one
+process, the client on its own event loop): the Deltas add up to a separate LLM's generate; a bad request raises
+the LLM's error at submit; past max_pending the engine refuses with EngineOverloadedError; a stream closed early
+aborts its request; the client's end closing aborts all of its requests (KV fresh, nothing pending); the engine
+shutting down fails the client's streams and later submits with EngineStoppedError."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+
+import pytest
+
+from compile_attn.engine import InvalidRequestError, SamplingParams
+from compile_attn.engine.async_engine import AsyncLLM, EngineOverloadedError, EngineStoppedError
+from compile_attn.engine.engine_pipe import EngineClient, PipeBridge
+from tests.engine.test_async_engine import PROMPTS, run, toy_llm, wait_idle
+
+
+@pytest.fixture
+def piped():
+    eng = AsyncLLM(toy_llm(), max_pending=2)
+    eng.fresh_kv_tokens = eng.llm.kv_cache.available_tokens
+    ours, theirs = multiprocessing.Pipe()
+    bridge = PipeBridge(eng, ours)
+    client = EngineClient(theirs, tokenizer=None, max_context=eng.max_context)
+    yield eng, bridge, client
+    eng.shutdown()
+    theirs.close()
+
+
+def test_deltas_add_up_to_generate(piped) -> None:
+    eng, _, client = piped
+    ref = toy_llm()
+
+    async def collect(prompt, p):
+        stream = await client.submit(prompt, p)
+        return [d async for d in stream]
+
+    params = [SamplingParams(max_tokens=12, ignore_eos=True),
+              SamplingParams(max_tokens=7, temperature=1.0, seed=3, ignore_eos=True)]
+
+    async def main():  # one event loop: the client belongs to the loop of its first submit
+        return [await asyncio.gather(*(collect(pr, p) for pr in PROMPTS[:2])) for p in params]
+
+    for p, results in zip(params, run(main())):
+        for prompt, deltas, out in zip(PROMPTS, results, ref.generate(PROMPTS[:2], p)):
+            assert [t for d in deltas for t in d.token_ids] == out.token_ids
+            assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
+            assert deltas[-1].finish_reason == "length" and deltas[-1].num_output_tokens == len(out.token_ids)
+            assert deltas[-1].num_prompt_tokens == len(prompt)
+    assert client.num_pending == 0
+    wait_idle(eng)
+    assert client.gauges()["kv_capacity_tokens"] == eng.gauges()["kv_capacity_tokens"] > 0
+
+
+def test_bad_request_and_overload_are_refused(piped) -> None:
+    eng, _, client = piped
+
+    async def main():
+        with pytest.raises(InvalidRequestError, match="max_tokens|max_new_tokens"):
+            await client.submit(PROMPTS[0], SamplingParams(max_tokens=10_000))
+        long = SamplingParams(max_tokens=400, ignore_eos=True)
+        held = [await client.submit(PROMPTS[k], long) for k in range(2)]
+        with pytest.raises(EngineOverloadedError, match="max_pending"):
+            await client.submit(PROMPTS[2], long)
+        for s in held:
+            await s.aclose()
+
+    run(main())
+    wait_idle(eng)
+    assert eng.num_aborted == 2 and client.num_pending == 0
+
+
+def test_client_end_closing_aborts_its_requests(piped) -> None:
+    eng, _, client = piped
+
+    async def main():
+        stream = await client.submit(PROMPTS[0], SamplingParams(max_tokens=400, ignore_eos=True))
+        await stream.__anext__()  # generating
+        client.conn.close()
+
+    run(main())
+    wait_idle(eng)
+    assert eng.num_aborted == 1
+
+
+def test_engine_shutdown_fails_the_clients_streams(piped) -> None:
+    eng, _, client = piped
+
+    async def main():
+        stream = await client.submit(PROMPTS[0], SamplingParams(max_tokens=400, ignore_eos=True))
+        await stream.__anext__()
+        eng.shutdown()
+        with pytest.raises(EngineStoppedError):
+            async for _ in stream:  # the aborted last Delta may come first, then the pipe's close
+                pass
+            await client.submit(PROMPTS[1], SamplingParams(max_tokens=4))
+        with pytest.raises(EngineStoppedError):
+            await client.submit(PROMPTS[1], SamplingParams(max_tokens=4))
+
+    run(main())
+    assert not client.alive
