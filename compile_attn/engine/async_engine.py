@@ -20,6 +20,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -179,6 +180,7 @@ class AsyncLLM:
         self._wake_lock = threading.Lock()  # the write end is closed under it once the loop ends
         self._pipes: dict[int, tuple[Connection, Callable[[Any], None], Callable[[], None]]] = {}  # loop thread
         self._active: dict[int, _Stream] = {}  # loop thread only: request_id -> stream
+        self._loop_sinks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its LoopSink
         self._pending = 0
         self._count_lock = threading.Lock()
         self._stopped = False
@@ -202,7 +204,11 @@ class AsyncLLM:
                                             f"{self.max_pending}; retry later or raise max_pending")
             self._pending += 1
         out: asyncio.Queue = asyncio.Queue()
-        stream = _Stream(LoopSink(asyncio.get_running_loop()), out)
+        loop = asyncio.get_running_loop()
+        sink = self._loop_sinks.get(loop)
+        if sink is None:  # one sink per event loop: a step's Deltas for that loop go in one call
+            sink = self._loop_sinks[loop] = LoopSink(loop)
+        stream = _Stream(sink, out)
         self._post(("add", prompt, params, stream))
         first = await out.get()
         if isinstance(first, BaseException):
