@@ -111,12 +111,19 @@ class ForwardBatch:
     # Decode requests that share a cached prefix (shared_prefix.SharedPrefixGroup); None: not known, a backend may
     # find them itself. Read by the triton backend's shared-prefix (cascade) decode.
     shared_prefix: tuple[SharedPrefixGroup, ...] | None = None
+    # The request table does not hold this batch's new slots yet (one new token per request: token b is request
+    # b's): whoever runs the batch writes req_to_token[req_pool_indices[b], positions[b]] = out_cache_loc[b] on the
+    # device before the forward reads the table (write_pending_table; a decode graph's input copy does it on the
+    # way). Set by build(..., table_write_pending=True) for slots from kv.alloc_extend(..., defer_table_write=True).
+    table_write_pending: bool = False
     # Set by build (whose host and device views agree by construction); a batch assembled field by field, or
     # changed with dataclasses.replace, is checked in full (see check()).
     _built: bool = field(default=False, init=False, repr=False, compare=False)
     _scratch: bool = field(default=False, init=False, repr=False, compare=False)  # see build_scratch
     _checked_against: tuple[KVCache, torch.Tensor, int] | None = field(default=None, init=False, repr=False,
                                                                        compare=False)
+    # The out_cache_loc tensor build was given (kv.issued recognises it; on a GPU a host one is uploaded).
+    _given_loc: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.real_batch_size is None:
@@ -135,6 +142,7 @@ class ForwardBatch:
         positions: torch.Tensor | Sequence[int] | None = None,
         forward_mode: ForwardMode | None = None,
         device: torch.device | str = "cpu",
+        table_write_pending: bool = False,
     ) -> ForwardBatch:
         """Build a batch from host lists.
 
@@ -146,6 +154,10 @@ class ForwardBatch:
         lists of different lengths, a negative length or row, non-integer lengths, ``out_cache_loc`` /
         ``input_ids`` / ``positions`` without one entry per new token, or a ``forward_mode`` the lengths
         contradict. Whether the batch fits a KV cache is ``check``'s job (backends run it).
+
+        ``table_write_pending``: ``out_cache_loc`` came from ``kv.alloc_extend(..., defer_table_write=True)`` (a
+        host tensor, uploaded here with the other fields), and the batch's step writes it into the request table
+        (see the field); needs one new token per request.
         """
         device = torch.device(device)
         prefix_lens = _int_list("prefix_lens", prefix_lens)
@@ -171,6 +183,10 @@ class ForwardBatch:
                     f"extend_lens {_short(extend_lens)} sum to {num_tokens} tokens but {name} has {n} entries; "
                     f"give one entry per new token, request after request"
                 )
+        if table_write_pending and extend_lens.count(1) != bs:
+            raise InvalidBatchError(
+                f"table_write_pending needs one new token per request, got extend_lens {_short(extend_lens)}"
+            )
         if forward_mode is None:
             is_decode = [e == 1 and p > 0 for p, e in zip(prefix_lens, extend_lens)]
             if bs == 0:
@@ -227,8 +243,10 @@ class ForwardBatch:
             extend_prefix_lens_cpu=prefix_lens,
             extend_seq_lens_cpu=extend_lens,
             req_pool_indices_cpu=req_idx,
+            table_write_pending=table_write_pending,
         )
         fb._built = True
+        fb._given_loc = out_cache_loc if isinstance(out_cache_loc, torch.Tensor) else None
         return fb
 
     @classmethod
@@ -244,6 +262,17 @@ class ForwardBatch:
                        device=device)
         fb._scratch = True
         return fb
+
+    def write_pending_table(self, kv_cache: KVCache) -> None:
+        """Write this batch's new slots into ``kv_cache``'s request table if that is still pending
+        (``table_write_pending``): ``req_to_token[req_pool_indices[b], positions[b]] = out_cache_loc[b]``, two
+        device ops (the slots as int32, an index_put). Backends' eager entry and ``GraphRunner.run`` call it before
+        anything reads the table; a decode graph's input copy writes the table itself instead."""
+        if not self.table_write_pending:
+            return
+        if self.batch_size:
+            kv_cache.req_to_token[self.req_pool_indices, self.positions] = self.out_cache_loc.to(torch.int32)
+        self.table_write_pending = False
 
     # ------------------------------------------------------------------ derived sizes
     @property
@@ -382,16 +411,25 @@ class ForwardBatch:
         * A batch assembled field by field (the dataclass constructor, ``dataclasses.replace``) has no host view
           that is known to agree with its device tensors: it gets ``validate(kv_cache)``, which syncs.
         * Views of a graph runner's static buffers (``graph_bucket`` set) are filled from batches checked here.
+        * A batch whose table write is pending (``table_write_pending``) must be the first kind: the table does not
+          hold its slots yet, so there is nothing to compare them with.
         """
         if self.graph_bucket is not None or self._scratch:
             return
+        rows, prefix, extend = self.req_pool_indices_cpu, self.extend_prefix_lens_cpu, self.extend_seq_lens_cpu
+        given = self._given_loc if self._given_loc is not None else self.out_cache_loc
+        if self._built and kv_cache.issued(given, rows, prefix, extend):
+            return
+        if self.table_write_pending:
+            raise InvalidBatchError(
+                "the batch's request-table write is pending, but its out_cache_loc is not what a recent "
+                "kv.alloc_extend(..., defer_table_write=True) returned for its rows (or a request was freed since); "
+                "build the batch from that allocation with ForwardBatch.build and run it before freeing requests"
+            )
         if not self._built:
             self.validate(kv_cache)
             return
-        rows, prefix, extend = self.req_pool_indices_cpu, self.extend_prefix_lens_cpu, self.extend_seq_lens_cpu
         loc = self.out_cache_loc
-        if kv_cache.issued(loc, rows, prefix, extend):
-            return
         checked = self._checked_against
         if checked is not None and checked[0] is kv_cache and checked[1] is loc and checked[2] == kv_cache.generation:
             return  # checked before, and no request was freed since
