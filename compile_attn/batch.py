@@ -14,6 +14,7 @@ slots come from ``kv_cache.alloc_extend``); ``validate`` also reads device tenso
 
 from __future__ import annotations
 
+import array
 import enum
 import operator
 from collections.abc import Sequence
@@ -34,6 +35,10 @@ if TYPE_CHECKING:
 
 def _int_list(name: str, values: Sequence[int]) -> list[int]:
     """``values`` as a list of Python ints; InvalidBatchError for a float, None or other non-integer entry."""
+    try:  # one C loop for the usual int64 values (each taken through ``__index__``, as operator.index does)
+        return array.array("q", values).tolist()
+    except (TypeError, OverflowError):
+        pass  # the entry-by-entry path: Python ints past int64 pass here, their upload refuses them by name
     try:
         return [operator.index(x) for x in values]
     except TypeError:
@@ -183,38 +188,41 @@ class ForwardBatch:
                     f"extend_lens {_short(extend_lens)} sum to {num_tokens} tokens but {name} has {n} entries; "
                     f"give one entry per new token, request after request"
                 )
-        if table_write_pending and extend_lens.count(1) != bs:
+        one_each = extend_lens.count(1) == bs  # one new token per request (decode-shaped)
+        if table_write_pending and not one_each:
             raise InvalidBatchError(
                 f"table_write_pending needs one new token per request, got extend_lens {_short(extend_lens)}"
             )
         if forward_mode is None:
-            is_decode = [e == 1 and p > 0 for p, e in zip(prefix_lens, extend_lens)]
             if bs == 0:
                 forward_mode = ForwardMode.IDLE
-            elif all(is_decode):
+            elif one_each and min(prefix_lens) > 0:  # every request decodes: no per-request pass
                 forward_mode = ForwardMode.DECODE
-            elif any(is_decode):
+            elif any(e == 1 and p > 0 for p, e in zip(prefix_lens, extend_lens)):
                 forward_mode = ForwardMode.MIXED
             else:
                 forward_mode = ForwardMode.EXTEND
         else:
             forward_mode = ForwardMode(forward_mode)
-            if forward_mode.is_decode() and extend_lens.count(1) != bs:
+            if forward_mode.is_decode() and not one_each:
                 raise InvalidBatchError(
                     f"forward_mode DECODE needs extend_len 1 for every request, got {_short(extend_lens)}; "
                     f"leave forward_mode None to derive it"
                 )
             if forward_mode.is_idle() and bs:
                 raise InvalidBatchError(f"forward_mode IDLE needs an empty batch, got {bs} requests")
-        start_loc, acc = [], 0
-        for e in extend_lens:
-            start_loc.append(acc)
-            acc += e
+        if one_each:
+            start_loc = list(range(bs))
+        else:
+            start_loc, acc = [], 0
+            for e in extend_lens:
+                start_loc.append(acc)
+                acc += e
         if input_ids is None:
             input_ids = torch.zeros(num_tokens, dtype=torch.int64)
         # Host values go to the device in one copy (both dtypes); default positions are expanded on the host.
         if positions is None:  # decode (one token per request): each position is the prefix length
-            positions = prefix_lens if num_tokens == bs and extend_lens.count(1) == bs else (
+            positions = prefix_lens if one_each else (
                 ragged_arange(prefix_lens, extend_lens))
         # A slot tensor already in place is used as it is (on a GPU to_device does the same): the KV cache then
         # recognises the tensor its alloc_extend returned (check()).
