@@ -163,8 +163,8 @@ def test_steady_decode_step_issues_four_device_ops_outside_the_forward(llm: LLM,
 @pytest.mark.gpu
 def test_compiled_kernels_match_the_reference_without_a_sync_or_a_new_build() -> None:
     """On a GPU after ``warm_up``: batches of every size class at every offset into the buffers (what a step's
-    views into one upload look like) build no new kernel, make no host sync, and feed and copy like the
-    reference."""
+    views into one upload look like), every other one with the request-table write, build no new kernel, make no
+    host sync, and feed, copy and write the table like the reference."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from tests.engine.first_traffic import record_builds
@@ -172,32 +172,39 @@ def test_compiled_kernels_match_the_reference_without_a_sync_or_a_new_build() ->
     dev = torch.device("cuda")
     step_kernels.warm_up(dev, VOCAB)
     gen = torch.Generator().manual_seed(0)
+    context = 16
     cases = []
-    for n in (1, 2, 15, 16, 17, 64, 255, 256, 257, 1000):
+    for k, n in enumerate((1, 2, 15, 16, 17, 64, 255, 256, 257, 1000)):
         offset = n % 4
         tokens = torch.randint(-3, VOCAB + 20, (max(n // 2, 1),), generator=gen)
         ids = torch.where(torch.rand(n, generator=gen) < 0.5, torch.randint(0, VOCAB, (n,), generator=gen),
                           -torch.randint(1, tokens.numel() + 3, (n,), generator=gen))
-        srcs = [ids] + [torch.randint(0, 2**31 - 1, (n,), generator=gen) for _ in range(3)]
+        srcs = [ids, torch.randint(0, context, (n,), generator=gen), torch.randint(0, 2**31 - 1, (n,), generator=gen),
+                torch.randperm(n + 3, generator=gen)[:n]]  # positions in the table, slots, distinct rows
         srcs += [torch.randint(0, 2**31 - 1, (n,), generator=gen, dtype=torch.int32) for _ in range(2)]
         big = [torch.cat([torch.zeros(offset, dtype=s.dtype), s]).to(dev)[offset:] for s in srcs]  # unaligned views
         dsts = [torch.zeros(n + offset, dtype=s.dtype, device=dev)[offset:] for s in srcs]
         fed = torch.cat([torch.zeros(offset, dtype=torch.int64), ids]).to(dev)[offset:]
-        cases.append((ids, tokens, tokens.to(dev), big, dsts, fed, srcs))
+        table = torch.full((n + 3, context), -1, dtype=torch.int32, device=dev) if k % 2 else None
+        cases.append((ids, tokens, tokens.to(dev), big, dsts, fed, srcs, table))
     torch.cuda.synchronize()
     with record_builds() as builds:
         torch.cuda.set_sync_debug_mode("error")
         try:
-            for _, _, tokens_dev, big, dsts, fed, _ in cases:
-                copy_decode_inputs(dsts, big, TokenFeed(tokens_dev, VOCAB))
+            for _, _, tokens_dev, big, dsts, fed, _, table in cases:
+                copy_decode_inputs(dsts, big, TokenFeed(tokens_dev, VOCAB), table)
                 feed_tokens(fed, tokens_dev, VOCAB)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert builds.triton_jit == []
-    for ids, tokens, _, _, dsts, fed, srcs in cases:
+    for ids, tokens, _, _, dsts, fed, srcs, table in cases:
         expected = reference_feed(ids.tolist(), tokens.tolist(), VOCAB)
         assert fed.tolist() == expected and dsts[0].tolist() == expected
         assert [d.tolist() for d in dsts[1:]] == [s.tolist() for s in srcs[1:]]
+        if table is not None:
+            expected_table = [[-1] * context for _ in range(table.shape[0])]
+            reference_table_write(expected_table, srcs[3].tolist(), srcs[1].tolist(), srcs[2].tolist())
+            assert table.tolist() == expected_table
 
 
 def test_greedy_tokens_are_the_same_with_the_kernels_and_with_the_torch_ops(llm: LLM) -> None:
