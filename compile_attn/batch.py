@@ -35,10 +35,11 @@ if TYPE_CHECKING:
 
 def _int_list(name: str, values: Sequence[int]) -> list[int]:
     """``values`` as a list of Python ints; InvalidBatchError for a float, None or other non-integer entry."""
-    try:  # one C loop for the usual int64 values (each taken through ``__index__``, as operator.index does)
-        return array.array("q", values).tolist()
-    except (TypeError, OverflowError):
-        pass  # the entry-by-entry path: Python ints past int64 pass here, their upload refuses them by name
+    if type(values) in (list, tuple):  # one C loop for the usual int64 values (``__index__``, as operator.index)
+        try:
+            return array.array("q", values).tolist()
+        except (TypeError, OverflowError):
+            pass  # the entry-by-entry path: Python ints past int64 pass here, their upload refuses them by name
     try:
         return [operator.index(x) for x in values]
     except TypeError:
