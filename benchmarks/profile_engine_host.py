@@ -12,6 +12,9 @@ allocation, batch building, sampling, stop checks) with N requests decoding; the
 so that the CPU's logits and argmax do not count. On a GPU this time adds to every decode step.
 
     python benchmarks/profile_engine_host.py --decode-batch 256
+
+``--stub-model`` (with ``--decode-batch``): decode steps skip the model call and take zero logits, so the whole
+``step()`` is host work and no model time has to be subtracted (steadier on a busy host); 200 steps, one thread.
 """
 
 from __future__ import annotations
@@ -32,9 +35,14 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=1024)
     parser.add_argument("--iters", type=int, default=9)
     parser.add_argument("--decode-batch", type=int, default=0)
+    parser.add_argument("--stub-model", action="store_true")
     args = parser.parse_args()
     if args.decode_batch:
-        decode_host(args.decode_batch, args.prompt_len // 2)
+        if args.stub_model:
+            torch.set_num_threads(1)
+            decode_host(args.decode_batch, args.prompt_len // 2, new_tokens=200, stub_model=True)
+        else:
+            decode_host(args.decode_batch, args.prompt_len // 2)
         return
 
     tokens = args.requests * args.prompt_len
@@ -69,7 +77,7 @@ def main() -> None:
         print(f"| {name} | {statistics.median(values):.2f} |")
 
 
-def decode_host(bs: int, prompt_len: int, new_tokens: int = 40) -> None:
+def decode_host(bs: int, prompt_len: int, new_tokens: int = 40, stub_model: bool = False) -> None:
     shape = dict(bench.TINY, vocab_size=512, max_position_embeddings=prompt_len + new_tokens + 8)
     model = bench._hf_model(bench.BenchConfig(shape=shape, device="cpu"), "sdpa", torch.float32)
     llm = LLM(model, attn_backend="torch_native", max_batch_size=bs, max_num_tokens=bs * prompt_len,
@@ -84,7 +92,12 @@ def decode_host(bs: int, prompt_len: int, new_tokens: int = 40) -> None:
         in_model[0] += time.perf_counter() - t0
         return out
 
-    llm.step_runner.run = timed_run
+    zeros = torch.zeros(bs, shape["vocab_size"])
+
+    def stub_run(fb, keep, feed=None):  # noqa: ANN001, ANN202
+        return zeros[:fb.batch_size] if fb.forward_mode.is_decode() else run(fb, keep, feed)
+
+    llm.step_runner.run = stub_run if stub_model else timed_run
     prompts = torch.randint(0, shape["vocab_size"], (bs, prompt_len), generator=torch.Generator().manual_seed(0))
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     for prompt in prompts.tolist():
@@ -96,7 +109,8 @@ def decode_host(bs: int, prompt_len: int, new_tokens: int = 40) -> None:
         t0 = time.perf_counter()
         llm.step()
         host_ms.append((time.perf_counter() - t0 - in_model[0]) * 1e3)
-    print(f"## engine host time per decode step outside the model, batch {bs}, context {prompt_len}+\n\n"
+    what = "with the model call stubbed" if stub_model else "outside the model"
+    print(f"## engine host time per decode step {what}, batch {bs}, context {prompt_len}+\n\n"
           f"median {statistics.median(host_ms):.3f} ms over {len(host_ms)} steps")
 
 

@@ -14,6 +14,7 @@ slots come from ``kv_cache.alloc_extend``); ``validate`` also reads device tenso
 
 from __future__ import annotations
 
+import array
 import enum
 import operator
 from collections.abc import Sequence
@@ -34,6 +35,11 @@ if TYPE_CHECKING:
 
 def _int_list(name: str, values: Sequence[int]) -> list[int]:
     """``values`` as a list of Python ints; InvalidBatchError for a float, None or other non-integer entry."""
+    if type(values) in (list, tuple):  # one C loop for the usual int64 values (``__index__``, as operator.index)
+        try:
+            return array.array("q", values).tolist()
+        except (TypeError, OverflowError):
+            pass  # the entry-by-entry path: Python ints past int64 pass here, their upload refuses them by name
     try:
         return [operator.index(x) for x in values]
     except TypeError:
@@ -111,12 +117,19 @@ class ForwardBatch:
     # Decode requests that share a cached prefix (shared_prefix.SharedPrefixGroup); None: not known, a backend may
     # find them itself. Read by the triton backend's shared-prefix (cascade) decode.
     shared_prefix: tuple[SharedPrefixGroup, ...] | None = None
+    # The request table does not hold this batch's new slots yet (one new token per request: token b is request
+    # b's): whoever runs the batch writes req_to_token[req_pool_indices[b], positions[b]] = out_cache_loc[b] on the
+    # device before the forward reads the table (write_pending_table; a decode graph's input copy does it on the
+    # way). Set by build(..., table_write_pending=True) for slots from kv.alloc_extend(..., defer_table_write=True).
+    table_write_pending: bool = False
     # Set by build (whose host and device views agree by construction); a batch assembled field by field, or
     # changed with dataclasses.replace, is checked in full (see check()).
     _built: bool = field(default=False, init=False, repr=False, compare=False)
     _scratch: bool = field(default=False, init=False, repr=False, compare=False)  # see build_scratch
     _checked_against: tuple[KVCache, torch.Tensor, int] | None = field(default=None, init=False, repr=False,
                                                                        compare=False)
+    # The out_cache_loc tensor build was given (kv.issued recognises it; on a GPU a host one is uploaded).
+    _given_loc: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.real_batch_size is None:
@@ -135,6 +148,7 @@ class ForwardBatch:
         positions: torch.Tensor | Sequence[int] | None = None,
         forward_mode: ForwardMode | None = None,
         device: torch.device | str = "cpu",
+        table_write_pending: bool = False,
     ) -> ForwardBatch:
         """Build a batch from host lists.
 
@@ -146,6 +160,10 @@ class ForwardBatch:
         lists of different lengths, a negative length or row, non-integer lengths, ``out_cache_loc`` /
         ``input_ids`` / ``positions`` without one entry per new token, or a ``forward_mode`` the lengths
         contradict. Whether the batch fits a KV cache is ``check``'s job (backends run it).
+
+        ``table_write_pending``: ``out_cache_loc`` came from ``kv.alloc_extend(..., defer_table_write=True)`` (a
+        host tensor, uploaded here with the other fields), and the batch's step writes it into the request table
+        (see the field); needs one new token per request.
         """
         device = torch.device(device)
         prefix_lens = _int_list("prefix_lens", prefix_lens)
@@ -171,34 +189,41 @@ class ForwardBatch:
                     f"extend_lens {_short(extend_lens)} sum to {num_tokens} tokens but {name} has {n} entries; "
                     f"give one entry per new token, request after request"
                 )
+        one_each = extend_lens.count(1) == bs  # one new token per request (decode-shaped)
+        if table_write_pending and not one_each:
+            raise InvalidBatchError(
+                f"table_write_pending needs one new token per request, got extend_lens {_short(extend_lens)}"
+            )
         if forward_mode is None:
-            is_decode = [e == 1 and p > 0 for p, e in zip(prefix_lens, extend_lens)]
             if bs == 0:
                 forward_mode = ForwardMode.IDLE
-            elif all(is_decode):
+            elif one_each and min(prefix_lens) > 0:  # every request decodes: no per-request pass
                 forward_mode = ForwardMode.DECODE
-            elif any(is_decode):
+            elif any(e == 1 and p > 0 for p, e in zip(prefix_lens, extend_lens)):
                 forward_mode = ForwardMode.MIXED
             else:
                 forward_mode = ForwardMode.EXTEND
         else:
             forward_mode = ForwardMode(forward_mode)
-            if forward_mode.is_decode() and extend_lens.count(1) != bs:
+            if forward_mode.is_decode() and not one_each:
                 raise InvalidBatchError(
                     f"forward_mode DECODE needs extend_len 1 for every request, got {_short(extend_lens)}; "
                     f"leave forward_mode None to derive it"
                 )
             if forward_mode.is_idle() and bs:
                 raise InvalidBatchError(f"forward_mode IDLE needs an empty batch, got {bs} requests")
-        start_loc, acc = [], 0
-        for e in extend_lens:
-            start_loc.append(acc)
-            acc += e
+        if one_each:
+            start_loc = list(range(bs))
+        else:
+            start_loc, acc = [], 0
+            for e in extend_lens:
+                start_loc.append(acc)
+                acc += e
         if input_ids is None:
             input_ids = torch.zeros(num_tokens, dtype=torch.int64)
         # Host values go to the device in one copy (both dtypes); default positions are expanded on the host.
         if positions is None:  # decode (one token per request): each position is the prefix length
-            positions = prefix_lens if num_tokens == bs and extend_lens.count(1) == bs else (
+            positions = prefix_lens if one_each else (
                 ragged_arange(prefix_lens, extend_lens))
         # A slot tensor already in place is used as it is (on a GPU to_device does the same): the KV cache then
         # recognises the tensor its alloc_extend returned (check()).
@@ -227,8 +252,10 @@ class ForwardBatch:
             extend_prefix_lens_cpu=prefix_lens,
             extend_seq_lens_cpu=extend_lens,
             req_pool_indices_cpu=req_idx,
+            table_write_pending=table_write_pending,
         )
         fb._built = True
+        fb._given_loc = out_cache_loc if isinstance(out_cache_loc, torch.Tensor) else None
         return fb
 
     @classmethod
@@ -244,6 +271,17 @@ class ForwardBatch:
                        device=device)
         fb._scratch = True
         return fb
+
+    def write_pending_table(self, kv_cache: KVCache) -> None:
+        """Write this batch's new slots into ``kv_cache``'s request table if that is still pending
+        (``table_write_pending``): ``req_to_token[req_pool_indices[b], positions[b]] = out_cache_loc[b]``, two
+        device ops (the slots as int32, an index_put). Backends' eager entry and ``GraphRunner.run`` call it before
+        anything reads the table; a decode graph's input copy writes the table itself instead."""
+        if not self.table_write_pending:
+            return
+        if self.batch_size:
+            kv_cache.req_to_token[self.req_pool_indices, self.positions] = self.out_cache_loc.to(torch.int32)
+        self.table_write_pending = False
 
     # ------------------------------------------------------------------ derived sizes
     @property
@@ -382,16 +420,25 @@ class ForwardBatch:
         * A batch assembled field by field (the dataclass constructor, ``dataclasses.replace``) has no host view
           that is known to agree with its device tensors: it gets ``validate(kv_cache)``, which syncs.
         * Views of a graph runner's static buffers (``graph_bucket`` set) are filled from batches checked here.
+        * A batch whose table write is pending (``table_write_pending``) must be the first kind: the table does not
+          hold its slots yet, so there is nothing to compare them with.
         """
         if self.graph_bucket is not None or self._scratch:
             return
+        rows, prefix, extend = self.req_pool_indices_cpu, self.extend_prefix_lens_cpu, self.extend_seq_lens_cpu
+        given = self._given_loc if self._given_loc is not None else self.out_cache_loc
+        if self._built and kv_cache.issued(given, rows, prefix, extend):
+            return
+        if self.table_write_pending:
+            raise InvalidBatchError(
+                "the batch's request-table write is pending, but its out_cache_loc is not what a recent "
+                "kv.alloc_extend(..., defer_table_write=True) returned for its rows (or a request was freed since); "
+                "build the batch from that allocation with ForwardBatch.build and run it before freeing requests"
+            )
         if not self._built:
             self.validate(kv_cache)
             return
-        rows, prefix, extend = self.req_pool_indices_cpu, self.extend_prefix_lens_cpu, self.extend_seq_lens_cpu
         loc = self.out_cache_loc
-        if kv_cache.issued(loc, rows, prefix, extend):
-            return
         checked = self._checked_against
         if checked is not None and checked[0] is kv_cache and checked[1] is loc and checked[2] == kv_cache.generation:
             return  # checked before, and no request was freed since

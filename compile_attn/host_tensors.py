@@ -110,17 +110,17 @@ def to_device_groups(
         _unpack(flat, host, outs[0])
         return outs  # type: ignore[return-value]
     raw = bytearray()
-    spans = []  # per group: its first int64 entry and its int64 entries
+    spans = []  # per group: its int64 entries
     for buf, _ in packed:
-        start = len(raw) // 8
+        start = len(raw)
         raw.extend(buf.tobytes())
         raw.extend(bytes(-len(raw) % 8))
-        spans.append((start, len(raw) // 8 - start))
+        spans.append((len(raw) - start) // 8)
     flat = upload(torch.frombuffer(raw, dtype=torch.int64) if raw else torch.empty(0, dtype=torch.int64), device)
-    for (buf, host), (_, dtype), out, (start, size) in zip(packed, groups, outs, spans):
+    # Views by split_with_sizes (one C call each), not by slicing: at small batches each torch call is the cost.
+    for (_, host), (_, dtype), out, words in zip(packed, groups, outs, flat.split_with_sizes(spans)):
         if host:
-            words = flat[start:start + size]
-            _unpack(words if dtype == torch.int64 else words.view(dtype)[:len(buf)], host, out)
+            _unpack(words if dtype == torch.int64 else words.view(dtype), host, out)
     return outs  # type: ignore[return-value]
 
 
@@ -156,8 +156,10 @@ def _pack(parts: list, dtype: torch.dtype, device: torch.device,
 
 def _unpack(flat: torch.Tensor, host: list[tuple[int, int, tuple[int, ...] | None]],
             out: list[torch.Tensor | None]) -> None:
-    """Fill ``out``'s host parts with views of the uploaded ``flat``."""
-    pieces = flat.split_with_sizes([n for _, n, _ in host])  # the C method: Tensor.split adds a Python layer
+    """Fill ``out``'s host parts with views of the uploaded ``flat`` (which may end in padding entries)."""
+    sizes = [n for _, n, _ in host]
+    rest = flat.numel() - sum(sizes)
+    pieces = flat.split_with_sizes(sizes + [rest] if rest else sizes)  # the C method: Tensor.split adds a layer
     for (i, _, shape), piece in zip(host, pieces):
         out[i] = piece if shape is None else piece.view(shape)
 

@@ -22,7 +22,7 @@ import torch
 
 from compile_attn.arg_checks import kv_dtype, positive_int, renamed_keywords
 from compile_attn.errors import InvalidBatchError, KVCacheExhaustedError
-from compile_attn.host_tensors import ragged_arange, repeat_each, to_device, to_device_groups
+from compile_attn.host_tensors import int_tensor, ragged_arange, repeat_each, to_device, to_device_groups
 from compile_attn.kv_batch_checks import BatchChecks
 from compile_attn.page_allocator import PageAllocator
 
@@ -266,12 +266,19 @@ class KVCache(BatchChecks):
         ps, lens, pages_of = self.page_size, self._lens, self._pages
         return sum(max(0, (lens[r] + ps) // ps - len(pages_of[r])) for r in rows)
 
-    def alloc_extend(self, rows: Sequence[int], extend_lens: Sequence[int]) -> torch.Tensor:
+    def alloc_extend(self, rows: Sequence[int], extend_lens: Sequence[int], *,
+                     defer_table_write: bool = False) -> torch.Tensor:
         """Allocate slots for ``extend_lens[i]`` new tokens of request ``rows[i]``, for the whole batch.
 
         Returns ``out_cache_loc`` (int64, on the cache's device, tokens request after request) and
         fills ``req_to_token``. Raises KVCacheExhaustedError with nothing changed if the pages do
         not fit, InvalidBatchError if a request would pass ``max_context``.
+
+        ``defer_table_write`` (one new token per row only): ``out_cache_loc`` comes back as a host tensor and the
+        table is not written; the batch built from it (``ForwardBatch.build(..., table_write_pending=True)``)
+        carries the slots to the device in its own upload and its step writes ``req_to_token[rows[i], start_i] =
+        out_cache_loc[i]`` before the forward reads the table (``ForwardBatch.write_pending_table``, or on the way
+        into a decode graph's buffers, ``step_kernels.copy_decode_inputs``): no upload and no device op here.
         """
         rows, extend_lens = list(rows), list(extend_lens)
         if len(rows) != len(extend_lens):
@@ -279,8 +286,14 @@ class KVCache(BatchChecks):
                 f"alloc_extend needs one extend_len per request row, got {len(rows)} rows {rows} and "
                 f"{len(extend_lens)} extend_lens {extend_lens}; nothing was allocated"
             )
-        if rows and extend_lens.count(1) == len(extend_lens):
-            out = self._alloc_decode(rows)
+        one_each = extend_lens.count(1) == len(extend_lens)
+        if defer_table_write and not one_each:
+            raise InvalidBatchError(
+                f"defer_table_write needs one new token per request row, got extend_lens {extend_lens}; nothing was "
+                f"allocated"
+            )
+        if rows and one_each:
+            out = self._alloc_decode(rows, defer_table_write)
             if out is not None:
                 return out
         for row, n in zip(rows, extend_lens):
@@ -319,7 +332,9 @@ class KVCache(BatchChecks):
             starts.append(start)
             self._lens[row] = start + n
         if not slots:
-            return torch.empty(0, dtype=torch.int64, device=self.device)
+            return torch.empty(0, dtype=torch.int64, device="cpu" if defer_table_write else self.device)
+        if defer_table_write:
+            return self._deferred(slots, rows, starts)
         # One host-to-device copy: the slots, then each token's request row and position (expanded on the host),
         # and the table written with them on the device.
         (out, token_rows, token_positions), (slots32,) = to_device_groups([  # the table's int32 copy rides along
@@ -329,7 +344,7 @@ class KVCache(BatchChecks):
         self._issued.append((weakref.ref(out), rows, starts, extend_lens))
         return out
 
-    def _alloc_decode(self, rows: list[int]) -> torch.Tensor | None:
+    def _alloc_decode(self, rows: list[int], defer_table_write: bool = False) -> torch.Tensor | None:
         """``alloc_extend`` of one token for each of ``rows`` in comprehensions, not a loop of calls: a decode
         step of hundreds of requests runs it every step. None (nothing changed) when a check fails or the
         bookkeeping is not the usual "pages cover exactly the tokens"; the general path then does the work or
@@ -355,10 +370,18 @@ class KVCache(BatchChecks):
         else:
             slots = [pages[s // ps] * ps + s % ps for pages, s in zip(page_lists, starts)]
         lens.update(zip(rows, [s + 1 for s in starts]))
+        if defer_table_write:
+            return self._deferred(slots, rows, starts)
         # one token per request: nothing to expand on the device
         (out, rows_t, starts_t), (slots32,) = to_device_groups([([slots, rows, starts], torch.int64),
                                                                  ([slots], torch.int32)], self.device)
         self.req_to_token[rows_t, starts_t] = slots32
+        self._issued.append((weakref.ref(out), rows, starts, [1] * len(rows)))
+        return out
+
+    def _deferred(self, slots: Sequence[int], rows: list[int], starts: list[int]) -> torch.Tensor:
+        """The host ``out_cache_loc`` of a one-token-per-row allocation whose table write is left to its step."""
+        out = int_tensor(slots)
         self._issued.append((weakref.ref(out), rows, starts, [1] * len(rows)))
         return out
 

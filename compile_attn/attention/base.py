@@ -8,7 +8,8 @@ The three-method metadata contract lets a graph runner capture decode as one ful
 * ``init_forward_metadata_in_graph(fb)`` is recorded into the graph: static shapes only, no
   ``.item()``/``.cpu()``/``.tolist()``, no host sync, no allocation whose address must persist.
 * ``init_forward_metadata(fb)`` is the eager entry: ``fb.check(kv_cache)`` (the batch fits the cache;
-  see ``ForwardBatch.check`` for what that costs), then out_graph, then in_graph.
+  see ``ForwardBatch.check`` for what that costs), the batch's pending request-table write if it has one
+  (``ForwardBatch.write_pending_table``), then out_graph, then in_graph.
 
 ``forward`` checks the batch too if the eager entry did not, and the shapes, dtypes and devices of
 q/k/v/out against the layer, the batch and the KV pool, before anything is written (InvalidBatchError).
@@ -80,8 +81,10 @@ class AttentionBackend(ABC):
     # ------------------------------------------------------------------ the metadata contract
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         """Eager entry: check that ``fb`` fits the KV cache (InvalidBatchError, nothing prepared), then prepare
-        everything ``forward`` needs for it."""
+        everything ``forward`` needs for it (a request-table write the batch still owes first: see
+        ``ForwardBatch.table_write_pending``)."""
         fb.check(self.kv_cache)
+        fb.write_pending_table(self.kv_cache)
         self._checked_batch = fb
         self.init_forward_metadata_out_graph(fb, in_capture=False)
         self.init_forward_metadata_in_graph(fb)
@@ -141,6 +144,7 @@ class AttentionBackend(ABC):
             return
         if fb is not self._checked_batch:  # e.g. an extend batch run without init_forward_metadata
             fb.check(self.kv_cache)
+            fb.write_pending_table(self.kv_cache)
             self._checked_batch = fb
         self.check_inputs(q, k, v, layer, fb, out)
         if fb.forward_mode.is_decode():

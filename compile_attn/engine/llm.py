@@ -73,7 +73,9 @@ class LLM:
                                            device=device)
         self.kv_cache.enable_prefix_cache(config.enable_prefix_cache)  # reuse computed prompts' KV
         self.backend = create_backend(config.attn_backend, self.kv_cache, layers)
-        self.scheduler = Scheduler(self.kv_cache, config.max_batch_size, config.max_num_tokens)
+        # Decode steps' KV slots go up with the batch and the table write rides in the step (GraphRunner.run).
+        self.scheduler = Scheduler(self.kv_cache, config.max_batch_size, config.max_num_tokens,
+                                   defer_table_write=True)
         # Shared-prefix groups of decode batches (None: not looked for); see EngineConfig.cascade_decode.
         self.prefix_groups = engine_prefix_finder(config.cascade_decode, self.kv_cache, self.backend)
         self.step_runner = StepRunner(
@@ -281,7 +283,7 @@ class LLM:
             fb = ForwardBatch.build(
                 req_pool_indices=[r.row for r in step.requests], prefix_lens=step.prefix_lens,
                 extend_lens=step.extend_lens, out_cache_loc=step.out_cache_loc,
-                input_ids=step.input_ids(), device=self.device,
+                input_ids=step.input_ids(), device=self.device, table_write_pending=step.table_write_pending,
             )
             if self.prefix_groups is not None and fb.forward_mode.is_decode():
                 fb.shared_prefix = self.prefix_groups.groups_for(fb)

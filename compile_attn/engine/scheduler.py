@@ -41,6 +41,9 @@ class ScheduledStep:
     prefix_lens: list[int]
     extend_lens: list[int]
     out_cache_loc: torch.Tensor
+    # The request table's entries for the new slots are left to the step (a host out_cache_loc, see
+    # KVCache.alloc_extend's defer_table_write): build the batch with ForwardBatch.build(table_write_pending=...).
+    table_write_pending: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -66,8 +69,13 @@ class SchedulerState:
 
 
 class Scheduler:
-    def __init__(self, kv_cache: KVCache, max_batch_size: int, max_num_tokens: int) -> None:
+    def __init__(self, kv_cache: KVCache, max_batch_size: int, max_num_tokens: int, *,
+                 defer_table_write: bool = False) -> None:
+        """``defer_table_write``: steps of one new token per request (decode) leave the request table's write to
+        the step that runs them (``ScheduledStep.table_write_pending``), so their slots reach the device in the
+        batch's own upload."""
         self.kv = kv_cache
+        self.defer_table_write = defer_table_write
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
         self.waiting: deque[Request] = deque()
@@ -218,8 +226,9 @@ class Scheduler:
             return None
         reqs = [r for r, _ in chosen]
         extend_lens = [n for _, n in chosen]
-        out_cache_loc = self.kv.alloc_extend([r.row for r in reqs], extend_lens)
-        return ScheduledStep(reqs, [r.num_cached for r in reqs], extend_lens, out_cache_loc)
+        defer = self.defer_table_write and extend_lens.count(1) == len(extend_lens)
+        out_cache_loc = self.kv.alloc_extend([r.row for r in reqs], extend_lens, defer_table_write=defer)
+        return ScheduledStep(reqs, [r.num_cached for r in reqs], extend_lens, out_cache_loc, defer)
 
     def _share_key(self, req: Request) -> tuple[int, ...] | None:
         """The first ``SHARE_MIN_TOKENS`` tokens of ``req`` (rounded up to whole pages) when it has more, else None:

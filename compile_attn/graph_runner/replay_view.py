@@ -83,13 +83,15 @@ class ReplayViews:
         self._tokens_dirty = n
 
     # ------------------------------------------------------------------ views
-    def decode_view(self, fb: ForwardBatch, bucket: int, feed: TokenFeed | None = None) -> ForwardBatch:
+    def decode_view(self, fb: ForwardBatch, bucket: int, feed: TokenFeed | None = None,
+                    table: torch.Tensor | None = None) -> ForwardBatch:
         """``fb`` (DECODE, ``batch_size <= bucket``) padded with requests up to ``bucket``; its live fields go in
-        one kernel where it can (``copy_decode_inputs``), the placeholders of its input ids replaced by ``feed``."""
+        one kernel where it can (``copy_decode_inputs``), the placeholders of its input ids replaced by ``feed``,
+        and with ``table`` (the KV cache's request table) each request's new slot written into it."""
         b, bs = self.buffers, fb.batch_size
         int64_targets, int32_targets = self._targets(bs, bs)
         copy_decode_inputs(int64_targets + int32_targets[:2], [fb.input_ids, fb.positions, fb.out_cache_loc,
-                           fb.req_pool_indices, fb.seq_lens, fb.extend_prefix_lens], feed)
+                           fb.req_pool_indices, fb.seq_lens, fb.extend_prefix_lens], feed, table)
         self._repad_tokens(bs)
         if self._requests_dirty > bs:
             pad = slice(bs, self._requests_dirty)

@@ -259,6 +259,8 @@ class GraphRunner:
         """Run one step; returns the model output for the batch's real tokens. ``feed``: what the placeholders in
         ``fb.input_ids`` stand for (engine/in_flight.py); a graph-bucketed decode step replaces them on the way into
         the static buffers, in the same kernel as the copy (``step_kernels.copy_decode_inputs``), others in place.
+        The batch's pending request-table write (``fb.table_write_pending``) rides in that kernel too; other routes
+        write it first (``fb.write_pending_table``).
 
         Capture and every step run under ``torch.inference_mode()``, whatever the caller's mode: the compiled
         model's Dynamo guards include the inputs' dispatch keys, which differ between inference-mode and
@@ -268,12 +270,16 @@ class GraphRunner:
         shared = route is not None
         if not shared:
             route = self.route(fb)
-        if feed is not None and (route is None or shared or not fb.forward_mode.is_decode()):
+        decode_copy = route is not None and not shared and fb.forward_mode.is_decode()  # into a decode graph
+        if feed is not None and not decode_copy:
             feed.apply(fb.input_ids)
             feed = None
         if route is None:
             return self.run_eager(fb)
-        fb.check(self.backend.kv_cache)  # a graph replay reads the batch unchecked: the eager entry's check here
+        kv = self.backend.kv_cache
+        fb.check(kv)  # a graph replay reads the batch unchecked: the eager entry's check here
+        if not decode_copy:
+            fb.write_pending_table(kv)
         if not self.captured:
             raise RuntimeError(
                 "GraphRunner.run() needs graphs: call runner.capture() once before the first step"
@@ -283,8 +289,9 @@ class GraphRunner:
             view = self.views.extend_view(fb, bucket)
             view.shared_prefix, view.req_pool_indices_cpu = fb.shared_prefix, fb.req_pool_indices_cpu
             self.stats.shared_prefix_runs += 1
-        elif fb.forward_mode.is_decode():
-            view = self.views.decode_view(fb, bucket, feed)
+        elif decode_copy:
+            view = self.views.decode_view(fb, bucket, feed, kv.req_to_token if fb.table_write_pending else None)
+            fb.table_write_pending = False
         else:
             view = self.views.extend_view(fb, bucket)
         self.backend.init_forward_metadata_out_graph(view)
