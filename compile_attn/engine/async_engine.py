@@ -89,6 +89,7 @@ class _Stream:
         self.sink, self.out, self.key = sink, out, key
         self.req: Request | None = None
         self.sent_tokens = 0
+        self.admitted_at = 0.0  # perf_counter() when the loop admitted it
         self.detok: IncrementalDetokenizer | None = None  # the request's streamed text
         self.wants_text = out is not None  # a local consumer: the loop thread detokenises for it
         self.gone = False  # the consumer's event loop is closed: nobody will read more
@@ -415,6 +416,7 @@ class AsyncLLM:
                 self._release()
                 stream.put(exc)
                 return
+            stream.admitted_at = time.perf_counter()
             self._active[stream.req.request_id] = stream
             if stream.wants_text and self.llm.tokenizer is not None:
                 stream.detok = IncrementalDetokenizer(self.llm.tokenizer, stream.req.params.stop)
@@ -476,6 +478,8 @@ class AsyncLLM:
             req = stream.req
             done = req.status is RequestStatus.FINISHED
             if done or req.num_output_known > stream.sent_tokens:
+                if stream.sent_tokens == 0 and req.num_output_known:
+                    self.stats.add_first_token(time.perf_counter() - stream.admitted_at)
                 by_sink.setdefault(id(stream.sink), []).append((stream, self._delta(stream, finished=done)))
             if done:
                 del self._active[rid]

@@ -20,12 +20,19 @@ class StepCounts:
     by_batch: dict[int, int] = field(default_factory=dict)
     other_seconds: float = 0.0  # the loop outside LLM.step: Deltas handed out, commands handled
     idle_seconds: float = 0.0  # the loop waiting for a command with no work
+    first_tokens: tuple[float, ...] = ()  # per request: seconds from its admission to its first token handed out
+    num_first_tokens: int = 0  # requests ever counted (``first_tokens`` keeps the most recent ones)
 
     def __sub__(self, before: StepCounts) -> StepCounts:
         diff = {b: n - before.by_batch.get(b, 0) for b, n in self.by_batch.items()}
         return StepCounts(self.steps - before.steps, self.seconds - before.seconds,
                           {b: n for b, n in diff.items() if n}, self.other_seconds - before.other_seconds,
-                          self.idle_seconds - before.idle_seconds)
+                          self.idle_seconds - before.idle_seconds, self._newest(self.num_first_tokens
+                                                                              - before.num_first_tokens),
+                          self.num_first_tokens - before.num_first_tokens)
+
+    def _newest(self, k: int) -> tuple[float, ...]:
+        return self.first_tokens[len(self.first_tokens) - k:] if k > 0 else ()
 
     @property
     def mean_batch(self) -> float | None:
@@ -49,10 +56,17 @@ class StepCounts:
         return 1e3 * self.seconds / self.steps if self.steps else None
 
     def summary(self) -> dict:
-        """JSON-ready: steps, mean step ms, mean and median batch size, seconds in steps / elsewhere / idle."""
+        """JSON-ready: steps, mean step ms, mean and median batch size, seconds in steps / elsewhere / idle, and
+        the median time from a request's admission by the loop to its first token handed out (the engine's part
+        of the time to first token)."""
+        firsts = sorted(self.first_tokens)
         return dict(steps=self.steps, mean_step_ms=self.mean_step_ms, mean_batch=self.mean_batch,
                     median_batch=self.median_batch, step_s=self.seconds, other_s=self.other_seconds,
-                    idle_s=self.idle_seconds)
+                    idle_s=self.idle_seconds,
+                    engine_ttft_p50_ms=1e3 * firsts[(len(firsts) - 1) // 2] if firsts else None)
+
+
+MAX_FIRST_TOKENS = 50_000
 
 
 class LoopStats:
@@ -65,6 +79,8 @@ class LoopStats:
         self._by_batch: Counter[int] = Counter()
         self._other = 0.0
         self._idle = 0.0
+        self._first_tokens: list[float] = []  # the most recent MAX_FIRST_TOKENS (at least)
+        self._num_first_tokens = 0
 
     def record(self, batch: int, seconds: float) -> None:
         with self._lock:
@@ -80,6 +96,14 @@ class LoopStats:
         with self._lock:
             self._idle += seconds
 
+    def add_first_token(self, seconds: float) -> None:
+        with self._lock:
+            self._num_first_tokens += 1
+            self._first_tokens.append(seconds)
+            if len(self._first_tokens) > 2 * MAX_FIRST_TOKENS:  # a long-running server keeps the recent ones
+                del self._first_tokens[:MAX_FIRST_TOKENS]
+
     def snapshot(self) -> StepCounts:
         with self._lock:
-            return StepCounts(self._steps, self._seconds, dict(self._by_batch), self._other, self._idle)
+            return StepCounts(self._steps, self._seconds, dict(self._by_batch), self._other, self._idle,
+                              tuple(self._first_tokens), self._num_first_tokens)

@@ -17,7 +17,7 @@ import torch
 from compile_attn.engine import LLM, InvalidRequestError, SamplingParams
 from compile_attn.engine.async_engine import AsyncLLM, EngineOverloadedError, EngineStoppedError
 from compile_attn.models import ToyDecoder, ToyDecoderConfig
-from compile_attn.engine.loop_stats import StepCounts
+from compile_attn.engine.loop_stats import LoopStats, StepCounts
 
 CFG = ToyDecoderConfig(vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
                        intermediate_size=64)
@@ -221,6 +221,32 @@ def test_step_counts_mean_and_median() -> None:
     assert c.mean_batch == pytest.approx((1 + 3 + 3 + 8) / 4) and c.median_batch == 3
     assert c.mean_step_ms == pytest.approx(100.0)
     assert StepCounts().median_batch is None and StepCounts().mean_batch is None
+
+
+def test_first_token_times_are_counted_per_request(engine: AsyncLLM) -> None:
+    stats = LoopStats()
+    for x in (0.3, 0.1, 0.2):
+        stats.add_first_token(x)
+    before = stats.snapshot()
+    for x in (0.5, 0.4):
+        stats.add_first_token(x)
+    diff = stats.snapshot() - before
+    assert diff.first_tokens == (0.5, 0.4) and diff.num_first_tokens == 2
+    assert diff.summary()["engine_ttft_p50_ms"] == pytest.approx(400.0)  # the lower middle of two
+
+    before, start = engine.stats.snapshot(), time.perf_counter()
+
+    async def one(prompt):
+        return [d async for d in engine.generate(prompt, SamplingParams(max_tokens=5, ignore_eos=True))]
+
+    async def both():
+        return await asyncio.gather(one(PROMPTS[0]), one(PROMPTS[1]))
+
+    run(both())
+    elapsed = time.perf_counter() - start
+    diff = engine.stats.snapshot() - before
+    assert diff.num_first_tokens == 2 and all(0 < t < elapsed for t in diff.first_tokens)
+    wait_idle(engine)
 
 
 def wait_idle_fresh(eng: AsyncLLM, fresh: int) -> None:
