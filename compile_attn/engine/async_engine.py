@@ -211,7 +211,11 @@ class AsyncLLM:
             sink = self._loop_sinks[loop] = LoopSink(loop)
         stream = _Stream(sink, out)
         self._post(("add", prompt, params, stream))
-        first = await out.get()
+        try:
+            first = await out.get()
+        except BaseException:  # cancelled while waiting for admission: drop the request once admitted
+            self._post(("abort", stream))
+            raise
         if isinstance(first, BaseException):
             raise first
         return RequestStream(self, stream)

@@ -157,8 +157,8 @@ class EngineClient:
         try:
             self._send(("add", key, prompt, params))
             await stream.admitted
-        except BaseException:
-            self._end(stream)
+        except BaseException:  # refused, or the caller was cancelled while waiting: the engine drops it
+            self.abort_stream(stream)
             raise
         return RequestStream(self, stream)
 

@@ -252,3 +252,18 @@ def test_first_token_times_are_counted_per_request(engine: AsyncLLM) -> None:
 def wait_idle_fresh(eng: AsyncLLM, fresh: int) -> None:
     eng.fresh_kv_tokens = fresh
     wait_idle(eng)
+
+
+def test_cancelled_while_waiting_for_admission_is_dropped(engine: AsyncLLM) -> None:
+    blocked = engine.call(lambda llm: time.sleep(0.5))  # the loop is busy: the next add waits for it
+
+    async def main():
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(engine.submit(PROMPTS[0], SamplingParams(max_tokens=400, ignore_eos=True)), 0.1)
+        while engine.num_pending:  # this event loop stays open (as a server's does) while the loop catches up
+            await asyncio.sleep(0.01)
+
+    run(main())
+    blocked.result(5)
+    wait_idle(engine)
+    assert engine.num_aborted == 1

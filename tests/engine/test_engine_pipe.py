@@ -101,3 +101,17 @@ def test_engine_shutdown_fails_the_clients_streams(piped) -> None:
 
     run(main())
     assert not client.alive
+
+
+def test_cancelled_while_waiting_for_admission_is_dropped(piped) -> None:
+    eng, _, client = piped
+    blocked = eng.call(lambda llm: __import__("time").sleep(0.5))
+
+    async def main():
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(client.submit(PROMPTS[0], SamplingParams(max_tokens=400, ignore_eos=True)), 0.1)
+
+    run(main())
+    blocked.result(5)
+    wait_idle(eng)
+    assert eng.num_aborted == 1 and client.num_pending == 0
