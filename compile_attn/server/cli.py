@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
+import sys
 import time
 from pathlib import Path
 
@@ -59,6 +61,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         path = Path(args.chat_template)
         llm.tokenizer.chat_template = path.read_text() if path.is_file() else args.chat_template
     engine = AsyncLLM(llm, max_pending=args.max_pending)
+    # SIGTERM (a process manager's stop) unwinds like Ctrl-C: the front end stops, requests are aborted
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         with serving(engine, args.served_model_name or args.model, args.frontend, host=args.host, port=args.port,
                      log_level="info" if args.verbose else "warning") as url:

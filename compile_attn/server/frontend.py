@@ -47,8 +47,23 @@ def frontend_main(conn: Connection, tokenizer: Any, max_context: int, model_name
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.WARNING))
     client = EngineClient(conn, tokenizer=tokenizer, max_context=max_context)
     # on SIGTERM (serve_in_process's exit): stop accepting, give open streams a moment, then close them
-    uvicorn.run(create_app(client, model_name), host=host, port=port, log_level=log_level,
-                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    server = uvicorn.Server(uvicorn.Config(create_app(client, model_name), host=host, port=port, log_level=log_level,
+                                           timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+    threading.Thread(target=_exit_with_parent, args=(server,), name="compile-attn-parent-watch", daemon=True).start()
+    server.run()
+
+
+def _exit_with_parent(server: Any) -> None:
+    """Stop ``server`` once the engine's process is gone (killed without a chance to stop its front end), so that
+    no orphan keeps the port."""
+    from multiprocessing.connection import wait
+
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+    wait([parent.sentinel])  # blocks in the kernel until the parent exits
+    logger.warning("the engine's process is gone; the front end stops")
+    server.should_exit = True
 
 
 @contextlib.contextmanager
