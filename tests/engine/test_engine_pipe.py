@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import time
 
 import pytest
 
@@ -105,7 +106,7 @@ def test_engine_shutdown_fails_the_clients_streams(piped) -> None:
 
 def test_cancelled_while_waiting_for_admission_is_dropped(piped) -> None:
     eng, _, client = piped
-    blocked = eng.call(lambda llm: __import__("time").sleep(0.5))
+    blocked = eng.call(lambda llm: time.sleep(0.5))
 
     async def main():
         with pytest.raises(asyncio.TimeoutError):
@@ -113,5 +114,9 @@ def test_cancelled_while_waiting_for_admission_is_dropped(piped) -> None:
 
     run(main())
     blocked.result(5)
+    end = time.monotonic() + 10  # the loop reads the pipe (the add, then the abort) after the blocking call
+    while eng.num_aborted == 0:
+        assert time.monotonic() < end, "the request was never aborted"
+        time.sleep(0.01)
     wait_idle(eng)
     assert eng.num_aborted == 1 and client.num_pending == 0
