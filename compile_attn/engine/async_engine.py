@@ -199,11 +199,9 @@ class AsyncLLM:
         admitted it. Raises EngineOverloadedError past ``max_pending``, the LLM's errors for a bad request."""
         if not self.alive:
             raise EngineStoppedError("the engine is shut down; start a new AsyncLLM")
-        with self._count_lock:
-            if self._pending >= self.max_pending:
-                raise EngineOverloadedError(f"{self._pending} requests are unfinished, the limit (max_pending) is "
-                                            f"{self.max_pending}; retry later or raise max_pending")
-            self._pending += 1
+        refused = self._reserve()
+        if refused is not None:
+            raise refused
         out: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         sink = self._loop_sinks.get(loop)
@@ -260,13 +258,9 @@ class AsyncLLM:
         """Queue a request whose items go to ``stream.sink`` (its admission, an error, its Deltas): the entry for a
         consumer in another process (``engine_pipe``). Counts toward ``num_pending`` until it ends; past
         ``max_pending`` the stream gets EngineOverloadedError instead."""
-        with self._count_lock:
-            overloaded = self._pending >= self.max_pending
-            if not overloaded:
-                self._pending += 1
-        if overloaded:
-            stream.put(EngineOverloadedError(f"{self._pending} requests are unfinished, the limit (max_pending) is "
-                                             f"{self.max_pending}; retry later or raise max_pending"))
+        refused = self._reserve()
+        if refused is not None:
+            stream.put(refused)
         elif not self.alive:
             self._release()
             stream.put(EngineStoppedError("the engine is shut down"))
@@ -303,6 +297,15 @@ class AsyncLLM:
     def num_pending(self) -> int:
         """Requests submitted and not yet finished or aborted."""
         return self._pending
+
+    def _reserve(self) -> EngineOverloadedError | None:
+        """Count one more unfinished request, or the error that refuses it (``max_pending`` reached)."""
+        with self._count_lock:
+            if self._pending >= self.max_pending:
+                return EngineOverloadedError(f"{self._pending} requests are unfinished, the limit (max_pending) "
+                                             f"is {self.max_pending}; retry later or raise max_pending")
+            self._pending += 1
+        return None
 
     def _release(self) -> None:
         with self._count_lock:
@@ -505,15 +508,8 @@ class AsyncLLM:
         num_prompt = len(req.prompt_ids)
         # up to the tokens read back: a step in flight's placeholders are not tokens yet
         new = req.token_ids[num_prompt + stream.sent_tokens:num_prompt + req.num_output_known].tolist()
-        text = ""
-        if stream.detok is not None:
-            if finished:
-                final = req.text
-                if final is None:
-                    final = self.llm.tokenizer.decode(req.output_ids, skip_special_tokens=True)
-                text = stream.detok.finish(final)
-            else:
-                text = stream.detok.push(new)
+        text = "" if stream.detok is None else stream.detok.delta_text(
+            new, finished=finished, final_text=req.text, output_ids=req.output_ids if finished else ())
         recorded = getattr(req, "logprobs", None)  # per output token, when the step computes them
         logprobs = None
         if recorded is not None and req.params.logprobs is not None:

@@ -77,6 +77,16 @@ class IncrementalDetokenizer:
         self.num_sent = safe
         return piece
 
+    def delta_text(self, new_token_ids: Sequence[int], *, finished: bool, final_text: str | None,
+                   output_ids: Sequence[int]) -> str:
+        """The text of one Delta: ``push(new_token_ids)``, or on the request's last Delta ``finish`` with its final
+        text (``final_text``, or the decode of all its ``output_ids`` where the engine cut none)."""
+        if not finished:
+            return self.push(new_token_ids)
+        if final_text is None:
+            final_text = self.tokenizer.decode(list(output_ids), skip_special_tokens=self.skip_special_tokens)
+        return self.finish(final_text)
+
     def finish(self, final_text: str) -> str:
         """The text still to send once the request finished, ``final_text`` being its whole output text (cut before a
         matched stop string, or the full decode). Empty, with a warning, in the rare case where ``final_text``

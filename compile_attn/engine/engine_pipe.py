@@ -217,15 +217,9 @@ class EngineClient:
     def _text(self, stream: _ClientStream, d: Delta) -> None:
         """Fill ``d.text`` from the request's tokens (what AsyncLLM's loop thread does for a local consumer)."""
         stream.token_ids += d.token_ids
-        if stream.detok is None:
-            return
-        if d.finished:
-            final = d.final_text
-            if final is None:
-                final = self.tokenizer.decode(stream.token_ids, skip_special_tokens=True)
-            d.text = stream.detok.finish(final)
-        else:
-            d.text = stream.detok.push(d.token_ids)
+        if stream.detok is not None:
+            d.text = stream.detok.delta_text(d.token_ids, finished=d.finished, final_text=d.final_text,
+                                             output_ids=stream.token_ids)
 
     def _fail_all(self) -> None:
         self._closed = True
