@@ -96,16 +96,19 @@ def serve_in_process(engine: AsyncLLM, model_name: str, *, host: str = "127.0.0.
         bridge.close()
 
 
+def healthy(url: str, timeout: float = 2.0) -> bool:
+    """Whether the server at ``url`` answers ``GET /health`` with 200 (asked directly, never through a proxy)."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(url + "/health", timeout=timeout) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):  # refused, reset, timed out, or an error status (503: stopped)
+        return False
+
+
 def _wait_healthy(url: str, proc: multiprocessing.process.BaseProcess, timeout: float) -> None:
     end = time.monotonic() + timeout
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through a proxy
-    while True:
-        try:
-            with opener.open(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-            pass
+    while not healthy(url):
         if not proc.is_alive():
             raise RuntimeError(f"the front end process exited (code {proc.exitcode}) before serving on {url}")
         if time.monotonic() > end:

@@ -8,8 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 
@@ -17,16 +15,7 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
 from compile_attn.models.tiny_llama import tiny_llama  # noqa: E402
-from compile_attn.server.frontend import free_port  # noqa: E402
-
-
-def _healthy(url: str) -> bool:
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    try:
-        with opener.open(url + "/health", timeout=1) as r:
-            return r.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
+from compile_attn.server.frontend import free_port, healthy  # noqa: E402
 
 
 def test_serve_answers_and_stops_on_sigterm(tmp_path) -> None:
@@ -39,7 +28,7 @@ def test_serve_answers_and_stops_on_sigterm(tmp_path) -> None:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         end = time.monotonic() + 120
-        while not _healthy(url):
+        while not healthy(url):
             assert proc.poll() is None, proc.stdout.read()
             assert time.monotonic() < end, "the server did not answer /health"
             time.sleep(0.2)
@@ -50,7 +39,7 @@ def test_serve_answers_and_stops_on_sigterm(tmp_path) -> None:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
         end = time.monotonic() + 10
-        while _healthy(url):  # the front end process went with it
+        while healthy(url):  # the front end process went with it
             assert time.monotonic() < end, "the front end outlived the server process"
             time.sleep(0.2)
     finally:
