@@ -57,13 +57,14 @@ class StepCounts:
 
     def summary(self) -> dict:
         """JSON-ready: steps, mean step ms, mean and median batch size, seconds in steps / elsewhere / idle, and
-        the median time from a request's admission by the loop to its first token handed out (the engine's part
-        of the time to first token)."""
+        the median and mean time from a request's admission by the loop to its first token handed out (the
+        engine's part of the time to first token)."""
         firsts = sorted(self.first_tokens)
         return dict(steps=self.steps, mean_step_ms=self.mean_step_ms, mean_batch=self.mean_batch,
                     median_batch=self.median_batch, step_s=self.seconds, other_s=self.other_seconds,
                     idle_s=self.idle_seconds,
-                    engine_ttft_p50_ms=1e3 * firsts[(len(firsts) - 1) // 2] if firsts else None)
+                    engine_ttft_p50_ms=1e3 * firsts[(len(firsts) - 1) // 2] if firsts else None,
+                    engine_ttft_mean_ms=1e3 * sum(firsts) / len(firsts) if firsts else None)
 
 
 MAX_FIRST_TOKENS = 50_000

@@ -132,8 +132,10 @@ def _sweep(url: str, model: str, workload: Workload, cfg: ServingBenchConfig, en
             if engine is not None:
                 hits = engine.call(_clear_prefix_cache).result(60)
                 before = engine.stats.snapshot()
+            ttft_before = server_ttft(url)
             r = load_and_summarize(*args, workload.prompts, workload.output_lens, workload.temperature, rate,
                                    cfg.max_concurrency, cfg.seed, pool=client, parts=parts)
+            r["server_ttft_mean_ms"] = _mean_ms(ttft_before, server_ttft(url))
             if name == "half":
                 r["rate_name"] = "half"
             if engine is not None:
@@ -142,6 +144,40 @@ def _sweep(url: str, model: str, workload: Workload, cfg: ServingBenchConfig, en
             logger.info("rate %s: %s", _rate_name(name), r)
             out.append(r)
     return out
+
+
+TTFT_METRIC = "compile_attn_time_to_first_token_seconds"
+
+
+def server_ttft(url: str) -> tuple[float, float] | None:
+    """(sum, count) of the server's time-to-first-token histogram (``GET /metrics``: from the front end's submission
+    of a request to its first token there), or None where the server has none."""
+    import urllib.error
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through a proxy
+    try:
+        with opener.open(url + "/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+    except (urllib.error.URLError, OSError) as exc:
+        logger.warning("could not read %s/metrics (%s); no server-side TTFT", url, exc)
+        return None
+    found = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in (TTFT_METRIC + "_sum", TTFT_METRIC + "_count"):
+                found[sample.name] = found.get(sample.name, 0.0) + sample.value
+    if len(found) < 2:
+        return None
+    return found[TTFT_METRIC + "_sum"], found[TTFT_METRIC + "_count"]
+
+
+def _mean_ms(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return 1e3 * (after[0] - before[0]) / (after[1] - before[1])
 
 
 def _half_rate(done: list[dict]) -> float:
@@ -166,6 +202,20 @@ def _prefix_hits(llm: object) -> int:
 
 def _rate_name(rate: float | str) -> str | float:
     return rate if isinstance(rate, str) else "inf" if math.isinf(rate) else rate
+
+
+def _ttft_split(r: dict) -> str:
+    """The mean TTFT of a rate split at the server's and the engine's clocks (means add up; medians do not)."""
+    client, server = r.get("ttft_mean_ms"), r.get("server_ttft_mean_ms")
+    engine = r.get("batch", {}).get("engine_ttft_mean_ms")
+    if client is None or server is None:
+        return ""
+    text = f"{_rate_name(r.get('rate_name') or r['request_rate'])}: client {client:.1f} ms = HTTP and client " \
+           f"{client - server:.1f} + server {server:.1f}"
+    if engine is not None:
+        text += f" (= pipes, loop pick-up and front end {server - engine:.1f} + engine {engine:.1f}: admission to " \
+                "first token handed out)"
+    return text
 
 
 def to_markdown(result: dict) -> str:
@@ -206,4 +256,7 @@ def to_markdown(result: dict) -> str:
              for r in result["rates"] if (b := r.get("batch")) and "step_s" in b]
     if loops:
         lines += ["", "engine loop by rate: " + "; ".join(loops)]
+    split = [_ttft_split(r) for r in result["rates"]]
+    if any(split):
+        lines += ["", "TTFT means by rate (where the time to first token goes): " + "; ".join(s for s in split if s)]
     return "\n".join(lines + bench_targets.targets_markdown(result))

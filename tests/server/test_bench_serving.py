@@ -62,6 +62,9 @@ def test_bench_serve_in_process_tiny(tmp_path) -> None:
         assert r["prefix_hit_tokens"] == 0  # the same prompts again: only an emptied cache misses them
         b = r["batch"]
         assert b["steps"] >= 4 and 1 <= b["median_batch"] <= 4 and 0 < b["mean_batch"] <= 4
+        # each request's three clocks nest (client send .. first chunk read > the server's submission .. first
+        # token there > the loop's admission .. first token handed out), so their means do too
+        assert 0 < b["engine_ttft_mean_ms"] < r["server_ttft_mean_ms"] < r["ttft_mean_ms"]
     den = result["denominators"]
     assert den["prefill"]["prompt_len"] == 6 and len(den["prefill"]["samples_ms"]) == 5
     assert den["decode_step"]["batch_size"] == den["decode_step"]["running"] == half["batch"]["median_batch"]
@@ -84,6 +87,7 @@ def test_bench_serve_half_load_by_url(served: Served, tmp_path) -> None:
     inf, half = result["rates"]
     assert half["rate_name"] == "half" and half["request_rate"] == pytest.approx(inf["requests_per_s"] / 2)
     assert [r["output_tokens"] for r in result["rates"]] == [9, 9]
+    assert all(0 < r["server_ttft_mean_ms"] < r["ttft_mean_ms"] for r in result["rates"])  # read from /metrics
     assert "denominators" not in result and all(x["value"] is None for x in result["targets"].values())
     served.wait_idle()
 
