@@ -81,7 +81,8 @@ def measure(bs: int, prompt_len: int, new_tokens: int) -> dict:
     if proc.exitcode != 0:
         raise RuntimeError(f"the reader process failed (exit code {proc.exitcode})")
     return dict(batch_size=bs, steps=counts.steps, step_ms=1e3 * counts.seconds / counts.steps,
-                outside_ms=1e3 * counts.other_seconds / counts.steps)
+                outside_ms=1e3 * counts.other_seconds / counts.steps,
+                deliver_ms=1e3 * counts.deliver_seconds / counts.steps)
 
 
 def main() -> None:
@@ -92,14 +93,16 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
     torch.set_num_threads(1)
-    print("| batch | steps | inside LLM.step ms per step | outside it (tokens to the pipe, commands) ms per step |")
-    print("|---|---|---|---|")
+    print("| batch | steps | inside LLM.step ms per step | outside it (tokens to the pipe, commands) ms per step | "
+          "of which the pipe's send |")
+    print("|---|---|---|---|---|")
     for bs in (int(b) for b in args.batch_sizes.split(",")):
         runs = [measure(bs, args.prompt_len, args.new_tokens) for _ in range(args.repeats)]
         inside = sorted(r["step_ms"] for r in runs)
         outside = sorted(r["outside_ms"] for r in runs)
+        send = sorted(r["deliver_ms"] for r in runs)
         print(f"| {bs} | {runs[0]['steps']} | {', '.join(f'{x:.3f}' for x in inside)} | "
-              f"{', '.join(f'{x:.3f}' for x in outside)} |", flush=True)
+              f"{', '.join(f'{x:.3f}' for x in outside)} | {', '.join(f'{x:.3f}' for x in send)} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -511,12 +511,15 @@ class AsyncLLM:
         for stream in ended:
             del self._active[stream.req.request_id]
             self._release()
+        start = time.perf_counter()
         for items in by_sink.values():
             try:
                 items[0][0].sink.deliver(items)
             except RuntimeError:  # that event loop has closed: nobody reads its streams any more
                 for stream, _ in items:
                     stream.gone = True
+        if by_sink:
+            self.stats.add_deliver(time.perf_counter() - start)
         for stream in list(self._active.values()):
             if stream.gone:
                 self._abort(stream, None)

@@ -1,6 +1,6 @@
 """Counters of the steps an AsyncLLM's loop ran: how many, the seconds spent in them, and how many ran with each
 batch size (requests in the step); and where the rest of the loop's time went: handing Deltas out and handling
-commands (``other_seconds``), waiting for work with nothing to run (``idle_seconds``). They only grow; two ``snapshot()`` copies subtract to what happened between them (a
+commands (``other_seconds``, of which ``deliver_seconds`` inside the sinks' deliver), waiting for work with nothing to run (``idle_seconds``). They only grow; two ``snapshot()`` copies subtract to what happened between them (a
 benchmark's run), which says the batch size the engine ran at and its mean step time."""
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ class StepCounts:
     idle_seconds: float = 0.0  # the loop waiting for a command with no work
     first_tokens: tuple[float, ...] = ()  # per request: seconds from its admission to its first token handed out
     num_first_tokens: int = 0  # requests ever counted (``first_tokens`` keeps the most recent ones)
+    deliver_seconds: float = 0.0  # of other_seconds: in the sinks' deliver (a pipe: pickling, the write, and any
+    # wait for its reader to make room)
 
     def __sub__(self, before: StepCounts) -> StepCounts:
         diff = {b: n - before.by_batch.get(b, 0) for b, n in self.by_batch.items()}
@@ -29,7 +31,8 @@ class StepCounts:
                           {b: n for b, n in diff.items() if n}, self.other_seconds - before.other_seconds,
                           self.idle_seconds - before.idle_seconds, self._newest(self.num_first_tokens
                                                                               - before.num_first_tokens),
-                          self.num_first_tokens - before.num_first_tokens)
+                          self.num_first_tokens - before.num_first_tokens,
+                          self.deliver_seconds - before.deliver_seconds)
 
     def _newest(self, k: int) -> tuple[float, ...]:
         return self.first_tokens[len(self.first_tokens) - k:] if k > 0 else ()
@@ -62,7 +65,7 @@ class StepCounts:
         firsts = sorted(self.first_tokens)
         return dict(steps=self.steps, mean_step_ms=self.mean_step_ms, mean_batch=self.mean_batch,
                     median_batch=self.median_batch, step_s=self.seconds, other_s=self.other_seconds,
-                    idle_s=self.idle_seconds,
+                    idle_s=self.idle_seconds, deliver_s=self.deliver_seconds,
                     engine_ttft_p50_ms=1e3 * firsts[(len(firsts) - 1) // 2] if firsts else None,
                     engine_ttft_mean_ms=1e3 * sum(firsts) / len(firsts) if firsts else None)
 
@@ -82,6 +85,7 @@ class LoopStats:
         self._idle = 0.0
         self._first_tokens: list[float] = []  # the most recent MAX_FIRST_TOKENS (at least)
         self._num_first_tokens = 0
+        self._deliver = 0.0
 
     def record(self, batch: int, seconds: float) -> None:
         with self._lock:
@@ -92,6 +96,10 @@ class LoopStats:
     def add_other(self, seconds: float) -> None:
         with self._lock:
             self._other += seconds
+
+    def add_deliver(self, seconds: float) -> None:
+        with self._lock:
+            self._deliver += seconds
 
     def add_idle(self, seconds: float) -> None:
         with self._lock:
@@ -107,4 +115,4 @@ class LoopStats:
     def snapshot(self) -> StepCounts:
         with self._lock:
             return StepCounts(self._steps, self._seconds, dict(self._by_batch), self._other, self._idle,
-                              tuple(self._first_tokens), self._num_first_tokens)
+                              tuple(self._first_tokens), self._num_first_tokens, self._deliver)

@@ -250,7 +250,9 @@ def to_markdown(result: dict) -> str:
                      f"{pair(r, 'tpot')} | {pair(r, 'e2e')} | {batch} | {r['client_busy']:.0%} of "
                      f"{r['client_processes']} |")
     loops = [f"{_rate_name(r.get('rate_name') or r['request_rate'])}: {b['step_s']:.2f} s in {b['steps']} steps, "
-             f"{b['other_s']:.2f} s handing out tokens and commands, {b['idle_s']:.2f} s idle"
+             f"{b['other_s']:.2f} s handing out tokens and commands"
+             + ("" if b.get("deliver_s") is None else f" ({b['deliver_s']:.2f} s of it in the sinks' deliver)")
+             + f", {b['idle_s']:.2f} s idle"
              + ("" if b.get("engine_ttft_p50_ms") is None else
                 f", admission to first token p50 {b['engine_ttft_p50_ms']:.1f} ms")
              for r in result["rates"] if (b := r.get("batch")) and "step_s" in b]

@@ -65,6 +65,7 @@ def test_bench_serve_in_process_tiny(tmp_path) -> None:
         # each request's three clocks nest (client send .. first chunk read > the server's submission .. first
         # token there > the loop's admission .. first token handed out), so their means do too
         assert 0 < b["engine_ttft_mean_ms"] < r["server_ttft_mean_ms"] < r["ttft_mean_ms"]
+        assert 0 < b["deliver_s"] < b["other_s"]  # the pipe's sends are part of the loop's time outside steps
     den = result["denominators"]
     assert den["prefill"]["prompt_len"] == 6 and len(den["prefill"]["samples_ms"]) == 5
     assert den["decode_step"]["batch_size"] == den["decode_step"]["running"] == half["batch"]["median_batch"]
