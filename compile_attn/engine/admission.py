@@ -117,9 +117,12 @@ def encode_prompt(prompt: Any, index: int, *, tokenizer: Any, vocab_size: int | 
     return ids
 
 
+_BOOL_TYPES = frozenset((bool, np.bool_))  # neither can be subclassed: the exact type says it
+
+
 def _from_list(prompt: Sequence[Any], where: str) -> array.array:
     try:  # array.array converts in one C loop (a prefill's prompts are thousands of ids) and refuses non-ints
-        if any(isinstance(t, (bool, np.bool_)) for t in prompt):
+        if not _BOOL_TYPES.isdisjoint(map(type, prompt)):  # array.array takes bools as ints; a C loop, not a genexpr
             raise TypeError
         return array.array("q", prompt)
     except (TypeError, OverflowError):
