@@ -132,10 +132,10 @@ def _sweep(url: str, model: str, workload: Workload, cfg: ServingBenchConfig, en
             if engine is not None:
                 hits = engine.call(_clear_prefix_cache).result(60)
                 before = engine.stats.snapshot()
-            ttft_before = server_ttft(url)
+            scraped = scrape(url)
             r = load_and_summarize(*args, workload.prompts, workload.output_lens, workload.temperature, rate,
                                    cfg.max_concurrency, cfg.seed, pool=client, parts=parts)
-            r["server_ttft_mean_ms"] = _mean_ms(ttft_before, server_ttft(url))
+            r.update(server_side(scraped, scrape(url), r))
             if name == "half":
                 r["rate_name"] = "half"
             if engine is not None:
@@ -147,11 +147,11 @@ def _sweep(url: str, model: str, workload: Workload, cfg: ServingBenchConfig, en
 
 
 TTFT_METRIC = "compile_attn_time_to_first_token_seconds"
+CPU_METRIC = "process_cpu_seconds_total"
 
 
-def server_ttft(url: str) -> tuple[float, float] | None:
-    """(sum, count) of the server's time-to-first-token histogram (``GET /metrics``: from the front end's submission
-    of a request to its first token there), or None where the server has none."""
+def scrape(url: str) -> dict[str, float]:
+    """The server's ``GET /metrics`` samples by name (summed over labels), or {} where it cannot be read."""
     import urllib.error
     import urllib.request
 
@@ -162,22 +162,32 @@ def server_ttft(url: str) -> tuple[float, float] | None:
         with opener.open(url + "/metrics", timeout=10) as resp:
             text = resp.read().decode()
     except (urllib.error.URLError, OSError) as exc:
-        logger.warning("could not read %s/metrics (%s); no server-side TTFT", url, exc)
-        return None
-    found = {}
+        logger.warning("could not read %s/metrics (%s); no server-side TTFT or CPU", url, exc)
+        return {}
+    found: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name in (TTFT_METRIC + "_sum", TTFT_METRIC + "_count"):
-                found[sample.name] = found.get(sample.name, 0.0) + sample.value
-    if len(found) < 2:
-        return None
-    return found[TTFT_METRIC + "_sum"], found[TTFT_METRIC + "_count"]
+            found[sample.name] = found.get(sample.name, 0.0) + sample.value
+    return found
 
 
-def _mean_ms(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
-    if before is None or after is None or after[1] <= before[1]:
-        return None
-    return 1e3 * (after[0] - before[0]) / (after[1] - before[1])
+def server_side(before: dict[str, float], after: dict[str, float], r: dict) -> dict:
+    """From two scrapes around a rate's run ``r``: the server's mean TTFT (its histogram: the front end's submission
+    of a request to its first token there) and the CPU seconds of the process serving HTTP (the front end's own
+    when it runs apart), also per output token and as a fraction of the run. None where the server lacks them."""
+    out: dict = dict(server_ttft_mean_ms=None, server_cpu_s=None, server_cpu_us_per_token=None,
+                     server_cpu_busy=None)
+    s, c = TTFT_METRIC + "_sum", TTFT_METRIC + "_count"
+    if all(k in before and k in after for k in (s, c)) and after[c] > before[c]:
+        out["server_ttft_mean_ms"] = 1e3 * (after[s] - before[s]) / (after[c] - before[c])
+    if CPU_METRIC in before and CPU_METRIC in after:
+        cpu = after[CPU_METRIC] - before[CPU_METRIC]
+        out["server_cpu_s"] = cpu
+        if r.get("output_tokens"):
+            out["server_cpu_us_per_token"] = 1e6 * cpu / r["output_tokens"]
+        if r.get("duration_s"):
+            out["server_cpu_busy"] = cpu / r["duration_s"]
+    return out
 
 
 def _half_rate(done: list[dict]) -> float:
@@ -258,6 +268,12 @@ def to_markdown(result: dict) -> str:
              for r in result["rates"] if (b := r.get("batch")) and "step_s" in b]
     if loops:
         lines += ["", "engine loop by rate: " + "; ".join(loops)]
+    cpu = [f"{_rate_name(r.get('rate_name') or r['request_rate'])}: {r['server_cpu_s']:.2f} s = "
+           f"{r['server_cpu_busy']:.0%} of the run, {r['server_cpu_us_per_token']:.0f} us per output token"
+           for r in result["rates"] if r.get("server_cpu_busy") is not None and r.get("server_cpu_us_per_token")]
+    if cpu:
+        lines += ["", "CPU of the process serving HTTP by rate (the front end's own when it runs apart; near 100%: "
+                  "it sets the pace): " + "; ".join(cpu)]
     split = [_ttft_split(r) for r in result["rates"]]
     if any(split):
         lines += ["", "TTFT means by rate (where the time to first token goes): " + "; ".join(s for s in split if s)]

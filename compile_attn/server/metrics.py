@@ -1,5 +1,6 @@
 """Prometheus metrics of one server app (``GET /metrics``): requests running and waiting, KV cache usage, time to
-first token, inter-token and end-to-end latency histograms, prompt and generated token counters.
+first token, inter-token and end-to-end latency histograms, prompt and generated token counters, and the standard
+``process_*`` metrics of the process serving HTTP (CPU seconds, memory, open files; on Linux).
 
 Each app owns its ``CollectorRegistry`` (several apps in one process never share counters). Gauges are read from the
 engine when scraped; latencies are observed as each sample's Deltas reach the HTTP handler, so they include the
@@ -11,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from compile_attn.engine.async_engine import AsyncLLM, Delta
@@ -32,6 +33,7 @@ class ServerMetrics:
 
     def __init__(self, engine: AsyncLLM | EngineClient, model_name: str) -> None:
         self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)  # the HTTP side's own process (the front end's, when apart)
         labels = {"model_name": model_name}
 
         def gauge(name: str, doc: str, key: str) -> None:

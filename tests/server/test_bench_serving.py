@@ -66,6 +66,9 @@ def test_bench_serve_in_process_tiny(tmp_path) -> None:
         # token there > the loop's admission .. first token handed out), so their means do too
         assert 0 < b["engine_ttft_mean_ms"] < r["server_ttft_mean_ms"] < r["ttft_mean_ms"]
         assert 0 < b["deliver_s"] < b["other_s"]  # the pipe's sends are part of the loop's time outside steps
+        # the front end's process, from its /metrics: CPU it spent over the run, per token and as a fraction
+        assert r["server_cpu_s"] >= 0 and r["server_cpu_busy"] == pytest.approx(r["server_cpu_s"] / r["duration_s"])
+        assert r["server_cpu_us_per_token"] == pytest.approx(1e6 * r["server_cpu_s"] / r["output_tokens"])
     den = result["denominators"]
     assert den["prefill"]["prompt_len"] == 6 and len(den["prefill"]["samples_ms"]) == 5
     assert den["decode_step"]["batch_size"] == den["decode_step"]["running"] == half["batch"]["median_batch"]

@@ -1,6 +1,6 @@
 """GET /metrics after a few requests (whole, streamed, n > 1): the token counters grow by exactly what the
 responses' usage reported, each finished sample is one TTFT and one end-to-end observation, and the gauges read an
-idle engine with an empty KV cache."""
+idle engine with an empty KV cache; the serving process's own CPU and memory are there too."""
 
 from __future__ import annotations
 
@@ -55,3 +55,6 @@ def test_metrics_count_what_usage_reported(served: Served) -> None:
     assert after["compile_attn_num_requests_running"] == after["compile_attn_num_requests_waiting"] == 0
     assert after["compile_attn_kv_cache_usage_perc"] == 0.0
     assert after["compile_attn_kv_cache_capacity_tokens"] >= served.fresh_kv_tokens
+    # the process serving HTTP (Linux /proc): it has spent CPU (counted in 10 ms ticks) and holds memory
+    assert grew("process_cpu_seconds_total") >= 0 and after["process_cpu_seconds_total"] > 0
+    assert after["process_resident_memory_bytes"] > 0
