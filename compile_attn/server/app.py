@@ -22,8 +22,9 @@ from compile_attn.engine.engine_pipe import EngineClient
 from compile_attn.engine.errors import InvalidRequestError
 from compile_attn.engine.llm import sample_seed
 from compile_attn.server import logprobs_format
-from compile_attn.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from compile_attn.server.metrics import CONTENT_TYPE_LATEST, SampleTimer, ServerMetrics
 from compile_attn.server.protocol import APIError, Parsed, parse
+from compile_attn.server.sse import ChunkFormat
 
 
 def create_app(engine: AsyncLLM | EngineClient, model_name: str) -> FastAPI:
@@ -62,13 +63,13 @@ def create_app(engine: AsyncLLM | EngineClient, model_name: str) -> FastAPI:
         start = time.perf_counter()
         streams = await _submit_all(engine, req)
         metrics.prompt_tokens.inc(len(req.prompt_ids))
-        samples = [metrics.observe(s, start) for s in streams]
+        timers = [metrics.timer(start) for _ in streams]
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         if req.stream:
-            return StreamingResponse(_sse(samples, streams, req, rid, created, model_name, chat, tokenizer),
+            return StreamingResponse(_sse(streams, timers, req, rid, created, model_name, chat, tokenizer),
                                      media_type="text/event-stream")
-        return await _whole(samples, streams, req, rid, created, model_name, chat, tokenizer)
+        return await _whole(streams, timers, req, rid, created, model_name, chat, tokenizer)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -139,18 +140,19 @@ class _LogprobsFormatter:
         return part
 
 
-async def _whole(samples: list[AsyncIterator[Delta]], streams: list[RequestStream], req: Parsed, rid: str,
-                 created: int, model: str, chat: bool, tokenizer: Any) -> dict:
-    async def collect(s: AsyncIterator[Delta]) -> tuple[str, Delta, dict | None, list[int]]:
+async def _whole(streams: list[RequestStream], timers: list[SampleTimer], req: Parsed, rid: str, created: int,
+                 model: str, chat: bool, tokenizer: Any) -> dict:
+    async def collect(s: RequestStream, timer: SampleTimer) -> tuple[str, Delta, dict | None, list[int]]:
         text, last, ids = "", None, []
         fmt = _LogprobsFormatter(chat, tokenizer, req.params.logprobs)
         async for d in s:
+            timer(d)
             text, last = text + d.text, d
             ids += d.token_ids
             fmt(d)
         return text, last, logprobs_format.merge(chat, fmt.parts), ids
 
-    results = await _gather_or_abort([collect(s) for s in samples], streams)
+    results = await _gather_or_abort([collect(s, t) for s, t in zip(streams, timers)], streams)
     choices = [_choice(chat, k, text, last.finish_reason, delta=False, logprobs=lp,
                        token_ids=ids if req.return_token_ids else None)
                for k, (text, last, lp, ids) in enumerate(results)]
@@ -200,32 +202,26 @@ async def _interleave(samples: list[AsyncIterator[Delta]]) -> AsyncIterator[tupl
             t.cancel()
 
 
-async def _sse(samples: list[AsyncIterator[Delta]], streams: list[RequestStream], req: Parsed, rid: str, created: int,
+async def _sse(streams: list[RequestStream], timers: list[SampleTimer], req: Parsed, rid: str, created: int,
                model: str, chat: bool, tokenizer: Any) -> AsyncIterator[str]:
     """Server-sent events: one chunk per Delta of any sample, the usage chunk if asked, then ``[DONE]``."""
-    obj = "chat.completion.chunk" if chat else "text_completion"
-
-    def chunk(choices: list, usage: dict | None = None) -> str:
-        body: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
-        if req.include_usage:
-            body["usage"] = usage
-        return f"data: {json.dumps(body)}\n\n"
-
+    fmt = ChunkFormat(rid, created, model, chat=chat, include_usage=req.include_usage)
     try:
         if chat:
-            yield chunk([{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None} for k in range(req.n)])
+            yield fmt.chunk([{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None} for k in range(req.n)])
         prompt, outputs = 0, [0] * req.n
         formats = [_LogprobsFormatter(chat, tokenizer, req.params.logprobs) for _ in range(req.n)]
-        async with contextlib.aclosing(_interleave(samples)) as deltas:  # closed (its tasks cancelled) on any exit
+        async with contextlib.aclosing(_interleave(streams)) as deltas:  # closed (its tasks cancelled) on any exit
             async for k, d in deltas:
+                timers[k](d)
                 prompt, outputs[k] = d.num_prompt_tokens, d.num_output_tokens
                 lp = formats[k](d)
                 ids = d.token_ids if req.return_token_ids else None
                 if d.text or d.finished or lp or ids:
-                    yield chunk([_choice(chat, k, d.text, d.finish_reason, delta=True, logprobs=lp, token_ids=ids)])
+                    yield fmt.delta(k, d.text, d.finish_reason, lp, ids)
         if req.include_usage:
-            yield chunk([], _usage(prompt, sum(outputs)))
+            yield fmt.chunk([], _usage(prompt, sum(outputs)))
         yield "data: [DONE]\n\n"
     finally:
         for s in streams:

@@ -10,7 +10,6 @@ engine's queueing as a client sees it (less the network).
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -67,22 +66,34 @@ class ServerMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    async def observe(self, deltas: AsyncIterator[Delta], start: float) -> AsyncIterator[Delta]:
-        """Pass one sample's Deltas through, observing its latencies and tokens; ``start`` is its submission
-        (``time.perf_counter()``)."""
-        last: float | None = None
-        async for d in deltas:
-            now = time.perf_counter()
-            n = len(d.token_ids)
-            if n:
-                self.generation_tokens.inc(n)
-                if last is None:  # tokens after the first in the same Delta have no gap of their own
-                    self.ttft.observe(now - start)
-                else:
-                    for _ in range(n):
-                        self.itl.observe((now - last) / n)
-                last = now
-            if d.finished:
-                self.e2e.observe(now - start)
-                self._finished.labels(**self._labels, finished_reason=d.finish_reason or "abort").inc()
-            yield d
+    def timer(self, start: float) -> SampleTimer:
+        """The observer of one sample's Deltas, submitted at ``start`` (``time.perf_counter()``): call it with each
+        Delta as it reaches the handler."""
+        return SampleTimer(self, start)
+
+
+class SampleTimer:
+    """One sample's latencies and tokens into its app's metrics, a Delta at a time (a plain call per Delta, not a
+    generator wrapped around the sample's stream: the streamed-token path is the front end's hottest)."""
+
+    __slots__ = ("metrics", "start", "last")
+
+    def __init__(self, metrics: ServerMetrics, start: float) -> None:
+        self.metrics, self.start, self.last = metrics, start, None
+
+    def __call__(self, d: Delta) -> None:
+        m = self.metrics
+        now = time.perf_counter()
+        n = len(d.token_ids)
+        if n:
+            m.generation_tokens.inc(n)
+            if self.last is None:  # tokens after the first in the same Delta have no gap of their own
+                m.ttft.observe(now - self.start)
+            else:
+                gap = (now - self.last) / n
+                for _ in range(n):
+                    m.itl.observe(gap)
+            self.last = now
+        if d.finished:
+            m.e2e.observe(now - self.start)
+            m._finished.labels(**m._labels, finished_reason=d.finish_reason or "abort").inc()
