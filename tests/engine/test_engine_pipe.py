@@ -120,3 +120,13 @@ def test_cancelled_while_waiting_for_admission_is_dropped(piped) -> None:
         time.sleep(0.01)
     wait_idle(eng)
     assert eng.num_aborted == 1 and client.num_pending == 0
+
+
+def test_delta_fields_round_trip() -> None:
+    """What the pipe carries (``Delta.fields()``, built by the engine's loop for a pipe's streams) gives the Delta
+    back with the client's text."""
+    from compile_attn.engine.async_engine import Delta
+
+    d = Delta([5, 6], "ab", True, "stop", 3, 9, [{5: -0.1}, {6: -0.2}], "xxab")
+    assert Delta.from_fields(d.fields(), "ab") == d
+    assert len(d.fields()) == len(Delta.__dataclass_fields__) - 1  # every field but the text
