@@ -8,6 +8,13 @@ host work; the reader process only receives and counts, so the pipe never backs 
 request's admission and prefill) are not counted.
 
     python benchmarks/profile_serve_loop.py --batch-sizes 64,256 --new-tokens 200
+
+``--reader-us-per-item U`` makes the reader spend U us of CPU per item it receives (a front end's work per chunk),
+so that it lags the engine; the table then also says when the reader had every token (its wall time) and how many
+tokens an item carried. ``--no-merge`` turns off PipeBridge's holding and merging of a lagging reader's items (the
+engine then waits in its sends once the socket is full).
+
+    python benchmarks/profile_serve_loop.py --batch-sizes 256 --reader-us-per-item 20 [--no-merge]
 """
 
 from __future__ import annotations
@@ -31,19 +38,28 @@ VOCAB = 512
 SKIP_STEPS = 3  # not timed: the step that admits and prefills every request, and two more
 
 
-def reader(conn, prompts: list[list[int]], new_tokens: int) -> None:  # noqa: ANN001
-    """The consumer's process: queue every prompt, then read until each request has finished."""
+def reader(conn, prompts: list[list[int]], new_tokens: int, us_per_item: float, report) -> None:  # noqa: ANN001
+    """The consumer's process: queue every prompt, then read until each request has finished, spending
+    ``us_per_item`` of CPU per item; ``report`` gets (seconds from the first add to the last token, tokens,
+    token items)."""
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    start = time.perf_counter()
     for key, prompt in enumerate(prompts):
         conn.send(("add", key, prompt, params))
-    left = len(prompts)
+    left, tokens, items_seen = len(prompts), 0, 0
     while left:
         _, items, _ = conn.recv()
         for _, item in items:
             if isinstance(item, BaseException):
                 raise item
-            if isinstance(item, tuple) and item[1]:  # a finished request's last Delta
-                left -= 1
+            if isinstance(item, tuple):
+                tokens, items_seen = tokens + len(item[0]), items_seen + 1
+                until = time.perf_counter() + us_per_item * 1e-6
+                while time.perf_counter() < until:  # the front end's work on a chunk
+                    pass
+                if item[1]:  # a finished request's last Delta
+                    left -= 1
+    report.put((time.perf_counter() - start, tokens, items_seen))
     conn.close()
 
 
@@ -62,18 +78,23 @@ def stub_llm(bs: int, prompt_len: int, new_tokens: int) -> LLM:
     return llm
 
 
-def measure(bs: int, prompt_len: int, new_tokens: int) -> dict:
+def measure(bs: int, prompt_len: int, new_tokens: int, us_per_item: float = 0.0, merge: bool = True) -> dict:
     llm = stub_llm(bs, prompt_len, new_tokens)
     engine = AsyncLLM(llm, max_pending=2 * bs)
-    ours, theirs = multiprocessing.Pipe()
+    ctx = multiprocessing.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    report = ctx.Queue()
     g = torch.Generator().manual_seed(bs)
     prompts = torch.randint(0, VOCAB, (bs, prompt_len), generator=g).tolist()
-    proc = multiprocessing.get_context("spawn").Process(target=reader, args=(theirs, prompts, new_tokens))
+    proc = ctx.Process(target=reader, args=(theirs, prompts, new_tokens, us_per_item, report))
     bridge = PipeBridge(engine, ours)
+    if not merge:
+        bridge.max_backlog = float("inf")
     proc.start()
     while engine.stats.snapshot().steps < SKIP_STEPS and proc.is_alive():  # the admissions and the prefill
         time.sleep(0.0005)
     before = engine.stats.snapshot()
+    reader_s, tokens, items = report.get()
     proc.join()
     counts = engine.stats.snapshot() - before
     engine.call(lambda _llm: bridge.close()).result(10)
@@ -82,7 +103,8 @@ def measure(bs: int, prompt_len: int, new_tokens: int) -> dict:
         raise RuntimeError(f"the reader process failed (exit code {proc.exitcode})")
     return dict(batch_size=bs, steps=counts.steps, step_ms=1e3 * counts.seconds / counts.steps,
                 outside_ms=1e3 * counts.other_seconds / counts.steps,
-                deliver_ms=1e3 * counts.deliver_seconds / counts.steps)
+                deliver_ms=1e3 * counts.deliver_seconds / counts.steps, reader_s=reader_s,
+                tokens_per_item=tokens / max(items, 1))
 
 
 def main() -> None:
@@ -91,18 +113,23 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=200)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--reader-us-per-item", type=float, default=0.0)
+    p.add_argument("--no-merge", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(1)
     print("| batch | steps | inside LLM.step ms per step | outside it (tokens to the pipe, commands) ms per step | "
-          "of which the pipe's send |")
-    print("|---|---|---|---|---|")
+          "of which the pipe's send | reader had every token, s | tokens per item |")
+    print("|---|---|---|---|---|---|---|")
+
+    def cell(runs: list[dict], key: str, fmt: str = ".3f") -> str:
+        return ", ".join(f"{x:{fmt}}" for x in sorted(r[key] for r in runs))
+
     for bs in (int(b) for b in args.batch_sizes.split(",")):
-        runs = [measure(bs, args.prompt_len, args.new_tokens) for _ in range(args.repeats)]
-        inside = sorted(r["step_ms"] for r in runs)
-        outside = sorted(r["outside_ms"] for r in runs)
-        send = sorted(r["deliver_ms"] for r in runs)
-        print(f"| {bs} | {runs[0]['steps']} | {', '.join(f'{x:.3f}' for x in inside)} | "
-              f"{', '.join(f'{x:.3f}' for x in outside)} | {', '.join(f'{x:.3f}' for x in send)} |", flush=True)
+        runs = [measure(bs, args.prompt_len, args.new_tokens, args.reader_us_per_item, not args.no_merge)
+                for _ in range(args.repeats)]
+        print(f"| {bs} | {runs[0]['steps']} | {cell(runs, 'step_ms')} | {cell(runs, 'outside_ms')} | "
+              f"{cell(runs, 'deliver_ms')} | {cell(runs, 'reader_s', '.2f')} | {cell(runs, 'tokens_per_item', '.2f')} |",
+              flush=True)
 
 
 if __name__ == "__main__":

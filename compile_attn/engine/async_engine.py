@@ -191,7 +191,8 @@ class AsyncLLM:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._wake_lock = threading.Lock()  # the write end is closed under it once the loop ends
-        self._pipes: dict[int, tuple[Connection, Callable[[Any], None], Callable[[], None]]] = {}  # loop thread
+        # loop thread: fd -> (conn, on_message, on_close, on_idle)
+        self._pipes: dict[int, tuple[Connection, Callable[[Any], None], Callable[[], None], Callable[[], None] | None]] = {}
         self._active: dict[int, _Stream] = {}  # loop thread only: request_id -> stream
         self._loop_sinks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its LoopSink
         self._pending = 0
@@ -254,10 +255,12 @@ class AsyncLLM:
         """Drop ``stream``'s request (if still running) on the loop thread; its KV is freed there."""
         self._command(("abort", stream))
 
-    def attach(self, conn: Connection, on_message: Callable[[Any], None], on_close: Callable[[], None]) -> None:
+    def attach(self, conn: Connection, on_message: Callable[[Any], None], on_close: Callable[[], None],
+               on_idle: Callable[[], None] | None = None) -> None:
         """Have the loop read ``conn`` between steps (and wait on it when idle): ``on_message(msg)`` for each
-        message, ``on_close()`` once its other end closed (or ``detach``); both run on the loop thread."""
-        self._post(("attach", conn, on_message, on_close))
+        message, ``on_close()`` once its other end closed (or ``detach``), ``on_idle()`` each time the loop runs out
+        of work, before it waits (a sink sends what it held back); all run on the loop thread."""
+        self._post(("attach", conn, on_message, on_close, on_idle))
 
     def detach(self, conn: Connection) -> None:
         """Stop reading ``conn`` (its ``on_close`` runs) and close it."""
@@ -347,8 +350,11 @@ class AsyncLLM:
         try:
             while True:
                 if not self.llm.has_work():
+                    for _, _, _, on_idle in list(self._pipes.values()):
+                        if on_idle is not None:
+                            on_idle()
                     t0 = time.perf_counter()
-                    wait([self._wake_r, *(c for c, _, _ in self._pipes.values())])
+                    wait([self._wake_r, *(entry[0] for entry in self._pipes.values())])
                     self.stats.add_idle(time.perf_counter() - t0)
                 t1 = time.perf_counter()
                 if self._drain_commands():
@@ -392,7 +398,7 @@ class AsyncLLM:
             self._stopped = True
             raise
         finally:
-            for conn, _, _ in self._pipes.values():
+            for conn, *_ in self._pipes.values():
                 conn.close()
             with self._wake_lock:
                 os.close(self._wake_w)
@@ -418,7 +424,7 @@ class AsyncLLM:
 
     def _read_pipes(self) -> None:
         """Every message the attached pipes hold now; a pipe whose other end closed is dropped (its on_close)."""
-        for fd, (conn, on_message, on_close) in list(self._pipes.items()):
+        for fd, (conn, on_message, on_close, _) in list(self._pipes.items()):
             try:
                 while conn.poll():
                     on_message(conn.recv())
@@ -447,8 +453,8 @@ class AsyncLLM:
             if stream.req is not None and stream.req.request_id in self._active:
                 self._abort(stream, None)
         elif cmd[0] == "attach":
-            _, conn, on_message, on_close = cmd
-            self._pipes[conn.fileno()] = (conn, on_message, on_close)
+            _, conn, on_message, on_close, on_idle = cmd
+            self._pipes[conn.fileno()] = (conn, on_message, on_close, on_idle)
         elif cmd[0] == "detach":
             conn = cmd[1]
             entry = self._pipes.pop(conn.fileno(), None) if not conn.closed else None

@@ -18,9 +18,12 @@ streams with EngineStoppedError.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import itertools
 import logging
 import pickle
+import struct
+import termios
 import threading
 from multiprocessing.connection import Connection
 from typing import Any
@@ -30,6 +33,21 @@ from compile_attn.engine.detokenizer import IncrementalDetokenizer
 from compile_attn.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+def merge_fields(a: tuple, b: tuple) -> tuple:
+    """Two ``Delta.fields()`` of one request, ``a`` then ``b``, as one (as ``async_engine._merge`` merges Deltas)."""
+    logprobs = None if a[5] is None and b[5] is None else (a[5] or []) + (b[5] or [])
+    return (a[0] + b[0], b[1], b[2], b[3], b[4], logprobs, b[6])
+
+
+def _unread_bytes(conn: Connection) -> int:
+    """Bytes written to ``conn`` that its other end has not read yet (Linux: the socket's output queue); 0 where
+    the platform does not tell."""
+    try:
+        return struct.unpack("i", fcntl.ioctl(conn.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+    except (OSError, ValueError, AttributeError):  # AttributeError: no TIOCOUTQ on this platform
+        return 0
 
 
 def _portable(exc: BaseException) -> BaseException:
@@ -44,28 +62,64 @@ def _portable(exc: BaseException) -> BaseException:
 class PipeBridge:
     """The engine's side: the AsyncLLM's loop reads the client's commands between steps (``AsyncLLM.attach``) and
     sends each step's items (``deliver``) as one message. ``close()`` (or the client's end closing) aborts what is
-    left."""
+    left.
+
+    A client that falls behind never stalls the steps: while more than ``max_backlog`` bytes it was sent are still
+    unread (the socket's output queue), a step's items wait here, each request's tokens merged into one item, and
+    go out in one message once the client has caught up (or the loop runs out of work). The client then gets
+    fewer, longer items, which costs it less per token, so it catches up."""
 
     takes_fields = True  # the loop hands it Delta.fields() tuples, not Deltas: the client detokenises
+    max_backlog = 64 * 1024  # unread bytes past which items wait here (merged)
 
     def __init__(self, engine: AsyncLLM, conn: Connection) -> None:
         self.engine, self.conn = engine, conn
         self._streams: dict[int, _Stream] = {}
         self._send_lock = threading.Lock()
-        engine.attach(conn, self._on_message, self._abort_all)
+        self._held: list[list] = []  # [key, item] waiting for the client, in order
+        self._held_tokens: dict[int, int] = {}  # key -> index in _held of its last item when that is a token tuple
+        self.num_held = 0  # deliveries that waited (a measure of how far the client lags)
+        engine.attach(conn, self._on_message, self._abort_all, self.flush)
 
     def deliver(self, items: list[tuple[_Stream, Any]]) -> None:
-        """Called on the loop thread: the items of one step (or one admission) in one message. RuntimeError if the
-        client's end is gone (the loop then aborts those requests)."""
-        out = []
+        """Called on the loop thread: the items of one step (or one admission), sent as one message with any that
+        waited before them, or kept (merged per request) while the client lags. RuntimeError if the client's end is
+        gone (the loop then aborts those requests)."""
+        held, tokens = self._held, self._held_tokens
         for stream, item in items:
+            key = stream.key
             if item.__class__ is tuple:  # Delta.fields(): a tuple pickles several times faster than a Delta
                 if item[1]:  # finished
-                    self._streams.pop(stream.key, None)
-            elif isinstance(item, BaseException):
-                item = _portable(item)
-                self._streams.pop(stream.key, None)
-            out.append((stream.key, item))
+                    self._streams.pop(key, None)
+                at = tokens.get(key)
+                if at is not None:  # its earlier tokens still wait: one item with both
+                    held[at][1] = merge_fields(held[at][1], item)
+                    continue
+                tokens[key] = len(held)
+            else:
+                if isinstance(item, BaseException):
+                    item = _portable(item)
+                    self._streams.pop(key, None)
+                tokens.pop(key, None)  # later tokens go after this item, not into an earlier one
+            held.append([key, item])
+        if _unread_bytes(self.conn) > self.max_backlog:
+            self.num_held += 1
+            return
+        self._send_held()
+
+    def flush(self) -> None:
+        """On the loop thread when it has no work: send what waits, whatever the client's backlog."""
+        if self._held:
+            try:
+                self._send_held()
+            except RuntimeError:  # the client is gone: the pipe's closing aborts its requests
+                self._held.clear()
+                self._held_tokens.clear()
+
+    def _send_held(self) -> None:
+        out = [(key, item) for key, item in self._held]
+        self._held.clear()
+        self._held_tokens.clear()
         try:
             with self._send_lock:
                 self.conn.send(("out", out, self.engine.gauges()))

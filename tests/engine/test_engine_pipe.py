@@ -130,3 +130,53 @@ def test_delta_fields_round_trip() -> None:
     d = Delta([5, 6], "ab", True, "stop", 3, 9, [{5: -0.1}, {6: -0.2}], "xxab")
     assert Delta.from_fields(d.fields(), "ab") == d
     assert len(d.fields()) == len(Delta.__dataclass_fields__) - 1  # every field but the text
+
+
+def test_a_client_that_reads_nothing_never_stalls_the_steps() -> None:
+    """With the socket's send buffer shrunk so that a few steps' messages fill it, the engine finishes every request
+    while the client reads nothing (their tokens wait in the bridge, merged), then the client reads each request's
+    tokens whole and in order, in far fewer items than tokens."""
+    import socket
+
+    from compile_attn.engine.engine_pipe import merge_fields
+
+    eng = AsyncLLM(toy_llm(), max_pending=8)
+    eng.fresh_kv_tokens = eng.llm.kv_cache.available_tokens
+    ours, theirs = multiprocessing.Pipe()
+    sock = socket.socket(fileno=ours.fileno())
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # the kernel's minimum is about this
+    sock.detach()
+    bridge = PipeBridge(eng, ours)
+    bridge.max_backlog = 0  # anything unread: later steps wait
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    try:
+        for key, prompt in enumerate(PROMPTS[:3]):
+            theirs.send(("add", key, prompt, params))
+        wait_idle(eng)  # every request finished with nothing read (it would time out on a blocked send)
+        assert bridge.num_held > 0
+        got: dict[int, tuple] = {}
+        items = 0
+        while len([k for k, f in got.items() if f[1]]) < 3:
+            _, out, _ = theirs.recv()
+            for key, item in out:
+                if isinstance(item, tuple):
+                    items += 1
+                    got[key] = merge_fields(got[key], item) if key in got else item
+        ref = toy_llm().generate(PROMPTS[:3], params)
+        for key, out in enumerate(ref):
+            ids, finished, reason, num_prompt, num_output = got[key][:5]
+            assert ids == out.token_ids and finished and reason == "length"
+            assert num_output == len(ids) == 48 and num_prompt == len(PROMPTS[key])
+        assert items < 3 * 48 / 4
+    finally:
+        eng.shutdown()
+        theirs.close()
+
+
+def test_merge_fields_is_deltas_merge() -> None:
+    from compile_attn.engine.async_engine import Delta, _merge
+    from compile_attn.engine.engine_pipe import merge_fields
+
+    a = Delta([1], "", False, None, 3, 1, None, None)
+    b = Delta([2, 3], "", True, "stop", 3, 3, [{2: -0.5}, {3: -0.1}], "xyz")
+    assert Delta.from_fields(merge_fields(a.fields(), b.fields())) == _merge(a, b)
