@@ -113,11 +113,16 @@ class _Stream:
             self.gone = True
 
 
+def merge_fields(a: tuple, b: tuple) -> tuple:
+    """Two ``Delta.fields()`` of one request, ``a`` then ``b``, as one: the tokens (and logprobs) of both, the rest
+    from ``b``."""
+    logprobs = None if a[5] is None and b[5] is None else (a[5] or []) + (b[5] or [])
+    return (a[0] + b[0], b[1], b[2], b[3], b[4], logprobs, b[6])
+
+
 def _merge(a: Delta, b: Delta) -> Delta:
     """``a`` then ``b`` as one Delta."""
-    logprobs = None if a.logprobs is None and b.logprobs is None else (a.logprobs or []) + (b.logprobs or [])
-    return Delta(a.token_ids + b.token_ids, a.text + b.text, b.finished, b.finish_reason, b.num_prompt_tokens,
-                 b.num_output_tokens, logprobs, b.final_text)
+    return Delta.from_fields(merge_fields(a.fields(), b.fields()), a.text + b.text)
 
 
 def _requeue_first(out: asyncio.Queue, item: Any) -> None:
@@ -504,7 +509,7 @@ class AsyncLLM:
         for stream in self._active.values():
             req = stream.req
             done = req.status is finished
-            known = len(req.token_ids) - req.unresolved - len(req.prompt_ids)  # Request.num_output_known
+            known = req.num_output_known
             if done or known > stream.sent_tokens:
                 if stream.sent_tokens == 0 and known:
                     self.stats.add_first_token(time.perf_counter() - stream.admitted_at)

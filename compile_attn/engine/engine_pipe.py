@@ -28,17 +28,12 @@ import threading
 from multiprocessing.connection import Connection
 from typing import Any
 
-from compile_attn.engine.async_engine import AsyncLLM, Delta, EngineStoppedError, RequestStream, _Stream
+from compile_attn.engine.async_engine import (AsyncLLM, Delta, EngineStoppedError, RequestStream, _Stream,
+                                              merge_fields)
 from compile_attn.engine.detokenizer import IncrementalDetokenizer
 from compile_attn.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-def merge_fields(a: tuple, b: tuple) -> tuple:
-    """Two ``Delta.fields()`` of one request, ``a`` then ``b``, as one (as ``async_engine._merge`` merges Deltas)."""
-    logprobs = None if a[5] is None and b[5] is None else (a[5] or []) + (b[5] or [])
-    return (a[0] + b[0], b[1], b[2], b[3], b[4], logprobs, b[6])
 
 
 def _unread_bytes(conn: Connection) -> int:

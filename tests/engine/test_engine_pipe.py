@@ -138,7 +138,7 @@ def test_a_client_that_reads_nothing_never_stalls_the_steps() -> None:
     tokens whole and in order, in far fewer items than tokens."""
     import socket
 
-    from compile_attn.engine.engine_pipe import merge_fields
+    from compile_attn.engine.async_engine import merge_fields
 
     eng = AsyncLLM(toy_llm(), max_pending=8)
     eng.fresh_kv_tokens = eng.llm.kv_cache.available_tokens
@@ -173,10 +173,15 @@ def test_a_client_that_reads_nothing_never_stalls_the_steps() -> None:
         theirs.close()
 
 
-def test_merge_fields_is_deltas_merge() -> None:
-    from compile_attn.engine.async_engine import Delta, _merge
-    from compile_attn.engine.engine_pipe import merge_fields
+def test_merged_deltas_carry_both_tokens_and_the_later_state() -> None:
+    """What a lagging consumer gets for two Deltas in a row (the bridge's merged fields, a stream's merged Deltas),
+    written out by hand."""
+    from compile_attn.engine.async_engine import Delta, _merge, merge_fields
 
-    a = Delta([1], "", False, None, 3, 1, None, None)
-    b = Delta([2, 3], "", True, "stop", 3, 3, [{2: -0.5}, {3: -0.1}], "xyz")
-    assert Delta.from_fields(merge_fields(a.fields(), b.fields())) == _merge(a, b)
+    a = Delta([1], "a", False, None, 3, 1, None, None)
+    b = Delta([2, 3], "bc", True, "stop", 3, 3, [{2: -0.5}, {3: -0.1}], "xyz")
+    expected = Delta([1, 2, 3], "abc", True, "stop", 3, 3, [{2: -0.5}, {3: -0.1}], "xyz")
+    assert _merge(a, b) == expected
+    assert merge_fields(a.fields(), b.fields()) == expected.fields()
+    c = Delta([4], "", False, None, 3, 2, [{4: -1.0}], None)  # logprobs on one side only
+    assert _merge(a, c) == Delta([1, 4], "a", False, None, 3, 2, [{4: -1.0}], None)
