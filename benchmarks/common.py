@@ -1,5 +1,5 @@
-"""What the benchmark scripts share: the model shape they measure, the GPU limits they compare against, and
-per-launch timing inside a CUDA graph. The shape is the library's ``compile_attn.bench.LLAMA_1B`` (what
+"""What the benchmark scripts share: the model shape they measure, the GPU limits they compare against,
+per-launch timing inside a CUDA graph, and the small CPU engine the host-time profiles run. The shape is the library's ``compile_attn.bench.LLAMA_1B`` (what
 ``compile-attn bench`` and ``compile-attn throughput`` run), so every script measures the same model.
 
 Scripts in this folder import it as ``from common import ...`` (Python puts a script's folder first on its path).
@@ -16,7 +16,8 @@ from compile_attn.bench_engine import PEAK_BF16_FLOPS
 from compile_attn.models import ToyDecoderConfig
 
 __all__ = ["BANDWIDTH", "HEAD_DIM", "LLAMA_1B", "NUM_HEADS", "NUM_KV_HEADS", "PEAK_BF16_FLOPS", "PEAK_TB_S",
-           "TINY", "graph_us", "linear_shapes", "num_copies", "require_cuda", "toy_decoder_config"]
+           "TINY", "HOST_VOCAB", "graph_us", "host_decode_llm", "linear_shapes", "num_copies", "require_cuda",
+           "toy_decoder_config"]
 
 BANDWIDTH = BenchConfig.bandwidth  # bytes/s a step's floor is computed with (measured: benchmarks/RESULTS.md)
 PEAK_TB_S = BANDWIDTH / 1e12
@@ -72,3 +73,29 @@ def graph_us(launches: list[Callable[[], object]], rep: int = 100) -> float:
         for launch in launches:
             launch()
     return triton.testing.do_bench(graph.replay, warmup=25, rep=rep, return_mode="median") * 1e3 / len(launches)
+
+
+HOST_VOCAB = 512  # the host-time profiles' vocabulary: small, so that the CPU's logits and argmax cost little
+
+
+def host_decode_llm(bs: int, prompt_len: int, new_tokens: int, *, stub_decode: bool = False):  # -> LLM
+    """A tiny HF Llama (``HOST_VOCAB`` tokens) on the CPU behind ``LLM`` (torch_native, no graphs) sized for ``bs``
+    requests of ``prompt_len`` + ``new_tokens``: what the host-time profiles run. ``stub_decode``: decode steps skip
+    the model call and take zero logits, so a decode step is host work only."""
+    from compile_attn import bench
+    from compile_attn.engine import LLM
+
+    context = prompt_len + new_tokens + 8
+    shape = dict(TINY, vocab_size=HOST_VOCAB, max_position_embeddings=context)
+    model = bench._hf_model(BenchConfig(shape=shape, device="cpu"), "sdpa", torch.float32)
+    llm = LLM(model, attn_backend="torch_native", max_batch_size=bs, max_num_tokens=bs * prompt_len,
+              kv_cache_tokens=bs * context, max_context=context, device="cpu", dtype=torch.float32, compile=False,
+              graph_mode="none")
+    if stub_decode:
+        run, zeros = llm.step_runner.run, torch.zeros(bs, HOST_VOCAB)
+
+        def stub_run(fb, keep, feed=None):  # noqa: ANN001, ANN202
+            return zeros[:fb.batch_size] if fb.forward_mode.is_decode() else run(fb, keep, feed)
+
+        llm.step_runner.run = stub_run
+    return llm

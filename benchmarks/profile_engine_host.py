@@ -25,6 +25,8 @@ import time
 
 import torch
 
+from common import HOST_VOCAB, host_decode_llm
+
 from compile_attn import bench
 from compile_attn.engine import LLM, SamplingParams
 
@@ -78,27 +80,19 @@ def main() -> None:
 
 
 def decode_host(bs: int, prompt_len: int, new_tokens: int = 40, stub_model: bool = False) -> None:
-    shape = dict(bench.TINY, vocab_size=512, max_position_embeddings=prompt_len + new_tokens + 8)
-    model = bench._hf_model(bench.BenchConfig(shape=shape, device="cpu"), "sdpa", torch.float32)
-    llm = LLM(model, attn_backend="torch_native", max_batch_size=bs, max_num_tokens=bs * prompt_len,
-              kv_cache_tokens=bs * (prompt_len + new_tokens + 8), max_context=prompt_len + new_tokens + 8,
-              device="cpu", dtype=torch.float32, compile=False, graph_mode="none")
+    llm = host_decode_llm(bs, prompt_len, new_tokens, stub_decode=stub_model)
     in_model = [0.0]
-    run = llm.step_runner.run
+    if not stub_model:
+        run = llm.step_runner.run
 
-    def timed_run(*a, **k):  # noqa: ANN002, ANN003, ANN202
-        t0 = time.perf_counter()
-        out = run(*a, **k)
-        in_model[0] += time.perf_counter() - t0
-        return out
+        def timed_run(*a, **k):  # noqa: ANN002, ANN003, ANN202
+            t0 = time.perf_counter()
+            out = run(*a, **k)
+            in_model[0] += time.perf_counter() - t0
+            return out
 
-    zeros = torch.zeros(bs, shape["vocab_size"])
-
-    def stub_run(fb, keep, feed=None):  # noqa: ANN001, ANN202
-        return zeros[:fb.batch_size] if fb.forward_mode.is_decode() else run(fb, keep, feed)
-
-    llm.step_runner.run = stub_run if stub_model else timed_run
-    prompts = torch.randint(0, shape["vocab_size"], (bs, prompt_len), generator=torch.Generator().manual_seed(0))
+        llm.step_runner.run = timed_run
+    prompts = torch.randint(0, HOST_VOCAB, (bs, prompt_len), generator=torch.Generator().manual_seed(0))
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     for prompt in prompts.tolist():
         llm.add_request(prompt, params)

@@ -28,13 +28,12 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+from common import HOST_VOCAB, host_decode_llm  # noqa: E402
 
-from compile_attn import bench  # noqa: E402
-from compile_attn.engine import LLM, SamplingParams  # noqa: E402
+from compile_attn.engine import SamplingParams  # noqa: E402
 from compile_attn.engine.async_engine import AsyncLLM  # noqa: E402
 from compile_attn.engine.engine_pipe import PipeBridge  # noqa: E402
 
-VOCAB = 512
 SKIP_STEPS = 3  # not timed: the step that admits and prefills every request, and two more
 
 
@@ -63,29 +62,14 @@ def reader(conn, prompts: list[list[int]], new_tokens: int, us_per_item: float, 
     conn.close()
 
 
-def stub_llm(bs: int, prompt_len: int, new_tokens: int) -> LLM:
-    shape = dict(bench.TINY, vocab_size=VOCAB, max_position_embeddings=prompt_len + new_tokens + 8)
-    model = bench._hf_model(bench.BenchConfig(shape=shape, device="cpu"), "sdpa", torch.float32)
-    llm = LLM(model, attn_backend="torch_native", max_batch_size=bs, max_num_tokens=bs * prompt_len,
-              kv_cache_tokens=bs * (prompt_len + new_tokens + 8), max_context=prompt_len + new_tokens + 8,
-              device="cpu", dtype=torch.float32, compile=False, graph_mode="none")
-    run, zeros = llm.step_runner.run, torch.zeros(bs, VOCAB)
-
-    def stub_run(fb, keep, feed=None):  # noqa: ANN001, ANN202
-        return zeros[:fb.batch_size] if fb.forward_mode.is_decode() else run(fb, keep, feed)
-
-    llm.step_runner.run = stub_run
-    return llm
-
-
 def measure(bs: int, prompt_len: int, new_tokens: int, us_per_item: float = 0.0, merge: bool = True) -> dict:
-    llm = stub_llm(bs, prompt_len, new_tokens)
+    llm = host_decode_llm(bs, prompt_len, new_tokens, stub_decode=True)
     engine = AsyncLLM(llm, max_pending=2 * bs)
     ctx = multiprocessing.get_context("spawn")
     ours, theirs = ctx.Pipe()
     report = ctx.Queue()
     g = torch.Generator().manual_seed(bs)
-    prompts = torch.randint(0, VOCAB, (bs, prompt_len), generator=g).tolist()
+    prompts = torch.randint(0, HOST_VOCAB, (bs, prompt_len), generator=g).tolist()
     proc = ctx.Process(target=reader, args=(theirs, prompts, new_tokens, us_per_item, report))
     bridge = PipeBridge(engine, ours)
     if not merge:
