@@ -27,12 +27,13 @@ class StepCounts:
 
     def __sub__(self, before: StepCounts) -> StepCounts:
         diff = {b: n - before.by_batch.get(b, 0) for b, n in self.by_batch.items()}
-        return StepCounts(self.steps - before.steps, self.seconds - before.seconds,
-                          {b: n for b, n in diff.items() if n}, self.other_seconds - before.other_seconds,
-                          self.idle_seconds - before.idle_seconds, self._newest(self.num_first_tokens
-                                                                              - before.num_first_tokens),
-                          self.num_first_tokens - before.num_first_tokens,
-                          self.deliver_seconds - before.deliver_seconds)
+        new_firsts = self.num_first_tokens - before.num_first_tokens
+        return StepCounts(steps=self.steps - before.steps, seconds=self.seconds - before.seconds,
+                          by_batch={b: n for b, n in diff.items() if n},
+                          other_seconds=self.other_seconds - before.other_seconds,
+                          idle_seconds=self.idle_seconds - before.idle_seconds,
+                          first_tokens=self._newest(new_firsts), num_first_tokens=new_firsts,
+                          deliver_seconds=self.deliver_seconds - before.deliver_seconds)
 
     def _newest(self, k: int) -> tuple[float, ...]:
         return self.first_tokens[len(self.first_tokens) - k:] if k > 0 else ()
@@ -114,5 +115,7 @@ class LoopStats:
 
     def snapshot(self) -> StepCounts:
         with self._lock:
-            return StepCounts(self._steps, self._seconds, dict(self._by_batch), self._other, self._idle,
-                              tuple(self._first_tokens), self._num_first_tokens, self._deliver)
+            return StepCounts(steps=self._steps, seconds=self._seconds, by_batch=dict(self._by_batch),
+                              other_seconds=self._other, idle_seconds=self._idle,
+                              first_tokens=tuple(self._first_tokens), num_first_tokens=self._num_first_tokens,
+                              deliver_seconds=self._deliver)

@@ -27,7 +27,7 @@ from compile_attn.bench_throughput import ThroughputConfig, engine_round
 from compile_attn.bench_workloads import Workload
 from compile_attn.engine.async_engine import AsyncLLM
 from compile_attn.server import bench_targets
-from compile_attn.server.frontend import serving
+from compile_attn.server.frontend import direct_opener, serving
 from compile_attn.server.load_client import client_ready, load_and_summarize
 
 logger = logging.getLogger(__name__)
@@ -153,13 +153,11 @@ CPU_METRIC = "process_cpu_seconds_total"
 def scrape(url: str) -> dict[str, float]:
     """The server's ``GET /metrics`` samples by name (summed over labels), or {} where it cannot be read."""
     import urllib.error
-    import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through a proxy
     try:
-        with opener.open(url + "/metrics", timeout=10) as resp:
+        with direct_opener().open(url + "/metrics", timeout=10) as resp:
             text = resp.read().decode()
     except (urllib.error.URLError, OSError) as exc:
         logger.warning("could not read %s/metrics (%s); no server-side TTFT or CPU", url, exc)
@@ -214,13 +212,18 @@ def _rate_name(rate: float | str) -> str | float:
     return rate if isinstance(rate, str) else "inf" if math.isinf(rate) else rate
 
 
+def _label(r: dict) -> str | float:
+    """A rate's name in the lines under the table: "inf", "half" or its requests per second."""
+    return _rate_name(r.get("rate_name") or r["request_rate"])
+
+
 def _ttft_split(r: dict) -> str:
     """The mean TTFT of a rate split at the server's and the engine's clocks (means add up; medians do not)."""
     client, server = r.get("ttft_mean_ms"), r.get("server_ttft_mean_ms")
     engine = r.get("batch", {}).get("engine_ttft_mean_ms")
     if client is None or server is None:
         return ""
-    text = f"{_rate_name(r.get('rate_name') or r['request_rate'])}: client {client:.1f} ms = HTTP and client " \
+    text = f"{_label(r)}: client {client:.1f} ms = HTTP and client " \
            f"{client - server:.1f} + server {server:.1f}"
     if engine is not None:
         text += f" (= pipes, loop pick-up and front end {server - engine:.1f} + engine {engine:.1f}: admission to " \
@@ -259,7 +262,7 @@ def to_markdown(result: dict) -> str:
                      f"{'-' if tps is None else f'{tps:,.0f}'} | {vs} | {pair(r, 'ttft')} | {pair(r, 'itl')} | "
                      f"{pair(r, 'tpot')} | {pair(r, 'e2e')} | {batch} | {r['client_busy']:.0%} of "
                      f"{r['client_processes']} |")
-    loops = [f"{_rate_name(r.get('rate_name') or r['request_rate'])}: {b['step_s']:.2f} s in {b['steps']} steps, "
+    loops = [f"{_label(r)}: {b['step_s']:.2f} s in {b['steps']} steps, "
              f"{b['other_s']:.2f} s handing out tokens and commands"
              + ("" if b.get("deliver_s") is None else f" ({b['deliver_s']:.2f} s of it in the sinks' deliver)")
              + f", {b['idle_s']:.2f} s idle"
@@ -268,7 +271,7 @@ def to_markdown(result: dict) -> str:
              for r in result["rates"] if (b := r.get("batch")) and "step_s" in b]
     if loops:
         lines += ["", "engine loop by rate: " + "; ".join(loops)]
-    cpu = [f"{_rate_name(r.get('rate_name') or r['request_rate'])}: {r['server_cpu_s']:.2f} s = "
+    cpu = [f"{_label(r)}: {r['server_cpu_s']:.2f} s = "
            f"{r['server_cpu_busy']:.0%} of the run, {r['server_cpu_us_per_token']:.0f} us per output token"
            for r in result["rates"] if r.get("server_cpu_busy") is not None and r.get("server_cpu_us_per_token")]
     if cpu:

@@ -96,11 +96,15 @@ def serve_in_process(engine: AsyncLLM, model_name: str, *, host: str = "127.0.0.
         bridge.close()
 
 
+def direct_opener() -> urllib.request.OpenerDirector:
+    """A urllib opener that never goes through a proxy (the server is on loopback)."""
+    return urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 def healthy(url: str, timeout: float = 2.0) -> bool:
     """Whether the server at ``url`` answers ``GET /health`` with 200 (asked directly, never through a proxy)."""
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
-        with opener.open(url + "/health", timeout=timeout) as r:
+        with direct_opener().open(url + "/health", timeout=timeout) as r:
             return r.status == 200
     except (urllib.error.URLError, OSError):  # refused, reset, timed out, or an error status (503: stopped)
         return False

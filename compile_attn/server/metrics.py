@@ -66,6 +66,10 @@ class ServerMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
+    def count_finished(self, reason: str | None) -> None:
+        """One sample finished for ``reason`` (None: aborted)."""
+        self._finished.labels(**self._labels, finished_reason=reason or "abort").inc()
+
     def timer(self, start: float) -> SampleTimer:
         """The observer of one sample's Deltas, submitted at ``start`` (``time.perf_counter()``): call it with each
         Delta as it reaches the handler."""
@@ -96,4 +100,4 @@ class SampleTimer:
             self.last = now
         if d.finished:
             m.e2e.observe(now - self.start)
-            m._finished.labels(**m._labels, finished_reason=d.finish_reason or "abort").inc()
+            m.count_finished(d.finish_reason)
