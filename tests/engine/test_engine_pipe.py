@@ -152,6 +152,9 @@ def test_a_client_that_reads_nothing_never_stalls_the_steps() -> None:
     try:
         for key, prompt in enumerate(PROMPTS[:3]):
             theirs.send(("add", key, prompt, params))
+        end = time.monotonic() + 10  # the engine reads the adds when it gets to them: wait for all three
+        while eng.stats.snapshot().num_first_tokens < 3 and time.monotonic() < end:
+            time.sleep(0.01)
         wait_idle(eng)  # every request finished with nothing read (it would time out on a blocked send)
         assert bridge.num_held > 0
         got: dict[int, tuple] = {}
