@@ -24,8 +24,8 @@ import weakref
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from multiprocessing.connection import Connection, wait
-from typing import Any
+from multiprocessing.connection import wait
+from typing import Any, Protocol
 
 from compile_attn.engine.detokenizer import IncrementalDetokenizer
 from compile_attn.engine.llm import LLM
@@ -71,6 +71,29 @@ class Delta:
         """Every field but ``text``, as a tuple (pickles several times faster than the dataclass)."""
         return (self.token_ids, self.finished, self.finish_reason, self.num_prompt_tokens, self.num_output_tokens,
                 self.logprobs, self.final_text)
+
+
+class Port(Protocol):
+    """A consumer in another process, served by the loop between steps (``AsyncLLM.attach``; see ``engine_pipe``).
+    Every method runs on the loop thread."""
+
+    def waitables(self) -> list:
+        """What an idle loop waits on (file descriptors or objects with ``fileno``)."""
+
+    def readable(self) -> bool:
+        """Whether a command waits that the waitables may not signal again (an edge-triggered socket)."""
+
+    def pump(self) -> bool:
+        """Handle every command that arrived; False once the peer is gone (the loop drops the port)."""
+
+    def on_idle(self) -> None:
+        """The loop ran out of work and is about to wait: send what was held back."""
+
+    def on_close(self) -> None:
+        """The peer is gone or the port was detached: abort its requests, release its channel."""
+
+    def release(self) -> None:
+        """Release the channel only (the loop has ended)."""
 
 
 class LoopSink:
@@ -136,11 +159,13 @@ def _requeue_first(out: asyncio.Queue, item: Any) -> None:
 
 class RequestStream:
     """One submitted request's Deltas (an async iterator). ``abort()`` (or ``aclose()``) before the last Delta
-    drops the request and frees its KV; so does a stream dropped unfinished."""
+    drops the request and frees its KV; so does a stream dropped unfinished. ``end(exc)`` drops it too and has the
+    consumer's next (or pending) ``__anext__`` raise ``exc``."""
 
     def __init__(self, engine: Any, stream: Any) -> None:  # an AsyncLLM and its _Stream, or an EngineClient's
         self._engine, self._stream = engine, stream
         self.finished = False
+        self._ended: BaseException | None = None
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -148,10 +173,14 @@ class RequestStream:
     async def __anext__(self) -> Delta:
         """The next Delta: everything the request produced since the last one taken (a consumer that falls behind
         the steps gets their Deltas merged into one, so it never lags further)."""
+        if self._ended is not None:
+            raise self._ended
         if self.finished:
             raise StopAsyncIteration
         out = self._stream.out
         item = await out.get()
+        if self._ended is not None:  # woken by end()
+            raise self._ended
         while isinstance(item, Delta) and not item.finished and not out.empty():
             nxt = out.get_nowait()
             if not isinstance(nxt, Delta):  # an exception after tokens: hand over the tokens, raise it next time
@@ -168,6 +197,14 @@ class RequestStream:
         if not self.finished:
             self.finished = True
             self._engine.abort_stream(self._stream)
+
+    def end(self, exc: BaseException) -> None:
+        """Abort the request (if unfinished) and make the consumer's next ``__anext__`` raise ``exc``; call on the
+        consumer's event loop."""
+        if not self.finished:
+            self.abort()
+            self._ended = exc
+            self._stream.out.put_nowait(None)  # wakes a consumer waiting for its next Delta
 
     async def aclose(self) -> None:
         self.abort()
@@ -196,8 +233,7 @@ class AsyncLLM:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._wake_lock = threading.Lock()  # the write end is closed under it once the loop ends
-        # loop thread: fd -> (conn, on_message, on_close, on_idle)
-        self._pipes: dict[int, tuple[Connection, Callable[[Any], None], Callable[[], None], Callable[[], None] | None]] = {}
+        self._ports: list[Port] = []  # loop thread only: consumers in other processes (``attach``)
         self._active: dict[int, _Stream] = {}  # loop thread only: request_id -> stream
         self._loop_sinks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its LoopSink
         self._pending = 0
@@ -260,19 +296,18 @@ class AsyncLLM:
         """Drop ``stream``'s request (if still running) on the loop thread; its KV is freed there."""
         self._command(("abort", stream))
 
-    def attach(self, conn: Connection, on_message: Callable[[Any], None], on_close: Callable[[], None],
-               on_idle: Callable[[], None] | None = None) -> None:
-        """Have the loop read ``conn`` between steps (and wait on it when idle): ``on_message(msg)`` for each
-        message, ``on_close()`` once its other end closed (or ``detach``), ``on_idle()`` each time the loop runs out
-        of work, before it waits (a sink sends what it held back); all run on the loop thread."""
-        self._post(("attach", conn, on_message, on_close, on_idle))
+    def attach(self, port: Port) -> None:
+        """Have the loop serve ``port`` (a consumer in another process, see ``Port``) between steps and wait on it
+        when idle; its methods all run on the loop thread."""
+        self._post(("attach", port))
 
-    def detach(self, conn: Connection) -> None:
-        """Stop reading ``conn`` (its ``on_close`` runs) and close it."""
+    def detach(self, port: Port) -> None:
+        """Stop serving ``port`` (its ``on_close`` runs on the loop thread; it only releases its channel once the
+        loop has ended)."""
         if self.alive:
-            self._post(("detach", conn))
+            self._post(("detach", port))
         else:
-            conn.close()
+            port.release()
 
     def add_stream(self, prompt: Any, params: SamplingParams, stream: _Stream) -> None:
         """Queue a request whose items go to ``stream.sink`` (its admission, an error, its Deltas): the entry for a
@@ -355,16 +390,16 @@ class AsyncLLM:
         try:
             while True:
                 if not self.llm.has_work():
-                    for _, _, _, on_idle in list(self._pipes.values()):
-                        if on_idle is not None:
-                            on_idle()
-                    t0 = time.perf_counter()
-                    wait([self._wake_r, *(entry[0] for entry in self._pipes.values())])
-                    self.stats.add_idle(time.perf_counter() - t0)
+                    for port in list(self._ports):
+                        port.on_idle()
+                    if not any(port.readable() for port in self._ports):
+                        t0 = time.perf_counter()
+                        wait([self._wake_r, *(w for port in self._ports for w in port.waitables())])
+                        self.stats.add_idle(time.perf_counter() - t0)
                 t1 = time.perf_counter()
                 if self._drain_commands():
                     return
-                self._read_pipes()
+                self._read_ports()
                 if not self.llm.has_work():
                     self.stats.add_other(time.perf_counter() - t1)
                     continue
@@ -403,8 +438,12 @@ class AsyncLLM:
             self._stopped = True
             raise
         finally:
-            for conn, *_ in self._pipes.values():
-                conn.close()
+            for port in self._ports:
+                try:
+                    port.on_idle()  # what the last steps (or the stop) left for it
+                except Exception:  # noqa: BLE001 - the port's peer may be gone; its channel is released next
+                    logger.debug("flushing a port at the loop's end failed", exc_info=True)
+                port.release()
             with self._wake_lock:
                 os.close(self._wake_w)
                 self._wake_w = None
@@ -427,15 +466,12 @@ class AsyncLLM:
                 return True
             self._handle(cmd)
 
-    def _read_pipes(self) -> None:
-        """Every message the attached pipes hold now; a pipe whose other end closed is dropped (its on_close)."""
-        for fd, (conn, on_message, on_close, _) in list(self._pipes.items()):
-            try:
-                while conn.poll():
-                    on_message(conn.recv())
-            except (EOFError, OSError):
-                del self._pipes[fd]
-                on_close()
+    def _read_ports(self) -> None:
+        """Every command the attached ports hold now; a port whose peer is gone is dropped (its on_close)."""
+        for port in list(self._ports):
+            if not port.pump():
+                self._ports.remove(port)
+                port.on_close()
 
     def _handle(self, cmd: tuple) -> None:
         if cmd[0] == "add":
@@ -458,14 +494,12 @@ class AsyncLLM:
             if stream.req is not None and stream.req.request_id in self._active:
                 self._abort(stream, None)
         elif cmd[0] == "attach":
-            _, conn, on_message, on_close, on_idle = cmd
-            self._pipes[conn.fileno()] = (conn, on_message, on_close, on_idle)
+            self._ports.append(cmd[1])
         elif cmd[0] == "detach":
-            conn = cmd[1]
-            entry = self._pipes.pop(conn.fileno(), None) if not conn.closed else None
-            if entry is not None:
-                entry[2]()
-            conn.close()
+            port = cmd[1]
+            if port in self._ports:
+                self._ports.remove(port)
+                port.on_close()
         elif cmd[0] == "call":
             _, fn, fut = cmd
             if fut.set_running_or_notify_cancel():

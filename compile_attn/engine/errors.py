@@ -24,6 +24,11 @@ class RequestTooLargeError(InvalidRequestError):
     """A request whose prompt plus max_new_tokens can never fit the KV cache or its max_context."""
 
 
+class MessageTooLargeError(InvalidRequestError):
+    """A request whose message to the engine's process (its prompt and parameters, pickled) is larger than the
+    transport's bound (``EngineClient.max_message_bytes``); an HTTP server answers 413."""
+
+
 class EngineBusyError(CompileAttnError, RuntimeError):
     """An LLM was called from a second thread while another call on it was running; an LLM runs one call at a
     time (use one LLM per thread, or serialise the calls)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -19,12 +20,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from compile_attn.engine.async_engine import AsyncLLM, Delta, EngineOverloadedError, EngineStoppedError, RequestStream
 from compile_attn.engine.engine_pipe import EngineClient
-from compile_attn.engine.errors import InvalidRequestError
+from compile_attn.engine.errors import InvalidRequestError, MessageTooLargeError
 from compile_attn.engine.llm import sample_seed
 from compile_attn.server import logprobs_format
 from compile_attn.server.metrics import CONTENT_TYPE_LATEST, SampleTimer, ServerMetrics
 from compile_attn.server.protocol import APIError, Parsed, parse
+from compile_attn.server.shutdown import Drain, ServerShuttingDownError
 from compile_attn.server.sse import ChunkFormat
+
+logger = logging.getLogger(__name__)
 
 
 def create_app(engine: AsyncLLM | EngineClient, model_name: str) -> FastAPI:
@@ -34,6 +38,7 @@ def create_app(engine: AsyncLLM | EngineClient, model_name: str) -> FastAPI:
     tokenizer, max_context = engine.tokenizer, engine.max_context
     metrics = ServerMetrics(engine, model_name)
     app.state.metrics = metrics
+    drain = app.state.drain = Drain()  # the open requests, for a graceful shutdown (GracefulServer)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -42,8 +47,8 @@ def create_app(engine: AsyncLLM | EngineClient, model_name: str) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        ok = engine.alive
-        return JSONResponse({"status": "ok" if ok else "stopped"}, status_code=200 if ok else 503)
+        status = "stopped" if not engine.alive else "shutting down" if drain.draining else "ok"
+        return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -60,8 +65,11 @@ def create_app(engine: AsyncLLM | EngineClient, model_name: str) -> FastAPI:
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise APIError(f"the request body is not valid JSON: {exc}") from None
         req = parse(body, chat=chat, tokenizer=tokenizer, model_name=model_name, max_context=max_context)
+        if drain.draining:
+            raise _shutting_down()
         start = time.perf_counter()
         streams = await _submit_all(engine, req)
+        drain.track(streams)
         metrics.prompt_tokens.inc(len(req.prompt_ids))
         timers = [metrics.timer(start) for _ in streams]
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -69,7 +77,10 @@ def create_app(engine: AsyncLLM | EngineClient, model_name: str) -> FastAPI:
         if req.stream:
             return StreamingResponse(_sse(streams, timers, req, rid, created, model_name, chat, tokenizer),
                                      media_type="text/event-stream")
-        return await _whole(streams, timers, req, rid, created, model_name, chat, tokenizer)
+        try:
+            return await _whole(streams, timers, req, rid, created, model_name, chat, tokenizer)
+        except EngineStoppedError as exc:  # ended by a shutdown, or the engine is gone
+            raise _shutting_down() if isinstance(exc, ServerShuttingDownError) else _engine_gone(exc) from None
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -95,12 +106,23 @@ async def _submit_all(engine: AsyncLLM | EngineClient, req: Parsed) -> list[Requ
         if isinstance(exc, EngineOverloadedError):
             raise APIError(str(exc), status=503, type="server_busy") from None
         if isinstance(exc, EngineStoppedError):
-            raise APIError(str(exc), status=503, type="server_error") from None
+            raise _engine_gone(exc) from None
+        if isinstance(exc, MessageTooLargeError):
+            raise APIError(str(exc), "prompt", status=413) from None
         if isinstance(exc, InvalidRequestError):
             field = getattr(exc, "param", None) or ("max_tokens" if "max_new_tokens" in str(exc) else "prompt")
             raise APIError(str(exc), field) from None
         raise
     return streams
+
+
+def _shutting_down() -> APIError:
+    return APIError("the server is shutting down; retry against another replica or after it restarts", status=503,
+                    type="server_error")
+
+
+def _engine_gone(exc: BaseException) -> APIError:
+    return APIError(f"the engine is not serving: {exc}", status=503, type="server_error")
 
 
 def _usage(prompt: int, completion: int) -> dict[str, int]:
@@ -152,7 +174,11 @@ async def _whole(streams: list[RequestStream], timers: list[SampleTimer], req: P
             fmt(d)
         return text, last, logprobs_format.merge(chat, fmt.parts), ids
 
-    results = await _gather_or_abort([collect(s, t) for s, t in zip(streams, timers)], streams)
+    try:
+        results = await _gather_or_abort([collect(s, t) for s, t in zip(streams, timers)], streams)
+    finally:
+        for timer in timers:
+            timer.abandon()
     choices = [_choice(chat, k, text, last.finish_reason, delta=False, logprobs=lp,
                        token_ids=ids if req.return_token_ids else None)
                for k, (text, last, lp, ids) in enumerate(results)]
@@ -174,7 +200,8 @@ async def _gather_or_abort(coros: list, streams: list[RequestStream]) -> list:
 
 
 async def _interleave(samples: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int, Delta]]:
-    """``(k, delta)`` of every sample as each arrives; one sample is read directly (no task or queue per token)."""
+    """``(k, delta)`` of every sample as each arrives; one sample is read directly (no task or queue per token). A
+    sample's failure is raised here (the other samples are then dropped)."""
     if len(samples) == 1:
         async for d in samples[0]:
             yield 0, d
@@ -182,9 +209,12 @@ async def _interleave(samples: list[AsyncIterator[Delta]]) -> AsyncIterator[tupl
     merged: asyncio.Queue = asyncio.Queue()
 
     async def pump(k: int, s: AsyncIterator[Delta]) -> None:
-        async for d in s:
-            await merged.put((k, d))
-        await merged.put((k, None))
+        try:
+            async for d in s:
+                await merged.put((k, d))
+            await merged.put((k, None))
+        except Exception as exc:  # noqa: BLE001 - handed to the reader, which raises it
+            await merged.put((k, exc))
 
     tasks = [asyncio.ensure_future(pump(k, s)) for k, s in enumerate(samples)]
     try:
@@ -194,9 +224,9 @@ async def _interleave(samples: list[AsyncIterator[Delta]]) -> AsyncIterator[tupl
             if d is None:
                 open_ -= 1
                 continue
+            if isinstance(d, BaseException):
+                raise d
             yield k, d
-        for t in tasks:
-            t.result()  # re-raise a sample's failure
     finally:
         for t in tasks:
             t.cancel()
@@ -204,25 +234,43 @@ async def _interleave(samples: list[AsyncIterator[Delta]]) -> AsyncIterator[tupl
 
 async def _sse(streams: list[RequestStream], timers: list[SampleTimer], req: Parsed, rid: str, created: int,
                model: str, chat: bool, tokenizer: Any) -> AsyncIterator[str]:
-    """Server-sent events: one chunk per Delta of any sample, the usage chunk if asked, then ``[DONE]``."""
+    """Server-sent events: one chunk per Delta of any sample, the usage chunk if asked, then ``[DONE]``. A shutdown
+    that ends the request gives each unfinished sample a last chunk with finish_reason "abort"; a failure after the
+    first chunk (the engine gone) an error event; both then end with ``[DONE]``."""
     fmt = ChunkFormat(rid, created, model, chat=chat, include_usage=req.include_usage)
+    finished = [False] * req.n
     try:
         if chat:
             yield fmt.chunk([{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None} for k in range(req.n)])
         prompt, outputs = 0, [0] * req.n
         formats = [_LogprobsFormatter(chat, tokenizer, req.params.logprobs) for _ in range(req.n)]
-        async with contextlib.aclosing(_interleave(streams)) as deltas:  # closed (its tasks cancelled) on any exit
-            async for k, d in deltas:
-                timers[k](d)
-                prompt, outputs[k] = d.num_prompt_tokens, d.num_output_tokens
-                lp = formats[k](d)
-                ids = d.token_ids if req.return_token_ids else None
-                if d.text or d.finished or lp or ids:
-                    yield fmt.delta(k, d.text, d.finish_reason, lp, ids)
+        try:
+            async with contextlib.aclosing(_interleave(streams)) as deltas:  # closed (tasks cancelled) on any exit
+                async for k, d in deltas:
+                    timers[k](d)
+                    prompt, outputs[k], finished[k] = d.num_prompt_tokens, d.num_output_tokens, d.finished
+                    lp = formats[k](d)
+                    ids = d.token_ids if req.return_token_ids else None
+                    if d.text or d.finished or lp or ids:
+                        yield fmt.delta(k, d.text, d.finish_reason, lp, ids)
+        except ServerShuttingDownError:
+            for k in range(req.n):
+                if not finished[k]:
+                    yield fmt.delta(k, "", "abort")
+        except Exception as exc:  # noqa: BLE001 - the status line is sent: the error goes in the stream
+            if not isinstance(exc, EngineStoppedError):
+                logger.exception("a streamed request failed")
+            err = _engine_gone(exc) if isinstance(exc, EngineStoppedError) else APIError(
+                f"the request failed: {type(exc).__name__}", status=500, type="server_error")
+            yield f"data: {json.dumps(err.body())}\n\n"
+            yield "data: [DONE]\n\n"
+            return
         if req.include_usage:
             yield fmt.chunk([], _usage(prompt, sum(outputs)))
         yield "data: [DONE]\n\n"
     finally:
         for s in streams:
             s.abort()
+        for timer in timers:
+            timer.abandon()

@@ -77,7 +77,8 @@ def run(cfg: ServingBenchConfig) -> dict:
     name = cfg.served_model_name or "bench"
     engine = AsyncLLM(llm, max_pending=max(256, workload.num_seqs))
     try:
-        with serving(engine, name, cfg.frontend) as url:
+        with serving(engine, name, cfg.frontend) as front:
+            url = front.url
             result["rates"] = _sweep(url, name, workload, cfg, engine)
     finally:
         engine.shutdown()

@@ -6,12 +6,11 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
-import sys
-import time
+import threading
 from pathlib import Path
 
 from compile_attn.cli_options import add_engine_options, check_engine_options, engine_config
-from compile_attn.server.frontend import FRONTENDS
+from compile_attn.server.frontend import DEFAULT_SHUTDOWN_TIMEOUT_S, FRONTENDS
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +32,10 @@ def add_parser(sub: argparse._SubParsersAction, formatter_class: type[argparse.H
                         "never hold up the engine's steps), or a thread of the engine's process")
     p.add_argument("--max-pending", type=int, default=256,
                    help="unfinished requests at most; past it new ones get 503 with Retry-After")
+    p.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                   help="on SIGTERM or Ctrl-C: seconds the open requests may run on (no new connections are "
+                        "taken) before each is ended: a stream with a last chunk (finish_reason \"abort\") and "
+                        "[DONE], a whole request with a 503; a second signal ends them at once")
     p.set_defaults(func=cmd_serve, prepare=prepare, subparser=p)
 
 
@@ -43,6 +46,8 @@ def prepare(args: argparse.Namespace) -> None:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     if args.max_pending < 1:
         raise ValueError(f"--max-pending must be >= 1, got {args.max_pending}")
+    if not args.shutdown_timeout >= 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     try:
         import fastapi  # noqa: F401
         import prometheus_client  # noqa: F401
@@ -61,17 +66,37 @@ def cmd_serve(args: argparse.Namespace) -> int:
         path = Path(args.chat_template)
         llm.tokenizer.chat_template = path.read_text() if path.is_file() else args.chat_template
     engine = AsyncLLM(llm, max_pending=args.max_pending)
-    # SIGTERM (a process manager's stop) unwinds like Ctrl-C: the front end stops, requests are aborted
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    # SIGTERM (a process manager's stop) and Ctrl-C drain the server: no new connections, the open requests run on
+    # for --shutdown-timeout seconds, then are ended; a second signal ends them at once
+    stopping = threading.Event()
+    fronts: list = []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        logger.warning("%s: shutting down (open requests may run for %.0f s; again to end them now)",
+                       signal.Signals(signum).name, args.shutdown_timeout)
+        stopping.set()
+        for front in fronts:
+            front.request_stop()
+
+    code = 0
     try:
         with serving(engine, args.served_model_name or args.model, args.frontend, host=args.host, port=args.port,
-                     log_level="info" if args.verbose else "warning") as url:
-            logger.info("serving %s on %s (front end: %s)", args.model, url, args.frontend)
-            print(f"compile-attn serve: {url}/v1 (Ctrl-C stops)", flush=True)
-            while engine.alive:
-                time.sleep(0.5)
-    except KeyboardInterrupt:
-        pass
+                     log_level="info" if args.verbose else "warning",
+                     shutdown_timeout=args.shutdown_timeout) as front:
+            fronts.append(front)
+            signal.signal(signal.SIGTERM, on_signal)
+            signal.signal(signal.SIGINT, on_signal)
+            logger.info("serving %s on %s (front end: %s)", args.model, front.url, args.frontend)
+            print(f"compile-attn serve: {front.url}/v1 (Ctrl-C stops)", flush=True)
+            while not stopping.wait(0.5):
+                if not engine.alive:
+                    logger.error("the engine's step loop has stopped; shutting down")
+                    code = 1
+                    break
+                if not front.alive():
+                    logger.error("the HTTP front end exited (exit code %s); shutting down", front.exitcode)
+                    code = 1
+                    break
     finally:
         engine.shutdown()
-    return 0
+    return code

@@ -80,10 +80,10 @@ class SampleTimer:
     """One sample's latencies and tokens into its app's metrics, a Delta at a time (a plain call per Delta, not a
     generator wrapped around the sample's stream: the streamed-token path is the front end's hottest)."""
 
-    __slots__ = ("metrics", "start", "last")
+    __slots__ = ("metrics", "start", "last", "done")
 
     def __init__(self, metrics: ServerMetrics, start: float) -> None:
-        self.metrics, self.start, self.last = metrics, start, None
+        self.metrics, self.start, self.last, self.done = metrics, start, None, False
 
     def __call__(self, d: Delta) -> None:
         m = self.metrics
@@ -99,5 +99,13 @@ class SampleTimer:
                     m.itl.observe(gap)
             self.last = now
         if d.finished:
+            self.done = True
             m.e2e.observe(now - self.start)
             m.count_finished(d.finish_reason)
+
+    def abandon(self) -> None:
+        """The sample's handler is done with it: if its last Delta never came (the client went away, the server
+        ended it), count it as finished with reason "abort"."""
+        if not self.done:
+            self.done = True
+            self.metrics.count_finished(None)

@@ -7,7 +7,6 @@ shutting down fails the client's streams and later submits with EngineStoppedErr
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
 import time
 
 import pytest
@@ -22,12 +21,11 @@ from tests.engine.test_async_engine import PROMPTS, run, toy_llm, wait_idle
 def piped():
     eng = AsyncLLM(toy_llm(), max_pending=2)
     eng.fresh_kv_tokens = eng.llm.kv_cache.available_tokens
-    ours, theirs = multiprocessing.Pipe()
-    bridge = PipeBridge(eng, ours)
-    client = EngineClient(theirs, tokenizer=None, max_context=eng.max_context)
+    bridge = PipeBridge(eng)
+    client = EngineClient(bridge.address, tokenizer=None, max_context=eng.max_context)
     yield eng, bridge, client
     eng.shutdown()
-    theirs.close()
+    client.close()
 
 
 def test_deltas_add_up_to_generate(piped) -> None:
@@ -79,7 +77,7 @@ def test_client_end_closing_aborts_its_requests(piped) -> None:
     async def main():
         stream = await client.submit(PROMPTS[0], SamplingParams(max_tokens=400, ignore_eos=True))
         await stream.__anext__()  # generating
-        client.conn.close()
+        client.close()  # its lifeline and socket close, as when its process dies
 
     run(main())
     wait_idle(eng)
@@ -133,38 +131,36 @@ def test_delta_fields_round_trip() -> None:
 
 
 def test_a_client_that_reads_nothing_never_stalls_the_steps() -> None:
-    """With the socket's send buffer shrunk so that a few steps' messages fill it, the engine finishes every request
-    while the client reads nothing (their tokens wait in the bridge, merged), then the client reads each request's
-    tokens whole and in order, in far fewer items than tokens."""
-    import socket
-
+    """A client that sends its requests and then reads nothing: once ``max_unacked`` messages are unacknowledged
+    the engine holds each step's tokens (merged per request) and finishes every request regardless; the client then
+    reads each request's tokens whole and in order, in far fewer items than tokens."""
     from compile_attn.engine.async_engine import merge_fields
 
     eng = AsyncLLM(toy_llm(), max_pending=8)
     eng.fresh_kv_tokens = eng.llm.kv_cache.available_tokens
-    ours, theirs = multiprocessing.Pipe()
-    sock = socket.socket(fileno=ours.fileno())
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # the kernel's minimum is about this
-    sock.detach()
-    bridge = PipeBridge(eng, ours)
-    bridge.max_backlog = 0  # anything unread: later steps wait
+    bridge = PipeBridge(eng)
+    bridge.max_unacked = 1  # anything unacknowledged: later steps wait
+    client = bridge.address.connect()  # the raw channel: sends commands, never acknowledges
     params = SamplingParams(max_tokens=48, ignore_eos=True)
     try:
         for key, prompt in enumerate(PROMPTS[:3]):
-            theirs.send(("add", key, prompt, params))
+            client.send(("add", key, prompt, params))
         end = time.monotonic() + 10  # the engine reads the adds when it gets to them: wait for all three
         while eng.stats.snapshot().num_first_tokens < 3 and time.monotonic() < end:
             time.sleep(0.01)
-        wait_idle(eng)  # every request finished with nothing read (it would time out on a blocked send)
+        wait_idle(eng)  # every request finished with nothing read
         assert bridge.num_held > 0
         got: dict[int, tuple] = {}
         items = 0
+        end = time.monotonic() + 10
         while len([k for k, f in got.items() if f[1]]) < 3:
-            _, out, _ = theirs.recv()
-            for key, item in out:
-                if isinstance(item, tuple):
-                    items += 1
-                    got[key] = merge_fields(got[key], item) if key in got else item
+            assert time.monotonic() < end, f"not every request finished: {got}"
+            for _, out, _ in client.receive():
+                for key, item in out:
+                    if isinstance(item, tuple):
+                        items += 1
+                        got[key] = merge_fields(got[key], item) if key in got else item
+            time.sleep(0.01)
         ref = toy_llm().generate(PROMPTS[:3], params)
         for key, out in enumerate(ref):
             ids, finished, reason, num_prompt, num_output = got[key][:5]
@@ -173,7 +169,7 @@ def test_a_client_that_reads_nothing_never_stalls_the_steps() -> None:
         assert items < 3 * 48 / 4
     finally:
         eng.shutdown()
-        theirs.close()
+        client.close()
 
 
 def test_merged_deltas_carry_both_tokens_and_the_later_state() -> None:

@@ -63,7 +63,7 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     llm, reference = _llm(path), _llm(path)
     engine = AsyncLLM(llm, max_pending=64)
     try:
-        with serving(engine, MODEL, request.param) as url:
-            yield Served(url, engine, llm, reference, llm.kv_cache.available_tokens)
+        with serving(engine, MODEL, request.param) as front:
+            yield Served(front.url, engine, llm, reference, llm.kv_cache.available_tokens)
     finally:
         engine.shutdown()

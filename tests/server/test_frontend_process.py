@@ -20,7 +20,8 @@ def test_dead_front_end_aborts_its_requests() -> None:
     engine = AsyncLLM(toy_llm(), max_pending=8)
     engine.fresh_kv_tokens = engine.llm.kv_cache.available_tokens
     try:
-        with serve_in_process(engine, "toy") as url:
+        with serve_in_process(engine, "toy") as served:
+            url = served.url
             (front,) = [p for p in multiprocessing.active_children() if p.name == "compile-attn-frontend"]
             body = {"model": "toy", "prompt": PROMPTS[0], "max_tokens": 400, "ignore_eos": True, "stream": True,
                     "return_token_ids": True}  # a model without a tokenizer makes no text: chunks carry ids
@@ -32,7 +33,8 @@ def test_dead_front_end_aborts_its_requests() -> None:
                 front.join(10)
             wait_idle(engine)
             assert engine.num_aborted == 1
-        with serve_in_process(engine, "toy") as url:  # a new front end on the same engine
+        with serve_in_process(engine, "toy") as served:  # a new front end on the same engine
+            url = served.url
             r = httpx.post(url + "/v1/completions", json={"model": "toy", "prompt": PROMPTS[1], "max_tokens": 5,
                                                          "ignore_eos": True}, timeout=30)
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
