@@ -15,8 +15,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
+import os
 import signal
 import socket
+import sys
 import threading
 import time
 import urllib.error
@@ -135,7 +137,16 @@ def frontend_main(address: ChannelAddress, tokenizer: Any, max_context: int, mod
                                            timeout_graceful_shutdown=END_GRACE_S),
                             app.state.drain, shutdown_timeout, ignore_sigint=True)
     threading.Thread(target=_exit_with_parent, args=(server,), name="compile-attn-parent-watch", daemon=True).start()
-    server.run()
+    try:
+        server.run()
+    finally:
+        client.close()
+    # Nothing of ours is left to clean up; the interpreter's own teardown of the compiler stack the package imports
+    # takes ~2 s more, which a stopping server would spend holding its parent up: end the process here.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _exit_with_parent(server: GracefulServer) -> None:

@@ -1,6 +1,6 @@
 """The server under load and at shutdown, both front-end placements, on a toy model (token ids in, token ids out):
 
-- a burst of 64 concurrent streams with long prompts (together several times a pipe's buffer), half of the clients
+- a burst of 64 concurrent streams with long prompts (together more than a pipe's buffer), half of the clients
   going away mid-stream: no 5xx, every kept stream whole and equal to a separate LLM's greedy output;
 - a graceful stop with streams and whole requests open: no new connections; those that finish within the shutdown
   timeout end normally, the others end with a last chunk (finish_reason "abort") and [DONE] or a 503 with OpenAI's
@@ -31,9 +31,14 @@ from compile_attn.engine import LLM, SamplingParams  # noqa: E402
 from compile_attn.engine.async_engine import AsyncLLM  # noqa: E402
 from compile_attn.models import ToyDecoder  # noqa: E402
 from compile_attn.server.frontend import FRONTENDS, serving  # noqa: E402
-from tests.engine.test_async_engine import CFG, wait_idle  # noqa: E402
+from tests.engine.test_async_engine import CFG as SMALL, wait_idle  # noqa: E402
+
+import dataclasses  # noqa: E402
 
 import torch  # noqa: E402
+
+# ids up to 70,000 pickle to 5 bytes each: 64 prompts of ~1,000 tokens are ~320 KB of commands at once
+CFG = dataclasses.replace(SMALL, vocab_size=70_000)
 
 ENGINE = dict(max_batch_size=8, max_num_tokens=2048, kv_cache_tokens=32768, max_context=4096, page_size=4,
               graph_mode="none", compile=False, device="cpu")
@@ -96,12 +101,12 @@ async def _read_stream(client: httpx.AsyncClient, url: str, body: dict, *, stop_
 
 
 def _prompt(k: int, length: int) -> list[int]:
-    return [(k * 7 + j * 13) % CFG.vocab_size for j in range(length)]
+    return [(k * 7919 + j * 104_729) % CFG.vocab_size for j in range(length)]
 
 
 def test_burst_of_long_prompts_with_half_the_clients_leaving(engine: AsyncLLM, reference: LLM,
                                                              frontend: str) -> None:
-    prompts = [_prompt(k, 3000 + k) for k in range(64)]
+    prompts = [_prompt(k, 1000 + k) for k in range(64)]
     new = 12
     expected = [o.token_ids for o in reference.generate(prompts, SamplingParams(max_tokens=new, ignore_eos=True))]
 
