@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the engine is imported where a server starts, not by the CLI's option parsing
     from compile_attn.engine.async_engine import AsyncLLM
+    from compile_attn.server.options import ServerOptions
 
 logger = logging.getLogger(__name__)
 GRACEFUL_SHUTDOWN_S = 3  # seconds a stopping front end waits for open connections
@@ -37,7 +38,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def frontend_main(conn: Connection, tokenizer: Any, max_context: int, model_name: str, host: str, port: int,
-                  log_level: str) -> None:
+                  log_level: str, options: ServerOptions | None = None) -> None:
     """The front end process: the app on an EngineClient of ``conn``, served by uvicorn until terminated."""
     import uvicorn
 
@@ -47,8 +48,8 @@ def frontend_main(conn: Connection, tokenizer: Any, max_context: int, model_name
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.WARNING))
     client = EngineClient(conn, tokenizer=tokenizer, max_context=max_context)
     # on SIGTERM (serve_in_process's exit): stop accepting, give open streams a moment, then close them
-    server = uvicorn.Server(uvicorn.Config(create_app(client, model_name), host=host, port=port, log_level=log_level,
-                                           timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+    server = uvicorn.Server(uvicorn.Config(create_app(client, model_name, options), host=host, port=port,
+                                           log_level=log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
     threading.Thread(target=_exit_with_parent, args=(server,), name="compile-attn-parent-watch", daemon=True).start()
     server.run()
 
@@ -68,10 +69,11 @@ def _exit_with_parent(server: Any) -> None:
 
 @contextlib.contextmanager
 def serve_in_process(engine: AsyncLLM, model_name: str, *, host: str = "127.0.0.1", port: int | None = None,
-                     log_level: str = "warning", start_timeout: float = 120.0) -> Iterator[str]:
+                     log_level: str = "warning", start_timeout: float = 120.0,
+                     options: ServerOptions | None = None) -> Iterator[str]:
     """Start the front end of ``engine`` in a new process on ``host:port`` (a free port when None); yield its base
     URL once it answers ``/health``; stop it after (its unfinished requests are aborted, their KV freed). The
-    engine's ``max_pending`` bounds the requests in flight (past it: 503)."""
+    engine's ``max_pending`` bounds the requests in flight (past it: 503); ``options`` is the app's (create_app)."""
     from compile_attn.engine.engine_pipe import PipeBridge
 
     port = free_port(host) if port is None else port
@@ -79,7 +81,7 @@ def serve_in_process(engine: AsyncLLM, model_name: str, *, host: str = "127.0.0.
     ours, theirs = ctx.Pipe()
     bridge = PipeBridge(engine, ours)
     proc = ctx.Process(target=frontend_main, name="compile-attn-frontend", daemon=True,
-                       args=(theirs, engine.tokenizer, engine.max_context, model_name, host, port, log_level))
+                       args=(theirs, engine.tokenizer, engine.max_context, model_name, host, port, log_level, options))
     proc.start()
     theirs.close()
     url = f"http://{host}:{port}"
@@ -122,15 +124,18 @@ def _wait_healthy(url: str, proc: multiprocessing.process.BaseProcess, timeout: 
 
 @contextlib.contextmanager
 def serve_in_thread(engine: AsyncLLM, model_name: str, *, host: str = "127.0.0.1", port: int | None = None,
-                    log_level: str = "warning", start_timeout: float = 60.0) -> Iterator[str]:
-    """The app on ``engine`` served by uvicorn in a thread of this process on ``host:port`` (a free port when
-    None); yields its base URL once started and stops the server after (the engine keeps running)."""
+                    log_level: str = "warning", start_timeout: float = 60.0,
+                    options: ServerOptions | None = None) -> Iterator[str]:
+    """The app on ``engine`` (with ``options``, see create_app) served by uvicorn in a thread of this process on
+    ``host:port`` (a free port when None); yields its base URL once started and stops the server after (the engine
+    keeps running)."""
     import uvicorn
 
     from compile_attn.server.app import create_app
 
     port = free_port(host) if port is None else port
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, model_name), host=host, port=port, log_level=log_level))
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, model_name, options), host=host, port=port,
+                                           log_level=log_level))
     thread = threading.Thread(target=server.run, name="compile-attn-http", daemon=True)
     thread.start()
     try:
@@ -146,12 +151,14 @@ def serve_in_thread(engine: AsyncLLM, model_name: str, *, host: str = "127.0.0.1
 
 
 @contextlib.contextmanager
-def serving(engine: AsyncLLM, model_name: str, frontend: str = "process", **options: Any) -> Iterator[str]:
-    """``serve_in_process`` (``frontend="process"``) or ``serve_in_thread`` (``"thread"``) with ``options``."""
+def serving(engine: AsyncLLM, model_name: str, frontend: str = "process", options: ServerOptions | None = None,
+            **kwargs: Any) -> Iterator[str]:
+    """``serve_in_process`` (``frontend="process"``) or ``serve_in_thread`` (``"thread"``) with the app's
+    ``options`` and their keyword arguments ``kwargs``."""
     if frontend not in FRONTENDS:
         raise ValueError(f"frontend must be one of {FRONTENDS}, got {frontend!r}")
     serve = serve_in_process if frontend == "process" else serve_in_thread
-    with serve(engine, model_name, **options) as url:
+    with serve(engine, model_name, options=options, **kwargs) as url:
         yield url
 
 
