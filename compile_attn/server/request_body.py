@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -20,9 +19,7 @@ MAX_JSON_DEPTH = 64  # an OpenAI body nests 5 deep (messages, content parts); fa
 OFF_LOOP_BYTES = 64 * 1024  # bodies at least this long are decoded and parsed in a worker thread
 
 _T = TypeVar("_T")
-_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string (escapes included), to skip its brackets
-_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
-_CURLY_TO_SQUARE = bytes.maketrans(b"{}", b"[]")
+_CONTAINERS = frozenset((dict, list))  # what json.loads nests (exactly these types)
 
 
 def check_json_media_type(request: Request) -> None:
@@ -56,33 +53,36 @@ async def read_limited(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def json_depth_exceeds(data: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
-    """Whether the JSON text ``data`` nests arrays and objects more than ``limit`` deep (brackets inside strings
-    do not count). All in C-speed bytes operations: a body with at most ``limit`` opening brackets (almost every
-    real one) is settled by two counts; otherwise strings are cut out and innermost pairs removed ``limit``
-    times. Malformed JSON may answer either way (the parser refuses it next)."""
-    if data.count(b"[") + data.count(b"{") <= limit:
-        return False
-    nest = _STRING.sub(b"", data).translate(_CURLY_TO_SQUARE, _NOT_BRACKETS)
-    for _ in range(limit):
-        shorter = nest.replace(b"[]", b"")
-        if shorter == nest:  # unbalanced: let the parser say what is wrong
-            return False
-        nest = shorter
-    return b"[]" in nest
+def nests_deeper(value: Any, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether the parsed JSON ``value`` nests lists and dicts more than ``limit`` deep (a loop, not recursion;
+    it stops at the first container past the limit). A container of scalars only, such as a long list of token
+    ids, is passed over at C speed."""
+    stack = [(value, 1)] if type(value) in _CONTAINERS else []
+    while stack:
+        container, depth = stack.pop()
+        if depth > limit:
+            return True
+        items = container.values() if type(container) is dict else container
+        if not _CONTAINERS.isdisjoint(map(type, items)):
+            stack.extend((v, depth + 1) for v in items if type(v) in _CONTAINERS)
+    return False
 
 
 def loads(data: bytes) -> Any:
-    """``data`` parsed as JSON, or a 400 APIError saying what is wrong with it (too deep, malformed, not UTF-8)."""
-    if json_depth_exceeds(data):
-        raise APIError(f"the request body nests JSON arrays and objects more than {MAX_JSON_DEPTH} deep; an OpenAI "
-                       f"request needs a handful of levels")
+    """``data`` parsed as JSON, or a 400 APIError saying what is wrong with it (nested more than
+    ``MAX_JSON_DEPTH`` deep, malformed, not UTF-8). The depth is only walked for a body with more opening brackets
+    than the limit (two byte counts settle almost every real body); far deeper bodies stop the parser itself."""
+    too_deep = APIError(f"the request body nests JSON arrays and objects more than {MAX_JSON_DEPTH} deep; an OpenAI "
+                        f"request needs a handful of levels")
     try:
-        return json.loads(data)
+        value = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise APIError(f"the request body is not valid JSON: {exc}") from None
-    except RecursionError:  # not reached after the depth check; kept so a deep body can never become a 500
-        raise APIError(f"the request body nests JSON more than {MAX_JSON_DEPTH} deep") from None
+    except RecursionError:
+        raise too_deep from None
+    if data.count(b"[") + data.count(b"{") > MAX_JSON_DEPTH and nests_deeper(value):
+        raise too_deep
+    return value
 
 
 async def off_loop_if_large(size: int, fn: Callable[..., _T], *args: Any) -> _T:

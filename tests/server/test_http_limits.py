@@ -262,17 +262,30 @@ def test_api_key_guards_v1_only(guarded: Served) -> None:
     ("[" * 64 + "]" * 64, False),
     ("[" * 65 + "]" * 65, True),
     ('{"x":' * 65 + "1" + "}" * 65, True),
+    ("[" * 100_000 + "]" * 100_000, True),  # past the parser's own recursion limit
     ('["' + "[" * 1000 + '"]', False),  # brackets inside a string do not nest
-    ('["\\"' + "[" * 1000 + '"]', False),  # nor after an escaped quote
     ("[" + "[]," * 10000 + "[]]", False),  # wide, not deep
-    ("[" * 100, False),  # unbalanced: the parser refuses it
-    ("[" * 30 + "{}" * 40 + "]" * 30, False),
-])
-def test_json_depth_check(text: str, deeper: bool) -> None:
-    assert request_body.json_depth_exceeds(text.encode(), 64) is deeper
+    ("[" * 30 + "{}," * 40 + "{}" + "]" * 30, False),
+], ids=["shallow", "64-deep", "65-deep", "65-deep-objects", "100000-deep", "in-a-string", "wide", "mixed"])
+def test_json_depth_limit(text: str, deeper: bool) -> None:
     if deeper:
-        with pytest.raises(APIError, match="more than 64 deep"):
+        with pytest.raises(APIError, match="more than 64 deep") as info:
             request_body.loads(text.encode())
+        assert info.value.status == 400 and info.value.param is None
+    else:
+        assert request_body.loads(text.encode()) == json.loads(text)
+    with pytest.raises(APIError, match="not valid JSON"):
+        request_body.loads(b"[" * 100)  # unbalanced, shallow: the parser's own message
+
+
+def test_nests_deeper_walks_without_recursion() -> None:
+    value: list = []
+    for _ in range(5000):  # deeper than the interpreter's recursion limit
+        value = [value]
+    assert request_body.nests_deeper(value, 64) and request_body.nests_deeper(value, 4999)
+    assert not request_body.nests_deeper(value, 5001)
+    assert not request_body.nests_deeper({"a": [1, {"b": "[[[["}]}, 3) and request_body.nests_deeper([[[[]]]], 3)
+    assert not request_body.nests_deeper("[[[[", 1)
 
 
 def _receive(chunks: list[bytes]):
