@@ -37,9 +37,9 @@ def add_parser(sub: argparse._SubParsersAction, formatter_class: type[argparse.H
     p.add_argument("--max-pending", type=int, default=256,
                    help="unfinished requests at most; past it new ones get 503 with Retry-After")
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
-                   help="longest request body in bytes; longer ones get 413 unread (default 8 MiB: a prompt filling "
-                        "a 131,072-token context is under 1 MiB as text or as token ids)")
-    p.add_argument("--allowed-origins", default="",
+                   help="longest request body in bytes; longer ones get 413 unread (a prompt filling a "
+                        "131,072-token context is under 1 MiB as text or as token ids; the default is 8 MiB)")
+    p.add_argument("--allowed-origins", default=None,
                    help="origins whose web pages may call the API (CORS), a JSON list or comma-separated, '*' for "
                         "any (default: none, CORS off)")
     p.add_argument("--api-key", default=None,
@@ -57,8 +57,8 @@ def prepare(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-pending must be >= 1, got {args.max_pending}")
     if args.max_request_bytes < 1:
         raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
-    args.allowed_origins = parse_origins(args.allowed_origins) if isinstance(args.allowed_origins, str) \
-        else tuple(args.allowed_origins)
+    args.allowed_origins = parse_origins(args.allowed_origins or "") if not isinstance(args.allowed_origins, tuple) \
+        else args.allowed_origins
     if args.api_key is None:
         args.api_key = os.environ.get(API_KEY_ENV) or None
     server_options(args)  # its own checks, before the model loads
