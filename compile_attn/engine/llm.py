@@ -22,7 +22,7 @@ from compile_attn.engine.memory_profile import check_memory_after_capture, size_
 from compile_attn.engine.admission import encode_prompt, find_vocab_size, split_params, split_prompts
 from compile_attn.engine.chat import render_chat, split_conversations
 from compile_attn.engine.config import EngineConfig
-from compile_attn.engine.errors import EngineBusyError, InvalidRequestError
+from compile_attn.engine.errors import EngineBusyError, InvalidRequestError, RequestTypeError
 from compile_attn.engine.in_flight import InFlightStep, has_placeholders
 from compile_attn.engine.model_loading import LoadedModel, load_for_engine
 from compile_attn.engine.request import CompletionOutput, Request, RequestOutput, RequestStatus
@@ -178,6 +178,8 @@ class LLM:
 
     def abort_request(self, req: Request) -> None:
         """Drop a queued or running request: its KV is freed and it finishes with reason "abort"."""
+        if not isinstance(req, Request):
+            raise RequestTypeError(f"abort_request takes a Request from add_request, got {req!r:.60}")
         with self._exclusive("abort_request"):
             self.scheduler.abort([req])
             req.drop_unresolved()

@@ -22,8 +22,10 @@ from compile_attn.engine.async_engine import AsyncLLM, Delta, EngineOverloadedEr
 from compile_attn.engine.engine_pipe import EngineClient
 from compile_attn.engine.errors import InvalidRequestError, MessageTooLargeError
 from compile_attn.engine.llm import sample_seed
-from compile_attn.server import logprobs_format
+from compile_attn.server import logprobs_format, request_body
+from compile_attn.server.http_guards import add_guards
 from compile_attn.server.metrics import CONTENT_TYPE_LATEST, SampleTimer, ServerMetrics
+from compile_attn.server.options import ServerOptions
 from compile_attn.server.protocol import APIError, Parsed, parse
 from compile_attn.server.shutdown import Drain, ServerShuttingDownError
 from compile_attn.server.sse import ChunkFormat
@@ -31,19 +33,18 @@ from compile_attn.server.sse import ChunkFormat
 logger = logging.getLogger(__name__)
 
 
-def create_app(engine: AsyncLLM | EngineClient, model_name: str) -> FastAPI:
+def create_app(engine: AsyncLLM | EngineClient, model_name: str, options: ServerOptions | None = None) -> FastAPI:
     """The app serving ``engine`` under ``model_name`` (what clients pass as ``model``): an AsyncLLM in this
-    process, or an EngineClient of one in another process (``compile_attn.server.frontend``)."""
+    process, or an EngineClient of one in another process (``compile_attn.server.frontend``); ``options`` (default
+    ``ServerOptions()``) sets its request size limit, CORS origins and API key."""
+    options = ServerOptions() if options is None else options
     app = FastAPI(title="compile_attn")
     tokenizer, max_context = engine.tokenizer, engine.max_context
     metrics = ServerMetrics(engine, model_name)
     app.state.metrics = metrics
     drain = app.state.drain = Drain()  # the open requests, for a graceful shutdown (GracefulServer)
 
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        headers = {"Retry-After": "1"} if exc.status == 503 else None
-        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+    add_guards(app, options)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -59,12 +60,14 @@ def create_app(engine: AsyncLLM | EngineClient, model_name: str) -> FastAPI:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
                                              "owned_by": "compile_attn", "max_model_len": max_context}]}
 
+    def parse_body(raw: bytes, chat: bool) -> Parsed:
+        return parse(request_body.loads(raw), chat=chat, tokenizer=tokenizer, model_name=model_name,
+                     max_context=max_context)
+
     async def handle(request: Request, chat: bool) -> Any:
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise APIError(f"the request body is not valid JSON: {exc}") from None
-        req = parse(body, chat=chat, tokenizer=tokenizer, model_name=model_name, max_context=max_context)
+        request_body.check_json_media_type(request)
+        raw = await request_body.read_limited(request, options.max_request_bytes)
+        req = await request_body.off_loop_if_large(len(raw), parse_body, raw, chat)
         if drain.draining:
             raise _shutting_down()
         start = time.perf_counter()

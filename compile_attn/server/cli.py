@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import threading
 from pathlib import Path
 
 from compile_attn.cli_options import add_engine_options, check_engine_options, engine_config
 from compile_attn.server.frontend import DEFAULT_SHUTDOWN_TIMEOUT_S, FRONTENDS
+from compile_attn.server.options import DEFAULT_MAX_REQUEST_BYTES, ServerOptions, parse_origins
 
 logger = logging.getLogger(__name__)
+API_KEY_ENV = "COMPILE_ATTN_API_KEY"  # read when --api-key is not given (a key on the command line shows in ps)
 
 
 def add_parser(sub: argparse._SubParsersAction, formatter_class: type[argparse.HelpFormatter]) -> None:
@@ -36,6 +39,15 @@ def add_parser(sub: argparse._SubParsersAction, formatter_class: type[argparse.H
                    help="on SIGTERM or Ctrl-C: seconds the open requests may run on (no new connections are "
                         "taken) before each is ended: a stream with a last chunk (finish_reason \"abort\") and "
                         "[DONE], a whole request with a 503; a second signal ends them at once")
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="longest request body in bytes; longer ones get 413 unread (a prompt filling a "
+                        "131,072-token context is under 1 MiB as text or as token ids; the default is 8 MiB)")
+    p.add_argument("--allowed-origins", default=None,
+                   help="origins whose web pages may call the API (CORS), a JSON list or comma-separated, '*' for "
+                        "any (default: none, CORS off)")
+    p.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on /v1/* (401 otherwise; /health and /metrics stay "
+                        f"open); default: ${API_KEY_ENV} if set, else no key")
     p.set_defaults(func=cmd_serve, prepare=prepare, subparser=p)
 
 
@@ -48,12 +60,25 @@ def prepare(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-pending must be >= 1, got {args.max_pending}")
     if not args.shutdown_timeout >= 0:
         raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
+    if args.max_request_bytes < 1:
+        raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
+    args.allowed_origins = parse_origins(args.allowed_origins or "") if not isinstance(args.allowed_origins, tuple) \
+        else args.allowed_origins
+    if args.api_key is None:
+        args.api_key = os.environ.get(API_KEY_ENV) or None
+    server_options(args)  # its own checks, before the model loads
     try:
         import fastapi  # noqa: F401
         import prometheus_client  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as exc:
         raise ValueError(f"serve needs FastAPI, uvicorn and prometheus_client ({exc}); pip install 'compile-attn[serve]'") from None
+
+
+def server_options(args: argparse.Namespace) -> ServerOptions:
+    """The HTTP app's options from the parsed ``serve`` flags."""
+    return ServerOptions(max_request_bytes=args.max_request_bytes, allowed_origins=args.allowed_origins,
+                         api_key=args.api_key)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -80,7 +105,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     code = 0
     try:
-        with serving(engine, args.served_model_name or args.model, args.frontend, host=args.host, port=args.port,
+        with serving(engine, args.served_model_name or args.model, args.frontend, server_options(args),
+                     host=args.host, port=args.port,
                      log_level="info" if args.verbose else "warning",
                      shutdown_timeout=args.shutdown_timeout) as front:
             fronts.append(front)

@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # the engine and uvicorn are imported where a server starts, 
     from compile_attn.engine.async_engine import AsyncLLM
     from compile_attn.engine.channel import ChannelAddress
     from compile_attn.server.shutdown import GracefulServer
+    from compile_attn.server.options import ServerOptions
 
 logger = logging.getLogger(__name__)
 DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0  # how long a stopping server lets open requests run before ending them
@@ -120,9 +121,9 @@ class _ThreadFrontEnd(FrontEnd):
 
 
 def frontend_main(address: ChannelAddress, tokenizer: Any, max_context: int, model_name: str, host: str, port: int,
-                  log_level: str, shutdown_timeout: float) -> None:
+                  log_level: str, shutdown_timeout: float, options: ServerOptions | None = None) -> None:
     """The front end process: the app on an EngineClient connected to ``address``, served by uvicorn until
-    SIGTERM (then drained, see GracefulServer) or until the engine's process is gone."""
+    SIGTERM (then drained, see GracefulServer) or until the engine's process is gone; ``options`` is the app's (create_app)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the engine's process, which stops this one
     import uvicorn
 
@@ -132,7 +133,7 @@ def frontend_main(address: ChannelAddress, tokenizer: Any, max_context: int, mod
 
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.WARNING))
     client = EngineClient(address, tokenizer=tokenizer, max_context=max_context)
-    app = create_app(client, model_name)
+    app = create_app(client, model_name, options)
     server = GracefulServer(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                            timeout_graceful_shutdown=END_GRACE_S),
                             app.state.drain, shutdown_timeout, ignore_sigint=True)
@@ -165,11 +166,12 @@ def _exit_with_parent(server: GracefulServer) -> None:
 @contextlib.contextmanager
 def serve_in_process(engine: AsyncLLM, model_name: str, *, host: str = "127.0.0.1", port: int | None = None,
                      log_level: str = "warning", start_timeout: float = 120.0,
-                     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> Iterator[FrontEnd]:
+                     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
+                     options: ServerOptions | None = None) -> Iterator[FrontEnd]:
     """Start the front end of ``engine`` in a new process on ``host:port`` (a free port when None); yield it once it
     answers ``/health``; stop it gracefully after (``FrontEnd.stop``), then disconnect it from the engine (what is
     still unfinished is aborted, its KV freed). The engine's ``max_pending`` bounds the requests in flight (past it:
-    503)."""
+    503); ``options`` is the app's (create_app)."""
     from compile_attn.engine.engine_pipe import PipeBridge
 
     port = free_port(host) if port is None else port
@@ -177,7 +179,7 @@ def serve_in_process(engine: AsyncLLM, model_name: str, *, host: str = "127.0.0.
     bridge = PipeBridge(engine)
     proc = ctx.Process(target=frontend_main, name="compile-attn-frontend", daemon=True,
                        args=(bridge.address, engine.tokenizer, engine.max_context, model_name, host, port, log_level,
-                             shutdown_timeout))
+                             shutdown_timeout, options))
     try:
         proc.start()
     finally:
@@ -219,8 +221,9 @@ def _wait_healthy(url: str, proc: multiprocessing.process.BaseProcess, timeout: 
 @contextlib.contextmanager
 def serve_in_thread(engine: AsyncLLM, model_name: str, *, host: str = "127.0.0.1", port: int | None = None,
                     log_level: str = "warning", start_timeout: float = 60.0,
-                    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> Iterator[FrontEnd]:
-    """The app on ``engine`` served by uvicorn in a thread of this process on ``host:port`` (a free port when
+                    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
+                    options: ServerOptions | None = None) -> Iterator[FrontEnd]:
+    """The app on ``engine`` (with ``options``, see create_app) served by uvicorn in a thread of this process on ``host:port`` (a free port when
     None); yields it once started and stops it gracefully after (the engine keeps running)."""
     import uvicorn
 
@@ -228,7 +231,7 @@ def serve_in_thread(engine: AsyncLLM, model_name: str, *, host: str = "127.0.0.1
     from compile_attn.server.shutdown import GracefulServer
 
     port = free_port(host) if port is None else port
-    app = create_app(engine, model_name)
+    app = create_app(engine, model_name, options)
     server = GracefulServer(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                            timeout_graceful_shutdown=END_GRACE_S), app.state.drain, shutdown_timeout)
     thread = threading.Thread(target=server.run, name="compile-attn-http", daemon=True)
@@ -246,12 +249,14 @@ def serve_in_thread(engine: AsyncLLM, model_name: str, *, host: str = "127.0.0.1
 
 
 @contextlib.contextmanager
-def serving(engine: AsyncLLM, model_name: str, frontend: str = "process", **options: Any) -> Iterator[FrontEnd]:
-    """``serve_in_process`` (``frontend="process"``) or ``serve_in_thread`` (``"thread"``) with ``options``."""
+def serving(engine: AsyncLLM, model_name: str, frontend: str = "process", options: ServerOptions | None = None,
+            **kwargs: Any) -> Iterator[FrontEnd]:
+    """``serve_in_process`` (``frontend="process"``) or ``serve_in_thread`` (``"thread"``) with the app's
+    ``options`` and their keyword arguments ``kwargs``."""
     if frontend not in FRONTENDS:
         raise ValueError(f"frontend must be one of {FRONTENDS}, got {frontend!r}")
     serve = serve_in_process if frontend == "process" else serve_in_thread
-    with serve(engine, model_name, **options) as front:
+    with serve(engine, model_name, options=options, **kwargs) as front:
         yield front
 
 

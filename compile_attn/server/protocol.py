@@ -22,6 +22,10 @@ IGNORED = {"model", "prompt", "messages", "stream", "stream_options", "n", "user
 UNSUPPORTED = {"echo", "best_of", "logit_bias", "suffix", "tools", "tool_choice", "response_format", "functions",
                "function_call", "parallel_tool_calls"}
 OPENAI_DEFAULTS = {"temperature": 1.0}  # OpenAI's default, not the engine's greedy 0.0
+# Bounds on one request's stop strings (the offline SamplingParams has none): every string is matched against the
+# decoded text after each token, and all of them travel with the request to the engine.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 4096
 
 
 class APIError(Exception):
@@ -91,7 +95,31 @@ def parse(body: Any, *, chat: bool, tokenizer: Any, model_name: str, max_context
                        f"{max_context} tokens; ask for at most {room}", _openai_name("max_tokens", body))
     if values.get("stop") and tokenizer is None:
         raise APIError("stop strings need a tokenizer and this model has none", "stop")
+    _check_stop_size(values.get("stop"), _openai_name("stop", body))
     return Parsed(ids, SamplingParams(**values), n, stream, include_usage, _flag(body, "return_token_ids"))
+
+
+def _check_stop_size(stop: Any, field: str) -> None:
+    strings = [stop] if isinstance(stop, str) else list(stop or ())
+    if len(strings) > MAX_STOP_STRINGS:
+        raise APIError(f"stop has {len(strings)} strings; this server takes at most {MAX_STOP_STRINGS}", field)
+    total = sum(len(s) for s in strings)
+    if total > MAX_STOP_CHARS:
+        raise APIError(f"stop's strings are {total} characters in all; this server takes at most {MAX_STOP_CHARS}",
+                       field)
+    for s in strings:
+        check_unicode(s, field)
+
+
+def check_unicode(text: str, field: str, param: str | None = None) -> None:
+    """APIError (400 naming ``field``, with ``param`` or else ``field`` as its param) if ``text`` has a lone
+    surrogate (JSON's ``"\\ud800"`` without its pair), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise APIError(f"{field} has an invalid Unicode character {text[exc.start]!r} at index {exc.start} (a lone "
+                       f"UTF-16 surrogate); send the character itself or its full surrogate pair",
+                       param or field) from None
 
 
 def _flag(body: dict, key: str, name: str | None = None) -> bool:
@@ -124,6 +152,7 @@ def _prompt_ids(body: dict, tokenizer: Any) -> list[int]:
     if isinstance(prompt, str) and prompt:
         if tokenizer is None:
             raise APIError("this model has no tokenizer; send the prompt as a list of token ids", "prompt")
+        check_unicode(prompt, "prompt")
         return list(tokenizer(prompt)["input_ids"])
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                                                    for t in prompt):
@@ -148,6 +177,9 @@ def _chat_ids(body: dict, tokenizer: Any) -> list[int]:
         elif content is not None and not isinstance(content, str):
             raise APIError(f"messages[{j}].content must be a string or a list of text parts, got {content!r:.40}",
                            "messages")
+        for key, value in messages[j].items():
+            if isinstance(value, str):
+                check_unicode(value, f"messages[{j}].{key}", "messages")
     try:
         (conv,) = split_conversations(messages)
         text = render_chat(tokenizer, conv)

@@ -5,6 +5,7 @@ pool is back to its fresh size after every call."""
 
 from __future__ import annotations
 
+
 import pytest
 import torch
 
@@ -108,6 +109,20 @@ def test_stop_strings_without_a_tokenizer_are_refused_before_queueing(toy_llm: L
     with pytest.raises(InvalidRequestError, match="stop has an empty string"):
         SamplingParams(stop=["a", ""])
 
+
+
+@pytest.mark.parametrize("bad", [object(), None, 7, "req-1"], ids=["object", "None", "int", "str"])
+def test_abort_request_of_a_non_request_is_a_request_type_error(toy_llm: LLM, bad: object) -> None:
+    """A wrong type is the project's named error (also a TypeError), naming the value; the engine is untouched."""
+    kept = toy_llm.add_request([1, 2, 3], SamplingParams(max_tokens=2))
+    with pytest.raises(RequestTypeError, match=r"abort_request takes a Request from add_request, got "):
+        toy_llm.abort_request(bad)
+    with pytest.raises(TypeError, match=repr(bad)[:8].replace("(", r"\(")):
+        toy_llm.abort_request(bad)
+    toy_llm.abort_request(kept)
+    while toy_llm.has_work():
+        toy_llm.step()
+    assert_kv_empty(toy_llm)
 
 # ---------------------------------------------------------------------------------------------- n samples
 def test_n_samples_are_independent_reproducible_and_distinct(toy_llm: LLM) -> None:

@@ -31,7 +31,7 @@ def test_any_body_gets_a_completion_or_a_400(served: Served, body: dict, chat: b
     body = _shorten({**body, "model": MODEL if body["model"] == "m" else body["model"]})
     path = "/v1/chat/completions" if chat else "/v1/completions"
     with httpx.Client(base_url=served.url, timeout=30, trust_env=False) as client:
-        r = client.post(path, content=json.dumps(body))
+        r = client.post(path, content=json.dumps(body), headers={"Content-Type": "application/json"})
     if r.status_code == 400:
         err = r.json()["error"]
         assert err["message"] and err["type"] == "invalid_request_error", err
