@@ -114,7 +114,7 @@ def test_20mb_body_is_refused_while_health_answers(served: Served) -> None:
 
     def probe() -> None:
         with httpx.Client(base_url=served.url, timeout=10, trust_env=False) as client:
-            while not done.is_set():
+            while not done.is_set() or len(latencies) < 3:  # a few probes even when the refusals were quick
                 start = time.perf_counter()
                 assert client.get("/health").status_code == 200
                 latencies.append(time.perf_counter() - start)
