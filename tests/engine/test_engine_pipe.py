@@ -184,3 +184,31 @@ def test_merged_deltas_carry_both_tokens_and_the_later_state() -> None:
     assert merge_fields(a.fields(), b.fields()) == expected.fields()
     c = Delta([4], "", False, None, 3, 2, [{4: -1.0}], None)  # logprobs on one side only
     assert _merge(a, c) == Delta([1, 4], "a", False, None, 3, 2, [{4: -1.0}], None)
+
+
+def test_a_message_far_larger_than_a_pipe_buffer_goes_whole_and_later_requests_are_answered(piped) -> None:
+    """A request whose message is megabytes (a prompt of 1,000,000 ids, beyond the context) reaches the engine whole
+    and is refused by it with the LLM's error; a request over the client's ``max_message_bytes`` is refused before
+    it is sent; the next requests are answered as a separate LLM answers them."""
+    from compile_attn.engine.errors import MessageTooLargeError
+
+    eng, _, client = piped
+    ref = toy_llm()
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+
+    async def main():
+        with pytest.raises(InvalidRequestError, match="context|max_context|tokens"):
+            await client.submit([7] * 1_000_000, params)
+        client.max_message_bytes = 100_000
+        with pytest.raises(MessageTooLargeError, match="max_message_bytes|limit"):
+            await client.submit([7] * 200_000, params)
+        out = []
+        for p in PROMPTS[:2]:
+            stream = await client.submit(p, params)
+            out.append([t async for d in stream for t in d.token_ids])
+        return out
+
+    got = run(main())
+    assert got == [o.token_ids for o in ref.generate(PROMPTS[:2], params)]
+    wait_idle(eng)
+    assert client.num_pending == 0
