@@ -11,8 +11,8 @@ request's admission and prefill) are not counted.
 
 ``--reader-us-per-item U`` makes the reader spend U us of CPU per item it receives (a front end's work per chunk),
 so that it lags the engine; the table then also says when the reader had every token (its wall time) and how many
-tokens an item carried. ``--no-merge`` turns off PipeBridge's holding and merging of a lagging reader's items (the
-engine then waits in its sends once the socket is full).
+tokens an item carried. ``--no-merge`` turns off PipeBridge's holding and merging of a lagging reader's items (every
+step's message is then queued for the reader, however far behind it is).
 
     python benchmarks/profile_serve_loop.py --batch-sizes 256 --reader-us-per-item 20 [--no-merge]
 """
@@ -37,51 +37,59 @@ from compile_attn.engine.engine_pipe import PipeBridge  # noqa: E402
 SKIP_STEPS = 3  # not timed: the step that admits and prefills every request, and two more
 
 
-def reader(conn, prompts: list[list[int]], new_tokens: int, us_per_item: float, report) -> None:  # noqa: ANN001
+def reader(address, prompts: list[list[int]], new_tokens: int, us_per_item: float, report) -> None:  # noqa: ANN001
     """The consumer's process: queue every prompt, then read until each request has finished, spending
-    ``us_per_item`` of CPU per item; ``report`` gets (seconds from the first add to the last token, tokens,
-    token items)."""
+    ``us_per_item`` of CPU per item and acknowledging each read (as the front end's EngineClient does); ``report``
+    gets (seconds from the first add to the last token, tokens, token items)."""
+    from multiprocessing.connection import wait
+
+    channel = address.connect()
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     start = time.perf_counter()
     for key, prompt in enumerate(prompts):
-        conn.send(("add", key, prompt, params))
+        channel.send(("add", key, prompt, params))
     left, tokens, items_seen = len(prompts), 0, 0
     while left:
-        _, items, _ = conn.recv()
-        for _, item in items:
-            if isinstance(item, BaseException):
-                raise item
-            if isinstance(item, tuple):
-                tokens, items_seen = tokens + len(item[0]), items_seen + 1
-                until = time.perf_counter() + us_per_item * 1e-6
-                while time.perf_counter() < until:  # the front end's work on a chunk
-                    pass
-                if item[1]:  # a finished request's last Delta
-                    left -= 1
+        if not channel.readable():
+            wait([channel.fileno()], 1.0)
+        msgs = channel.receive()
+        for _, items, _ in msgs:
+            for _, item in items:
+                if isinstance(item, BaseException):
+                    raise item
+                if isinstance(item, tuple):
+                    tokens, items_seen = tokens + len(item[0]), items_seen + 1
+                    until = time.perf_counter() + us_per_item * 1e-6
+                    while time.perf_counter() < until:  # the front end's work on a chunk
+                        pass
+                    if item[1]:  # a finished request's last Delta
+                        left -= 1
+        if msgs:
+            channel.send(("ack", len(msgs)))
     report.put((time.perf_counter() - start, tokens, items_seen))
-    conn.close()
+    channel.close()
 
 
 def measure(bs: int, prompt_len: int, new_tokens: int, us_per_item: float = 0.0, merge: bool = True) -> dict:
     llm = host_decode_llm(bs, prompt_len, new_tokens, stub_decode=True)
     engine = AsyncLLM(llm, max_pending=2 * bs)
     ctx = multiprocessing.get_context("spawn")
-    ours, theirs = ctx.Pipe()
     report = ctx.Queue()
     g = torch.Generator().manual_seed(bs)
     prompts = torch.randint(0, HOST_VOCAB, (bs, prompt_len), generator=g).tolist()
-    proc = ctx.Process(target=reader, args=(theirs, prompts, new_tokens, us_per_item, report))
-    bridge = PipeBridge(engine, ours)
+    bridge = PipeBridge(engine)
     if not merge:
-        bridge.max_backlog = float("inf")
+        bridge.max_unacked = float("inf")
+    proc = ctx.Process(target=reader, args=(bridge.address, prompts, new_tokens, us_per_item, report))
     proc.start()
+    bridge.address.lifeline.close()
     while engine.stats.snapshot().steps < SKIP_STEPS and proc.is_alive():  # the admissions and the prefill
         time.sleep(0.0005)
     before = engine.stats.snapshot()
     reader_s, tokens, items = report.get()
     proc.join()
     counts = engine.stats.snapshot() - before
-    engine.call(lambda _llm: bridge.close()).result(10)
+    bridge.close()
     engine.shutdown()
     if proc.exitcode != 0:
         raise RuntimeError(f"the reader process failed (exit code {proc.exitcode})")
