@@ -215,3 +215,34 @@ def test_metrics_settle_after_every_client_left(engine: AsyncLLM, frontend: str)
             "compile_attn_request_success_total{abort}", 0)
         assert aborted == 4
         wait_idle(engine)
+
+
+def test_engine_gone_gives_503_and_an_error_event(engine: AsyncLLM) -> None:
+    """The front end (its own process) loses its engine mid-request, as when the engine's process dies: a whole
+    request gets a 503 with OpenAI's body, a stream an error event then [DONE], /health 503; the engine's side
+    aborts what the lost front end had (KV fresh)."""
+
+    async def main(url: str) -> tuple:
+        async with httpx.AsyncClient(timeout=60) as client:
+            stream = asyncio.ensure_future(_read_stream(client, url, _body(_prompt(1, 8), 4000)))
+            whole = asyncio.ensure_future(client.post(url + "/v1/completions",
+                                                      json=_body(_prompt(2, 8), 4000, stream=False)))
+            end = time.monotonic() + 30
+            while engine.num_pending < 2:
+                assert time.monotonic() < end
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.1)
+            # the engine's end of the channel closes (its lifeline too): what the front end sees when that process dies
+            engine.call(lambda _llm: [port.release() for port in engine._ports]).result(10)
+            health = None
+            while health != 503 and time.monotonic() < end:
+                health = (await client.get(url + "/health")).status_code
+            return await stream, await whole, health
+
+    with serving(engine, "toy", "process") as front:
+        stream, whole, health = asyncio.run(asyncio.wait_for(main(front.url), 60))
+    assert stream["status"] == 200 and stream["done"] and stream["finish"] is None
+    assert stream["error"]["error"]["type"] == "server_error"
+    assert whole.status_code == 503 and whole.json()["error"]["type"] == "server_error"
+    assert health == 503
+    wait_idle(engine)
