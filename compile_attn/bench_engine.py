@@ -31,6 +31,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from compile_attn.env import start_profile_prefix
+
 logger = logging.getLogger(__name__)
 
 PEAK_BF16_FLOPS = 790e12  # the reference GPU's dense bf16 matmul peak as measured, not its spec sheet's
@@ -73,7 +75,7 @@ def child(cfg: EngineBenchConfig, cache_dir: str) -> dict:
     model = bench._hf_model(bench.BenchConfig(shape=cfg.shape, device=cfg.device), "sdpa", dtype)
     sync = torch.cuda.synchronize if cfg.device == "cuda" else (lambda: None)
     sync()
-    profile_to = os.environ.get("COMPILE_ATTN_START_PROFILE")  # a file prefix: where the start's cProfile goes
+    profile_to = start_profile_prefix()  # a file prefix: where the start's cProfile goes
     profiler = cProfile.Profile() if profile_to else None
     start = time.perf_counter()
     if profiler is not None:

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from compile_attn import InvalidBatchError, KVCache, step_kernels
 from compile_attn.batch import ForwardBatch
-from compile_attn.kv_cache import PAD_SLOT
+from compile_attn.batch import PAD_SLOT
 from compile_attn.step_kernels import copy_decode_inputs
 
 MAX_CONTEXT = 40

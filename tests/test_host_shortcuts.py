@@ -10,7 +10,7 @@ import torch
 from torch import fx
 
 from compile_attn.compiler.shortcuts import install_piece, record_graph_calls
-from compile_attn.config import HOST_SHORTCUTS_ENV, host_shortcuts_enabled
+from compile_attn.env import HOST_SHORTCUTS_ENV, host_shortcuts_enabled
 from compile_attn.graph_runner.shortcuts import CAN_SKIP_GUARDS, RECOMPILE_REFUSED, skipped_guards
 from compile_attn.ops.attention import attention as attention_body
 from compile_attn.ops.split_registry import split_op_python_impl

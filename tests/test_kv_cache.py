@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from compile_attn import InvalidBatchError, KVCache, KVCacheExhaustedError
-from compile_attn.kv_cache import PAD_SLOT
+from compile_attn.batch import PAD_SLOT
 from compile_attn.attention.fa3_backend import build_page_table
 
 

@@ -9,8 +9,8 @@ import array
 import pytest
 import torch
 
-from compile_attn.kv_cache import KVCache
-from compile_attn.prefix_cache import PageAccount, PageAccountError, page_account
+from compile_attn.kv.cache import KVCache
+from compile_attn.kv.page_account import PageAccount, PageAccountError, page_account
 
 
 def make_kv() -> KVCache:

@@ -10,7 +10,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compile_attn.radix_tree import RadixTree
+from compile_attn.kv.radix_tree import RadixTree
 
 
 def lcp_pages(a: list[int], b: list[int], page_size: int) -> int:

@@ -22,7 +22,7 @@ from compile_attn.batch import ForwardBatch
 from compile_attn.errors import BackendUnavailableError, UnsupportedConfigError
 from compile_attn.graph_mode import GraphMode
 from compile_attn.host_tensors import upload
-from compile_attn.kv_cache import KVCache
+from compile_attn.kv.cache import KVCache
 from compile_attn.layer import AttentionLayer
 
 logger = logging.getLogger(__name__)

@@ -14,7 +14,6 @@ FlashInfer's two-level cascade wrapper instead (``flashinfer/cascade.py``): each
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,14 +35,15 @@ from compile_attn.attention.flashinfer.wrappers import (
     plan_ragged,
     run_into,
 )
+from compile_attn import env
 from compile_attn.attention.registry import register_backend
-from compile_attn.attention.triton_backend import CASCADE_ENV, load_triton_ops
+from compile_attn.attention.triton_backend import load_triton_ops
 from compile_attn.batch import ForwardBatch
 from compile_attn.errors import UnsupportedConfigError
 from compile_attn.graph_mode import GraphMode
-from compile_attn.kv_cache import KVCache
+from compile_attn.kv.cache import KVCache
 from compile_attn.layer import AttentionLayer
-from compile_attn.shared_prefix import SharedPrefixFinder
+from compile_attn.kv.shared_prefix import SharedPrefixFinder
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class FlashInferBackend(AttentionBackend):
         self.graph_max_context = graph_max_context or kv_cache.max_context
         self.fast_decode_plan = fast_decode_plan
         if cascade_decode is None:
-            cascade_decode = os.environ.get(CASCADE_ENV, "0").strip().lower() in ("1", "true", "on", "yes")
+            cascade_decode = env.cascade_decode()
         self.shared_prefix = SharedPrefixFinder(kv_cache, detect=cascade_decode)
         self._cascade: list[FlashInferCascadeDecode] | None = None
         self.cascade_steps = 0  # eager decode steps run through the cascade wrappers (tests, debugging)

@@ -23,7 +23,7 @@ from compile_attn.attention.base import AttentionBackend
 from compile_attn.attention.registry import create_backend, register_backend
 from compile_attn.batch import ForwardBatch
 from compile_attn.graph_mode import GraphMode
-from compile_attn.kv_cache import KVCache
+from compile_attn.kv.cache import KVCache
 from compile_attn.layer import AttentionLayer
 
 logger = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from compile_attn.errors import BackendUnavailableError, UnknownBackendError, Un
 
 if TYPE_CHECKING:
     from compile_attn.attention.base import AttentionBackend
-    from compile_attn.kv_cache import KVCache
+    from compile_attn.kv.cache import KVCache
     from compile_attn.layer import AttentionLayer
 
 logger = logging.getLogger(__name__)

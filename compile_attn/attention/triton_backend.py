@@ -38,13 +38,12 @@ from compile_attn.attention.triton_metadata import (
     decode_inputs,
 )
 from compile_attn.batch import ForwardBatch
-from compile_attn.config import env_switched_off
+from compile_attn import env
 from compile_attn.errors import BackendUnavailableError, InvalidBatchError, UnsupportedConfigError
 from compile_attn.graph_mode import GraphMode
 from compile_attn.host_tensors import to_device
-from compile_attn.kv_cache import KVCache
+from compile_attn.kv.cache import KVCache
 from compile_attn.layer import AttentionLayer
-from compile_attn.shared_prefix import CASCADE_ENV, cascade_decode_from_env  # noqa: F401 - CASCADE_ENV: flashinfer_backend
 
 logger = logging.getLogger(__name__)
 
@@ -92,9 +91,6 @@ def _run_into(out: torch.Tensor, fn: Callable[[torch.Tensor], None]) -> None:
         out.copy_(tmp)
 
 
-ONE_LAUNCH_ENV = "COMPILE_ATTN_DECODE_ONE_LAUNCH"
-
-
 @register_backend("triton")
 class TritonBackend(AttentionBackend):
     """Split-K paged decode and paged extend with compile_attn's Triton kernels; decode is full-graph capturable."""
@@ -132,7 +128,7 @@ class TritonBackend(AttentionBackend):
             raise ValueError(f"max_kv_splits and split_size must be positive, got {max_kv_splits}, {split_size}")
         self.deterministic = deterministic
         if one_launch_decode is None:
-            one_launch_decode = not env_switched_off(ONE_LAUNCH_ENV)
+            one_launch_decode = env.one_launch_decode()
         self.one_launch_decode = bool(one_launch_decode)
         self.graph_max_context = graph_max_context or kv_cache.max_context
         self.num_sms = (
@@ -148,7 +144,7 @@ class TritonBackend(AttentionBackend):
         self._step: DecodeStep | ExtendStep | CascadeStep | None = None
         # Shared-prefix decode needs every layer to see the whole sequence (no sliding window).
         if cascade_decode is None:
-            cascade_decode = cascade_decode_from_env()
+            cascade_decode = env.cascade_decode()
         self.cascade = (CascadePlanner(kv_cache, self._ops, detect=cascade_decode) if self.windows == [None]
                         else None)
         # Graph-bound decode layers' launches, per (layer, batch size, save_kv_cache): see forward_decode.

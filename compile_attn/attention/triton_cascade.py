@@ -20,9 +20,10 @@ import torch
 from compile_attn.attention.triton_ops.cascade_attention import cascade_decode_fwd
 from compile_attn.attention.triton_ops.cascade_index import CascadeIndex, build_cascade_index
 from compile_attn.batch import ForwardBatch
-from compile_attn.kv_cache import KVCache
+from compile_attn.kv.cache import KVCache
 from compile_attn.layer import AttentionLayer
-from compile_attn.shared_prefix import SharedPrefixFinder, SharedPrefixGroup
+from compile_attn.kv.shared_prefix import SharedPrefixFinder
+from compile_attn.batch import SharedPrefixGroup
 
 
 @dataclass

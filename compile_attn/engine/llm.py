@@ -35,8 +35,8 @@ from compile_attn.engine.sampling.logprobs import unpack as unpack_logprobs
 from compile_attn.engine.step_extras import StepExtras, start_penalty_rows
 from compile_attn.engine.step_sampling import forward_and_sample
 from compile_attn.engine.stop_strings import StopStringMatcher, backend_tokenizer
-from compile_attn.kv_cache import KVCache
-from compile_attn.shared_prefix import engine_prefix_finder
+from compile_attn.kv.cache import KVCache
+from compile_attn.kv.shared_prefix import engine_prefix_finder
 from compile_attn import step_kernels
 from compile_attn.step_kernels import TokenFeed
 
@@ -77,7 +77,8 @@ class LLM:
         self.scheduler = Scheduler(self.kv_cache, config.max_batch_size, config.max_num_tokens,
                                    defer_table_write=True)
         # Shared-prefix groups of decode batches (None: not looked for); see EngineConfig.cascade_decode.
-        self.prefix_groups = engine_prefix_finder(config.cascade_decode, self.kv_cache, self.backend)
+        self.prefix_groups = engine_prefix_finder(config.cascade_decode, self.kv_cache, self.backend.name,
+                                                  self.backend.takes_shared_prefix_decode())
         self.step_runner = StepRunner(
             self.model, self.backend, graph_mode=config.graph_mode, compile=config.compile,
             compile_options=config.compile_options, max_batch_size=config.max_batch_size,

@@ -33,7 +33,7 @@ from compile_attn.engine.kv_sizing import (
     size_from_device_memory,
 )
 from compile_attn.engine.sampler import sample
-from compile_attn.kv_cache import KVCache
+from compile_attn.kv.cache import KVCache
 from compile_attn.layer import AttentionLayer
 
 if TYPE_CHECKING:

@@ -19,7 +19,8 @@ from compile_attn.engine.sampling import flashinfer_sampling
 from compile_attn.engine.sampling.noise import hashed_uniform
 from compile_attn.engine.sampling.plan import SamplingPlan
 from compile_attn.engine.sampling import portable
-from compile_attn.engine.sampling.portable import compile_default, compile_switch, run_candidates, run_plain
+from compile_attn import env
+from compile_attn.engine.sampling.portable import compile_default, run_candidates, run_plain
 
 __all__ = ["BACKENDS", "SamplingPlan", "hashed_uniform", "sample", "warmup"]
 
@@ -87,7 +88,7 @@ def sample(
     if positions is None:
         positions = torch.zeros(rows, dtype=torch.int64, device=device)
     if compiled is None:
-        switch = compile_switch()
+        switch = env.sampler_compile()
         compiled = switch if switch is not None else device in _warmed_compiled
     top_k = top_k if plan.max_top_k > 0 else None
     top_p = top_p if plan.top_p_rows else None

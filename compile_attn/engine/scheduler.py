@@ -26,7 +26,7 @@ import torch
 
 from compile_attn.engine.errors import InvalidRequestError, RequestTooLargeError
 from compile_attn.engine.request import Request, RequestStatus
-from compile_attn.kv_cache import KVCache
+from compile_attn.kv.cache import KVCache
 
 logger = logging.getLogger(__name__)
 

@@ -100,7 +100,8 @@ def shared_prefix_batches(runner: GraphRunner) -> list[ForwardBatch]:
     """Decode batches of 4 request counts (every alignment of the cascade index's views on a GPU; one on the CPU)
     whose requests share a ``prefix``-token group, all of them or all but the last, for a runner that routes such
     batches (``GraphRunner.shared_prefix_route``); empty when it routes none."""
-    from compile_attn.shared_prefix import MIN_REQUESTS, SharedPrefixGroup
+    from compile_attn.kv.shared_prefix import MIN_REQUESTS
+    from compile_attn.batch import SharedPrefixGroup
 
     max_context = runner.backend.kv_cache.max_context
     prefix = min(16, max_context - 1)

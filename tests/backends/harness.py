@@ -24,7 +24,7 @@ from compile_attn import (
     create_backend,
     forward_context,
 )
-from compile_attn.kv_cache import PAD_REQUEST, PAD_SLOT
+from compile_attn.batch import PAD_REQUEST, PAD_SLOT
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 # (prefix_lens, extend_lens) per batch kind; "mixed" has decode-like and prefill requests in one step.

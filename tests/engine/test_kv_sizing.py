@@ -20,7 +20,7 @@ from compile_attn.engine.kv_sizing import (  # noqa: E402
 )
 from compile_attn.engine.memory_profile import profile_batch, profile_forward, profile_lengths  # noqa: E402
 from compile_attn.errors import CompileAttnError, InvalidConfigError, KVCacheTooSmallError  # noqa: E402
-from compile_attn.kv_cache import KVCache  # noqa: E402
+from compile_attn.kv.cache import KVCache  # noqa: E402
 from compile_attn.layer import AttentionLayer  # noqa: E402
 from compile_attn.models import ToyDecoder, ToyDecoderConfig  # noqa: E402
 

@@ -10,7 +10,8 @@ from torch import fx
 
 from compile_attn.compiler import compile_counters
 from compile_attn.compiler.shortcuts import record_graph_calls
-from compile_attn.config import HOST_SHORTCUTS_ENV, GraphConfig
+from compile_attn.env import HOST_SHORTCUTS_ENV
+from compile_attn.config import GraphConfig
 from compile_attn.graph_runner import GraphRunner
 
 

@@ -13,7 +13,7 @@ from tests.kernels.kernel_reference import TOLERANCE, make_paged_cache, referenc
 from compile_attn.attention.triton_ops import build_kv_indices, build_kv_indptr, compute_num_kv_splits
 from compile_attn.attention.triton_ops import decode_attention as decode_module
 from compile_attn.attention.triton_ops.launch import CachedLaunch
-from compile_attn.config import host_shortcuts_enabled
+from compile_attn.env import host_shortcuts_enabled
 
 pytestmark = [
     pytest.mark.skipif(not host_shortcuts_enabled(), reason="the short path is a host shortcut, switched off"),

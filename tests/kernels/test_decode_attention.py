@@ -350,7 +350,7 @@ def test_check_supported_names_bad_value(args, bad):
 
 @pytest.mark.parametrize("value,off", [("0", True), ("off", True), (" False ", True), ("1", False), ("", False)])
 def test_pdl_switch_reads_the_environment(monkeypatch, value, off):
-    from compile_attn.attention.triton_ops._common import PDL_ENV, pdl_turned_off
+    from compile_attn.env import PDL_ENV, pdl_turned_off
 
     monkeypatch.setenv(PDL_ENV, value)
     assert pdl_turned_off() is off

@@ -15,7 +15,7 @@ from tests.kernels.kernel_reference import TOLERANCE, make_paged_cache, referenc
 from torch._inductor.utils import run_and_get_code
 
 from compile_attn.attention.triton_ops import decode_attention, decode_semaphores
-from compile_attn.attention.triton_ops._common import PDL_ENV, pdl_turned_off
+from compile_attn.env import PDL_ENV, pdl_turned_off
 from compile_attn.attention.triton_ops.launch import CachedLaunch
 
 pytestmark = [

@@ -13,7 +13,8 @@ from compile_attn import ForwardBatch, KVCache
 from compile_attn.attention.torch_native import TorchNativeBackend
 from compile_attn.attention.triton_backend import TritonBackend
 from compile_attn.layer import AttentionLayer
-from compile_attn.shared_prefix import SharedPrefixGroup, find_shared_prefixes
+from compile_attn.batch import SharedPrefixGroup
+from compile_attn.kv.shared_prefix import find_shared_prefixes
 
 HQ, HKV, D = 4, 2, 64
 

@@ -19,7 +19,7 @@ from compile_attn.attention.triton_backend import TritonBackend
 from compile_attn.compiler import compile_counters
 from compile_attn.engine import LLM, SamplingParams
 from compile_attn.graph_mode import GraphMode
-from compile_attn.prefix_cache import page_account
+from compile_attn.kv.page_account import page_account
 from tests.hf.hf_tiny_models import hf_greedy
 
 SYSTEM = [(7 * j + 3) % 96 for j in range(37)]

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from compile_attn.attention import triton_cascade
 from compile_attn.engine import LLM, SamplingParams
 from compile_attn.graph_mode import GraphMode
-from compile_attn.prefix_cache import page_account
+from compile_attn.kv.page_account import page_account
 
 pytestmark = pytest.mark.gpu
 

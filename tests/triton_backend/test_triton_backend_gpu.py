@@ -19,7 +19,8 @@ from tests.backends.harness import TOL, Case, chunked_reference, decode_replays,
 from tests.triton_backend.tb_runner import make_runner, run_random_steps
 
 from compile_attn import AttentionLayer, ForwardBatch, ForwardMode, KVCache, create_backend, forward_context
-from compile_attn.config import GraphConfig, host_shortcuts_enabled
+from compile_attn.env import host_shortcuts_enabled
+from compile_attn.config import GraphConfig
 from compile_attn.models import ToyDecoderConfig
 
 pytestmark = [

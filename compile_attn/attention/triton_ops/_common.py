@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from compile_attn.config import env_switched_off
+from compile_attn.env import pdl_turned_off
 
 SUPPORTED_HEAD_DIMS: tuple[int, ...] = (64, 96, 128, 192, 256)
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)
@@ -39,14 +39,6 @@ def check_supported(head_dim: int, v_head_dim: int, dtype: torch.dtype) -> None:
 def is_interpreted(kernel) -> bool:
     """True when ``kernel`` was decorated under ``TRITON_INTERPRET=1`` (it then runs on CPU tensors)."""
     return type(kernel).__name__ == "InterpretedFunction"
-
-
-PDL_ENV = "COMPILE_ATTN_PDL"
-
-
-def pdl_turned_off() -> bool:
-    """``COMPILE_ATTN_PDL`` is 0 (or false, off, no)."""
-    return env_switched_off(PDL_ENV)
 
 
 @functools.lru_cache(maxsize=None)

@@ -36,7 +36,7 @@ from triton.compiler import CompiledKernel
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
-from compile_attn.config import host_shortcuts_enabled
+from compile_attn.env import host_shortcuts_enabled
 
 logger = logging.getLogger(__name__)
 

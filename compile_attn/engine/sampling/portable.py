@@ -10,7 +10,6 @@ of ``noise``, keyed by the token id.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
@@ -21,7 +20,6 @@ from compile_attn.engine.sampling.noise import hashed_gumbel, row_keys
 MIN_TEMPERATURE = 1e-5  # divisor for temperature-0 rows, whose result is replaced by the argmax
 _ARGMAX_CHUNK = 2048  # columns per first-stage argmax block (Inductor does not split argmax reductions)
 WIDE_ROWS = 128  # from this many rows on, one block per row fills the GPU: a one-stage argmax is cheaper
-COMPILE_ENV = "COMPILE_ATTN_SAMPLER_COMPILE"
 
 
 def _first_argmax(score: torch.Tensor) -> torch.Tensor:
@@ -105,22 +103,10 @@ def candidate_tokens(
     return cand_ids.gather(-1, score.argmax(-1, keepdim=True)).squeeze(-1)
 
 
-def compile_switch() -> bool | None:
-    """``COMPILE_ATTN_SAMPLER_COMPILE``: True for 1, False for 0, None when unset."""
-    env = os.environ.get(COMPILE_ENV, "").strip().lower()
-    if env in ("1", "true", "yes", "on"):
-        return True
-    if env in ("0", "false", "no", "off"):
-        return False
-    if env:
-        raise ValueError(f"{COMPILE_ENV}={env!r} is not a switch; set it to 1 or 0, or unset it")
-    return None
-
-
 def compile_default(device: torch.device) -> bool:
     """Whether ``warmup`` compiles the portable functions: ``COMPILE_ATTN_SAMPLER_COMPILE=1/0`` decides;
     otherwise on CUDA (where eager would launch a kernel per op over ``[N, V]``) and not on the CPU."""
-    switch = compile_switch()
+    switch = env.sampler_compile()
     return switch if switch is not None else device.type == "cuda"
 
 

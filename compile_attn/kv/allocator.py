@@ -32,6 +32,10 @@ class PageAllocator:
     def available(self) -> int:
         return len(self._free)
 
+    def free_pages(self) -> np.ndarray:
+        """The free pages (an int64 view of the free list: read it before the next ``alloc`` or ``free``)."""
+        return np.frombuffer(self._free, dtype=np.int64) if self._free else np.empty(0, dtype=np.int64)
+
     def alloc(self, n: int) -> array.array:
         if n > len(self._free):
             raise KVCacheExhaustedError(

@@ -1,12 +1,15 @@
-"""The paged KV cache: request table, per-layer K/V pool, page allocator, and the facade tying them.
+"""KVCache: the request table, the per-layer K/V pool and the page allocator tied together, with each request row's
+pages on the host.
 
 Slots are token-level: token ``i`` of a request lives at slot ``page * page_size + i % page_size`` of
 the page holding it. Page 0 and request row 0 are reserved scratch: padded tokens write to slot
 ``PAD_SLOT`` and padded requests use row ``PAD_REQUEST`` (all of whose entries point at the scratch
 slot), so padding never touches a live request's KV. Allocation is all-or-nothing: when it cannot be
 satisfied, a KVCacheExhaustedError is raised and nothing changed. The cache also answers whether a batch
-fits it (``issued``, ``check_rows``, ``check_slots``, from ``kv_batch_checks``: see ``ForwardBatch.check``). Index
-formats built from the request table live with the backends that read them (``attention/triton_ops/kv_index``).
+fits it (``issued``, ``check_rows``, ``check_slots``, from ``kv/batch_checks.py``: see ``ForwardBatch.check``). The row
+bookkeeping (``_pages``, ``_lens``, ``_issued``, ``_generation``) is this class's own: its neighbours in ``kv/`` read
+and change it through the methods under "rows". Index formats built from the request table live with the backends
+that read them (``attention/kernels/kv_index.py``).
 """
 
 from __future__ import annotations
@@ -21,106 +24,21 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from compile_attn.arg_checks import kv_dtype, positive_int, renamed_keywords
+from compile_attn.batch import PAD_SLOT
 from compile_attn.errors import InvalidBatchError, KVCacheExhaustedError
-from compile_attn.host_tensors import int_tensor, ragged_arange, repeat_each, to_device, to_device_groups
-from compile_attn.kv_batch_checks import BatchChecks
-from compile_attn.page_allocator import PageAllocator
+from compile_attn.host_tensors import int_tensor, ragged_arange, repeat_each, to_device_groups
+from compile_attn.kv.batch_checks import BatchChecks
+from compile_attn.kv.allocator import PageAllocator
+from compile_attn.kv.pools import PagedKVPool, ReqToTokenPool
+
+from compile_attn.kv.prefix_cache import PrefixCache
 
 if TYPE_CHECKING:
     from compile_attn.layer import AttentionLayer
-    from compile_attn.prefix_cache import PrefixCache
 
 logger = logging.getLogger(__name__)
 
-PAD_SLOT = 0
-PAD_REQUEST = 0
 KV_CACHE_RENAMED = {"max_requests": "max_batch_size", "num_tokens": "kv_cache_tokens"}  # KVCache's former keywords
-
-
-class ReqToTokenPool:
-    """``req_to_token[row, position] -> slot`` for up to ``max_batch_size`` live requests (+1 scratch row)."""
-
-    def __init__(self, max_batch_size: int, max_context: int, device: torch.device | str = "cpu") -> None:
-        max_batch_size = positive_int("ReqToTokenPool", "max_batch_size", max_batch_size)
-        max_context = positive_int("ReqToTokenPool", "max_context", max_context)
-        self.max_batch_size = max_batch_size
-        self.max_context = max_context
-        self.num_rows = max_batch_size + 1
-        self.req_to_token = torch.full((self.num_rows, max_context), PAD_SLOT, dtype=torch.int32, device=device)
-        self._free_rows = list(range(self.num_rows - 1, 0, -1))  # stack; row 0 is scratch
-
-    @property
-    def available(self) -> int:
-        return len(self._free_rows)
-
-    def alloc(self, n: int = 1) -> list[int]:
-        if n > len(self._free_rows):
-            raise KVCacheExhaustedError(
-                f"request table full: asked for {n} rows, {len(self._free_rows)} free of {self.max_batch_size}; "
-                f"finish or preempt requests, or raise max_batch_size"
-            )
-        return [self._free_rows.pop() for _ in range(n)]
-
-    def free(self, rows: Sequence[int]) -> None:
-        """Return ``rows`` and reset their entries to the scratch slot: one device op for any number of rows."""
-        free = set(self._free_rows)
-        if len(set(rows)) != len(rows):
-            raise ValueError(f"cannot free request rows {list(rows)}: a row appears twice")
-        for r in rows:
-            if r == PAD_REQUEST or not 0 < r < self.num_rows or r in free:
-                raise ValueError(f"cannot free request row {r}: it is not an allocated row")
-        if len(rows) == 1:
-            self.req_to_token[rows[0]].fill_(PAD_SLOT)
-        elif rows:
-            (index,) = to_device([rows], torch.int64, self.req_to_token.device)
-            self.req_to_token.index_fill_(0, index, PAD_SLOT)
-        self._free_rows.extend(rows)
-
-
-class PagedKVPool:
-    """Per-layer K and V buffers ``[num_slots, num_kv_heads, head_dim]``; page 0 is the scratch page."""
-
-    def __init__(
-        self,
-        *,
-        num_pages: int,
-        page_size: int,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        v_head_dim: int | None = None,
-        dtype: torch.dtype = torch.float16,
-        device: torch.device | str = "cpu",
-    ) -> None:
-        owner = "PagedKVPool"
-        self.num_pages = num_pages = positive_int(owner, "num_pages", num_pages)
-        self.page_size = page_size = positive_int(owner, "page_size", page_size)
-        self.num_layers = num_layers = positive_int(owner, "num_layers", num_layers)
-        self.num_kv_heads = num_kv_heads = positive_int(owner, "num_kv_heads", num_kv_heads)
-        self.head_dim = head_dim = positive_int(owner, "head_dim", head_dim)
-        self.v_head_dim = head_dim if v_head_dim is None else positive_int(owner, "v_head_dim", v_head_dim)
-        self.dtype = dtype = kv_dtype(owner, dtype)
-        self.device = torch.device(device)
-        self.num_slots = (num_pages + 1) * page_size
-        self.k_buffers = [
-            torch.zeros(self.num_slots, num_kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)
-        ]
-        self.v_buffers = [
-            torch.zeros(self.num_slots, num_kv_heads, self.v_head_dim, dtype=dtype, device=device)
-            for _ in range(num_layers)
-        ]
-
-    def get_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k_buffers[layer_id], self.v_buffers[layer_id]
-
-    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write ``k[T, Hkv, D]``, ``v[T, Hkv, Dv]`` at slots ``loc[T]`` (graph-capturable)."""
-        self.k_buffers[layer_id].index_copy_(0, loc, k.to(self.dtype))
-        self.v_buffers[layer_id].index_copy_(0, loc, v.to(self.dtype))
-
-    @property
-    def bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in (*self.k_buffers, *self.v_buffers))
 
 
 def _slots_of(pages: array.array, start: int, n: int, page_size: int) -> array.array:
@@ -214,8 +132,6 @@ class KVCache(BatchChecks):
         may then be borrowed from it, freeing a row returns only its own pages, and an allocation evicts pages only
         the tree holds when the free ones run short. False drops what it holds and turns it off (only while no
         request row holds pages)."""
-        from compile_attn.prefix_cache import PrefixCache  # it reaches into this module's rows: imported late
-
         if enabled and self.prefix_cache is None:
             self.prefix_cache = PrefixCache(self)
         elif not enabled and self.prefix_cache is not None:
@@ -237,8 +153,7 @@ class KVCache(BatchChecks):
     def free_requests(self, rows: Sequence[int]) -> None:
         """Return the rows and all their pages, in one call each to the page allocator and the request table."""
         rows = list(rows)
-        self._issued.clear()  # a freed row's slots may be handed out again: no batch is trusted from here on
-        self._generation += 1
+        self.slots_changed()  # a freed row's slots may be handed out again: no batch is trusted from here on
         for row in rows:
             if row not in self._pages:
                 raise ValueError(f"request row {row} is not allocated")
@@ -402,5 +317,38 @@ class KVCache(BatchChecks):
         del pages[keep:]
         self._lens[row] = length
         self.req_to_token[row, length:old].fill_(PAD_SLOT)
-        self._issued.clear()  # as in free_requests: slots change hands, no issued batch is trusted any more
+        self.slots_changed()  # as in free_requests: slots change hands, no issued batch is trusted any more
+
+    # ------------------------------------------------------------------ rows: for the prefix cache and the finders
+    def row_pages(self, row: int) -> array.array | None:
+        """The pages request ``row`` holds, in order (the live list: change it only through ``start_row`` and
+        ``replace_pages``), or None for a row that is not allocated."""
+        return self._pages.get(row)
+
+    def row_len(self, row: int) -> int:
+        """Tokens allocated to request ``row``."""
+        return self._lens[row]
+
+    def held_rows(self) -> list[tuple[int, array.array, int]]:
+        """``(row, pages, tokens)`` of every allocated request row."""
+        return [(row, pages, self._lens[row]) for row, pages in self._pages.items()]
+
+    def start_row(self, row: int, pages: Sequence[int], num_tokens: int) -> None:
+        """Give the freshly allocated ``row`` the ``pages`` that hold its first ``num_tokens`` tokens (a cached
+        prefix; the caller writes the table); ValueError for a row that already holds tokens or pages."""
+        if self._lens[row] or len(self._pages[row]):
+            raise ValueError(f"request row {row} already holds {self._lens[row]} tokens; attach a prefix to a new row")
+        self._pages[row] = array.array("q", pages)
+        self._lens[row] = num_tokens
+
+    def replace_pages(self, row: int, indices: Sequence[int], pages: Sequence[int]) -> None:
+        """Row ``row``'s pages at ``indices`` become ``pages`` (the same KV held elsewhere; the caller frees the
+        old pages and writes the table)."""
+        own = self._pages[row]
+        for i, page in zip(indices, pages):
+            own[i] = page
+
+    def slots_changed(self) -> None:
+        """A row's slots changed hands (a free, a truncation, a table rewrite): no batch issued before is trusted."""
+        self._issued.clear()
         self._generation += 1

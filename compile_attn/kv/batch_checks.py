@@ -1,4 +1,4 @@
-"""Whether a batch fits a KV cache: the checks ``ForwardBatch.check`` runs, as a mixin of ``KVCache``.
+"""Whether a batch fits a KV cache: the checks ``ForwardBatch.check`` and ``validate`` run, as a mixin of ``KVCache``.
 
 The engine's batches are trusted by identity with what ``alloc_extend`` returned (list comparisons, no device
 access); hand-built batches are checked row by row and slot by slot against the request table. Nothing here
@@ -10,16 +10,21 @@ from __future__ import annotations
 import weakref
 from collections import deque
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from compile_attn.errors import InvalidBatchError
 from compile_attn.host_tensors import ragged_arange, repeat_each, to_device
 
+if TYPE_CHECKING:
+    from compile_attn.batch import ForwardBatch
+
 
 class BatchChecks:
-    """Needs, from ``KVCache``: ``_issued`` (recent ``alloc_extend`` results), ``_lens`` (tokens per row),
-    ``_generation`` (frees so far), ``req_to_token``, ``req_to_token_pool``, ``pool`` and ``device``."""
+    """Part of ``KVCache`` (its own fields, declared here): ``_issued`` (recent ``alloc_extend`` results), ``_lens``
+    (tokens per row), ``_generation`` (frees so far), and ``req_to_token``, ``req_to_token_pool``, ``pool``,
+    ``max_context`` and ``device``."""
 
     _issued: deque[tuple[weakref.ref, list[int], list[int], list[int]]]
     _lens: dict[int, int]
@@ -86,6 +91,37 @@ class BatchChecks:
             f"out_cache_loc[{i}] is slot {slot}{where}, but token {i} (request row {int(token_rows[i])}, position "
             f"{int(positions[i])}) has slot {want}; use the out_cache_loc that kv.alloc_extend() returned"
         )
+
+    def check_batch_bounds(self, fb: ForwardBatch, seq_lens: list[int]) -> None:
+        """InvalidBatchError unless ``fb``'s slots, rows and sequence lengths (``seq_lens``, host values) fit this
+        cache, its live requests' rows and slots checked as ``check_rows`` and ``check_slots`` do. Reads device
+        tensors: ``ForwardBatch.validate`` runs it (tests, debugging)."""
+        if fb.num_tokens:
+            lo, hi = (int(x) for x in torch.aminmax(fb.out_cache_loc))
+            if lo < 0 or hi >= self.pool.num_slots:
+                raise InvalidBatchError(
+                    f"out_cache_loc holds slots in [{lo}, {hi}] but the KV pool has slots "
+                    f"0..{self.pool.num_slots - 1}; use the slots kv.alloc_extend() returns"
+                )
+        if fb.batch_size:
+            rows = [int(x) for x in fb.req_pool_indices.tolist()]
+            lo, hi = min(rows), max(rows)
+            if lo < 0 or hi >= self.req_to_token_pool.num_rows:
+                raise InvalidBatchError(
+                    f"req_pool_indices in [{lo}, {hi}] but the request table has rows "
+                    f"0..{self.req_to_token_pool.num_rows - 1}"
+                )
+            longest = max(seq_lens)
+            if longest > self.max_context:
+                raise InvalidBatchError(
+                    f"seq_len {longest} exceeds the KV cache's max_context {self.max_context}; "
+                    f"create the KVCache with a larger max_context"
+                )
+            # Padded requests of a graph view (after real_batch_size) share row PAD_REQUEST and its scratch slot.
+            real = fb.batch_size if fb.graph_bucket is None else fb.real_batch_size
+            prefix, extend = fb.extend_prefix_lens_cpu[:real], fb.extend_seq_lens_cpu[:real]
+            self.check_rows(rows[:real], prefix, extend)
+            self.check_slots(rows[:real], prefix, extend, fb.out_cache_loc)  # padding tokens write PAD_SLOT
 
     @property
     def generation(self) -> int:

@@ -6,43 +6,30 @@ groups when whoever builds the batch knows them; otherwise ``find_shared_prefixe
 host page lists (identical leading page ids); ``SharedPrefixFinder`` picks between the two for a backend's
 ``cascade_decode`` option; ``engine_prefix_finder`` is the engine's hook (``EngineConfig.cascade_decode``), which
 sets the groups of its decode batches so that the graph runner can route them to the backend's shared-prefix path.
-Only whole shared pages count, and each member keeps at least one position of its own (the step's new token).
+Only whole shared pages count, and each member keeps at least one position of its own (the step's new token). Reads
+the cache's host page lists only (``KVCache.row_pages``); knows no backend.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from compile_attn import env
+from compile_attn.batch import SharedPrefixGroup
+
 if TYPE_CHECKING:
-    from compile_attn.attention.base import AttentionBackend
     from compile_attn.batch import ForwardBatch
-    from compile_attn.kv_cache import KVCache
+    from compile_attn.kv.cache import KVCache
 
 logger = logging.getLogger(__name__)
 
 # A group worth a cascade pass: this many requests sharing at least this many tokens (below that, plain decode).
 MIN_REQUESTS = 4
 MIN_TOKENS = 256
-CASCADE_ENV = "COMPILE_ATTN_CASCADE_DECODE"  # 1 / true / on / yes: shared-prefix decode on where not set otherwise
-
-
-def cascade_decode_from_env() -> bool:
-    """The default of the ``cascade_decode`` options: on when ``COMPILE_ATTN_CASCADE_DECODE`` says so, else off."""
-    return os.environ.get(CASCADE_ENV, "0").strip().lower() in ("1", "true", "on", "yes")
-
-
-@dataclass(frozen=True)
-class SharedPrefixGroup:
-    """Requests ``members`` (indices into the batch) hold the same KV slots at positions ``0 .. prefix_len - 1``."""
-
-    members: tuple[int, ...]
-    prefix_len: int
 
 
 def find_shared_prefixes(
@@ -63,7 +50,7 @@ def find_shared_prefixes(
     ps = kv.page_size
     by_first: dict[int, list[int]] = {}
     for b, row in enumerate(rows):
-        pages = kv._pages.get(row)
+        pages = kv.row_pages(row)
         if pages is not None and len(pages) and seq_lens[b] > ps:
             by_first.setdefault(pages[0], []).append(b)
     groups = []
@@ -72,7 +59,7 @@ def find_shared_prefixes(
             continue
         # Whole pages before each member's last position: the page holding the new token is never shared.
         limit = min((seq_lens[b] - 1) // ps for b in members)
-        table = np.stack([np.frombuffer(kv._pages[rows[b]], dtype=np.int64)[:limit] for b in members])
+        table = np.stack([np.frombuffer(kv.row_pages(rows[b]), dtype=np.int64)[:limit] for b in members])
         same = (table == table[:1]).all(axis=0)
         num_pages = int(limit if same.all() else np.argmin(same))
         if num_pages * ps >= min_tokens:
@@ -105,15 +92,17 @@ class SharedPrefixFinder:
         return self._memo[1]
 
 
-def engine_prefix_finder(option: bool | None, kv: KVCache, backend: AttentionBackend) -> SharedPrefixFinder | None:
+def engine_prefix_finder(option: bool | None, kv: KVCache, backend_name: str,
+                         backend_takes_groups: bool) -> SharedPrefixFinder | None:
     """The finder whose groups the engine puts on its decode batches (``fb.shared_prefix``), or None when it sets
     none: ``option`` False, or None with ``COMPILE_ATTN_CASCADE_DECODE`` unset; no prefix cache (pages are shared
-    only through it); or a backend without a shared-prefix decode path (``takes_shared_prefix_decode``)."""
-    on = cascade_decode_from_env() if option is None else bool(option)
+    only through it); or a backend without a shared-prefix decode path (``backend_takes_groups``: its
+    ``takes_shared_prefix_decode()``)."""
+    on = env.cascade_decode() if option is None else bool(option)
     if not on:
         return None
-    if kv.prefix_cache is None or not backend.takes_shared_prefix_decode():
+    if kv.prefix_cache is None or not backend_takes_groups:
         logger.info("cascade_decode: off, %s", "the prefix cache is off" if kv.prefix_cache is None else
-                    f"attention backend {backend.name!r} has no shared-prefix decode path for this model")
+                    f"attention backend {backend_name!r} has no shared-prefix decode path for this model")
         return None
     return SharedPrefixFinder(kv, detect=True)
