@@ -19,10 +19,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compile_attn import InvalidBatchError, KVCache, step_kernels
+from compile_attn import InvalidBatchError, KVCache
+from compile_attn.graph_runner import step_kernels
 from compile_attn.batch import ForwardBatch
 from compile_attn.batch import PAD_SLOT
-from compile_attn.step_kernels import copy_decode_inputs
+from compile_attn.graph_runner.step_kernels import copy_decode_inputs
 
 MAX_CONTEXT = 40
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from compile_attn import step_kernels
+from compile_attn.graph_runner import step_kernels
 from compile_attn.engine.request import Request
 
 

@@ -37,8 +37,8 @@ from compile_attn.engine.step_sampling import forward_and_sample
 from compile_attn.engine.stop_strings import StopStringMatcher, backend_tokenizer
 from compile_attn.kv.cache import KVCache
 from compile_attn.kv.shared_prefix import engine_prefix_finder
-from compile_attn import step_kernels
-from compile_attn.step_kernels import TokenFeed
+from compile_attn.graph_runner import step_kernels
+from compile_attn.graph_runner.step_kernels import TokenFeed
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from compile_attn.config import GraphConfig
 from compile_attn.graph_mode import GraphMode
 from compile_attn.graph_runner import GraphRunner
 from compile_attn.host_tensors import to_device
-from compile_attn.step_kernels import TokenFeed
+from compile_attn.graph_runner.step_kernels import TokenFeed
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from compile_attn.engine.sampler import SamplingPlan, sample
 from compile_attn.engine.step_extras import StepExtras
 from compile_attn.engine.step_runner import StepRunner
 from compile_attn.host_tensors import to_device, upload
-from compile_attn.step_kernels import TokenFeed
+from compile_attn.graph_runner.step_kernels import TokenFeed
 
 
 def forward_and_sample(runner: StepRunner, fb: ForwardBatch, reqs: list[Request], sampled: list[int],

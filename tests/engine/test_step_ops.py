@@ -20,9 +20,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compile_attn import step_kernels
+from compile_attn.graph_runner import step_kernels
 from compile_attn.engine import LLM
-from compile_attn.step_kernels import TokenFeed, copy_decode_inputs, feed_tokens, feed_tokens_torch
+from compile_attn.graph_runner.step_kernels import TokenFeed, copy_decode_inputs, feed_tokens, feed_tokens_torch
 from tests.engine.step_ops import D2H, H2D, steady_decode_ops
 
 needs_kernels = pytest.mark.skipif(not step_kernels.kernels_usable(torch.empty(0)),

@@ -6,7 +6,8 @@ Each is one Triton launch on a GPU (and on the CPU when the kernels are interpre
 place of the seven torch ops of the feed, the two ``_foreach_copy_`` of the copy and the table's index_put;
 elsewhere the same result comes from those torch ops. Every integer argument and pointer alignment is left
 unspecialised, so one compiled kernel serves every batch size and every offset of the step's uploaded inputs
-(``warm_up`` builds them all).
+(``warm_up`` builds them all). It sits with the graph runner, whose decode replay copies inputs through it; the
+engine's in-flight feed calls it from above. It knows nothing of the engine's requests.
 """
 
 from __future__ import annotations
