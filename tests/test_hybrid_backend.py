@@ -24,7 +24,7 @@ from compile_attn import (
     forward_context,
 )
 from compile_attn.graph_mode import GraphMode
-from compile_attn.attention.hybrid_backend import HybridBackend
+from compile_attn.attention.hybrid import HybridBackend
 
 pytest.importorskip("triton")
 # The CPU tests pair torch_native with Triton interpreted on CPU tensors; where CUDA is present Triton compiles

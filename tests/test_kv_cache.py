@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from compile_attn import InvalidBatchError, KVCache, KVCacheExhaustedError
 from compile_attn.batch import PAD_SLOT
-from compile_attn.attention.fa3_backend import build_page_table
+from compile_attn.attention.fa3.backend import build_page_table
 
 
 def _cache(page_size: int = 1, kv_cache_tokens: int = 64, max_batch_size: int = 4, max_context: int = 48) -> KVCache:

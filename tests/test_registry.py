@@ -11,7 +11,7 @@ import torch
 from compile_attn import AttentionLayer, KVCache, UnknownBackendError, UnsupportedConfigError, create_backend
 from compile_attn.attention import available_backends, check_backend_name
 from compile_attn.attention.registry import auto_backend_candidates
-from compile_attn.attention.torch_native import TorchNativeBackend
+from compile_attn.attention.torch_native.backend import TorchNativeBackend
 
 
 def _kv() -> KVCache:

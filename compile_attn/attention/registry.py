@@ -27,11 +27,11 @@ logger = logging.getLogger(__name__)
 _BACKENDS: dict[str, type[AttentionBackend]] = {}
 # name -> module that registers it when imported (for backends with optional dependencies)
 _LAZY_BACKENDS: dict[str, str] = {
-    "torch_native": "compile_attn.attention.torch_native",
-    "triton": "compile_attn.attention.triton_backend",
-    "flashinfer": "compile_attn.attention.flashinfer_backend",
-    "fa3": "compile_attn.attention.fa3_backend",
-    "hybrid": "compile_attn.attention.hybrid_backend",
+    "torch_native": "compile_attn.attention.torch_native.backend",
+    "triton": "compile_attn.attention.triton.backend",
+    "flashinfer": "compile_attn.attention.flashinfer.backend",
+    "fa3": "compile_attn.attention.fa3.backend",
+    "hybrid": "compile_attn.attention.hybrid",
 }
 
 # name -> the package its kernels come from (a backend is "installed" when that package is importable)

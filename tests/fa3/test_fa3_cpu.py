@@ -26,7 +26,7 @@ def _cpu_cache() -> tuple[KVCache, list[AttentionLayer]]:
 
 def test_importing_compile_attn_and_the_fa3_module_does_not_import_sgl_kernel() -> None:
     code = (
-        "import sys, compile_attn, compile_attn.attention.fa3_backend; "
+        "import sys, compile_attn, compile_attn.attention.fa3.backend; "
         "print('sgl_kernel' in sys.modules)"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -55,7 +55,7 @@ def test_auto_on_cpu_still_gives_torch_native() -> None:
 
 
 def test_cpu_cache_is_refused_with_a_pointer_to_torch_native() -> None:
-    from compile_attn.attention.fa3_backend import check_fa3_device
+    from compile_attn.attention.fa3.backend import check_fa3_device
 
     with pytest.raises(BackendUnavailableError, match="torch_native"):
         check_fa3_device(torch.device("cpu"))
@@ -63,7 +63,7 @@ def test_cpu_cache_is_refused_with_a_pointer_to_torch_native() -> None:
 
 @pytest.mark.parametrize("capability", [(7, 5), (8, 7), (10, 0), (12, 0)])
 def test_gpus_without_fa3_kernels_are_refused_naming_the_alternatives(capability: tuple[int, int]) -> None:
-    from compile_attn.attention.fa3_backend import check_fa3_capability
+    from compile_attn.attention.fa3.backend import check_fa3_capability
 
     with pytest.raises(BackendUnavailableError) as info:
         check_fa3_capability(capability)
@@ -74,6 +74,6 @@ def test_gpus_without_fa3_kernels_are_refused_naming_the_alternatives(capability
 
 @pytest.mark.parametrize("capability", [(8, 0), (8, 6), (8, 9), (9, 0)])
 def test_gpus_with_fa3_kernels_pass_the_capability_check(capability: tuple[int, int]) -> None:
-    from compile_attn.attention.fa3_backend import check_fa3_capability
+    from compile_attn.attention.fa3.backend import check_fa3_capability
 
     check_fa3_capability(capability)

@@ -71,8 +71,8 @@ def test_flashinfer_cascade_matches_plain_attention(page_size):
 @pytest.mark.skipif(not flashinfer_installed(), reason="flashinfer is not installed")
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_flashinfer_backend_decodes_shared_prefixes_through_the_cascade(page_size):
-    from compile_attn.attention.flashinfer_backend import FlashInferBackend
-    from compile_attn.attention.torch_native import TorchNativeBackend
+    from compile_attn.attention.flashinfer.backend import FlashInferBackend
+    from compile_attn.attention.torch_native.backend import TorchNativeBackend
     from compile_attn.layer import AttentionLayer
 
     gen = torch.Generator().manual_seed(page_size)

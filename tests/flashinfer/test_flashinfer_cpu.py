@@ -23,7 +23,7 @@ def _small_kv(**kw) -> KVCache:  # noqa: ANN003
 
 # ------------------------------------------------------------------ without flashinfer
 def test_import_compile_attn_does_not_import_flashinfer() -> None:
-    code = ("import sys, compile_attn, compile_attn.attention.flashinfer_backend; "
+    code = ("import sys, compile_attn, compile_attn.attention.flashinfer.backend; "
             "assert 'flashinfer' not in sys.modules, 'flashinfer was imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 

@@ -174,7 +174,7 @@ def test_toy_decoder_through_graph_runner_matches_eager_torch_native() -> None:
     same random steps run eagerly with torch_native on a twin KV cache."""
     from tests.graph_runner.gr_helpers import Twin, make_model, run_scenario
 
-    from compile_attn.attention.torch_native import TorchNativeBackend
+    from compile_attn.attention.torch_native.backend import TorchNativeBackend
     from compile_attn.config import GraphConfig
     from compile_attn.graph_runner import GraphRunner
     from compile_attn.models import ToyDecoderConfig

@@ -46,7 +46,7 @@ def test_switched_off_every_layer_takes_the_plain_path_with_the_same_results(
     pytest.importorskip("triton")
     from triton.runtime.jit import JITFunction
 
-    from compile_attn.attention.triton_ops.launch import _SHORT_PATH, CachedLaunch
+    from compile_attn.attention.kernels.launch import _SHORT_PATH, CachedLaunch
 
     # a compiled-kernel launcher (JITFunction itself: under TRITON_INTERPRET=1 triton.jit makes interpreted ones)
     assert CachedLaunch(JITFunction(_noop_kernel))._usable is (on and _SHORT_PATH)

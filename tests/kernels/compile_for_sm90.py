@@ -22,8 +22,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from compile_attn.attention import triton_ops  # noqa: E402
-from compile_attn.attention.triton_ops import (  # noqa: E402
+from compile_attn.attention import kernels as triton_ops  # noqa: E402
+from compile_attn.attention.kernels import (  # noqa: E402
     cascade_attention, cascade_index, decode_attention, decode_metadata, extend_attention, kv_index, launch,
 )
 

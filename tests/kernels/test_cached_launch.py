@@ -8,9 +8,9 @@ import torch
 import triton
 import triton.language as tl
 
-from compile_attn.attention.triton_ops import launch
-from compile_attn.attention.triton_ops._common import is_interpreted
-from compile_attn.attention.triton_ops.launch import CachedLaunch
+from compile_attn.attention.kernels import launch
+from compile_attn.attention.kernels._common import is_interpreted
+from compile_attn.attention.kernels.launch import CachedLaunch
 
 
 def test_installed_triton_launch_form_is_the_one_mirrored() -> None:

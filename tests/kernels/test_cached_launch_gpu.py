@@ -10,9 +10,9 @@ import pytest
 import torch
 from tests.kernels.kernel_reference import TOLERANCE, make_paged_cache, reference_attention, rel_err
 
-from compile_attn.attention.triton_ops import build_kv_indices, build_kv_indptr, compute_num_kv_splits
-from compile_attn.attention.triton_ops import decode_attention as decode_module
-from compile_attn.attention.triton_ops.launch import CachedLaunch
+from compile_attn.attention.kernels import build_kv_indices, build_kv_indptr, compute_num_kv_splits
+from compile_attn.attention.kernels import decode_attention as decode_module
+from compile_attn.attention.kernels.launch import CachedLaunch
 from compile_attn.env import host_shortcuts_enabled
 
 pytestmark = [

@@ -11,8 +11,8 @@ import pytest
 import torch
 from tests.kernels.kernel_reference import DEVICE, TOLERANCE, cdiv, reference_attention, rel_err
 
-from compile_attn.attention.triton_ops.cascade_attention import cascade_decode_fwd, cascade_scratch
-from compile_attn.attention.triton_ops.cascade_index import build_cascade_index, check_shared_slots
+from compile_attn.attention.kernels.cascade_attention import cascade_decode_fwd, cascade_scratch
+from compile_attn.attention.kernels.cascade_index import build_cascade_index, check_shared_slots
 
 
 def make_shared_cache(groups, own_lens, num_kv_heads, head_dim, page_size, dtype, gen, device=DEVICE):

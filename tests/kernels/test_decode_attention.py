@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tests.kernels.kernel_reference import DEVICE, TOLERANCE, make_paged_cache, reference_attention, rel_err, take_new_tokens
 
-from compile_attn.attention.triton_ops import (
+from compile_attn.attention.kernels import (
     SUPPORTED_HEAD_DIMS,
     check_supported,
     compute_num_kv_splits,
@@ -18,8 +18,8 @@ from compile_attn.attention.triton_ops import (
     decode_attention_fwd_and_bind,
     decode_semaphores,
 )
-from compile_attn.attention.triton_ops._common import is_interpreted
-from compile_attn.attention.triton_ops.decode_attention import _decode_split_kernel
+from compile_attn.attention.kernels._common import is_interpreted
+from compile_attn.attention.kernels.decode_attention import _decode_split_kernel
 
 
 def run_decode(cache, q, starts, num_kv_splits, max_kv_splits, sm_scale, logit_cap=0.0, new_tokens=None,

@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tests.kernels.kernel_reference import DEVICE, make_paged_cache
 
-from compile_attn.attention.triton_ops import build_decode_metadata, compute_num_kv_splits
-from compile_attn.attention.triton_ops import decode_metadata as dm
-from compile_attn.attention.triton_ops.decode_attention import PROGRAMS_PER_SM
+from compile_attn.attention.kernels import build_decode_metadata, compute_num_kv_splits
+from compile_attn.attention.kernels import decode_metadata as dm
+from compile_attn.attention.kernels.decode_attention import PROGRAMS_PER_SM
 
 
 def _expected_splits(lens: list[int], num_sms: int, max_splits: int, deterministic: bool, split_size: int,

@@ -14,9 +14,9 @@ import torch
 from tests.kernels.kernel_reference import TOLERANCE, make_paged_cache, reference_attention, rel_err
 from torch._inductor.utils import run_and_get_code
 
-from compile_attn.attention.triton_ops import decode_attention, decode_semaphores
+from compile_attn.attention.kernels import decode_attention, decode_semaphores
 from compile_attn.env import PDL_ENV, pdl_turned_off
-from compile_attn.attention.triton_ops.launch import CachedLaunch
+from compile_attn.attention.kernels.launch import CachedLaunch
 
 pytestmark = [
     pytest.mark.gpu,

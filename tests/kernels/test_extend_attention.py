@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tests.kernels.kernel_reference import DEVICE, TOLERANCE, make_paged_cache, reference_attention, rel_err
 
-from compile_attn.attention.triton_ops import SUPPORTED_HEAD_DIMS, extend_attention_fwd
+from compile_attn.attention.kernels import SUPPORTED_HEAD_DIMS, extend_attention_fwd
 
 
 def make_extend_batch(prefix, extend, num_kv_heads, num_q_heads, head_dim, v_head_dim, page_size, dtype, gen):

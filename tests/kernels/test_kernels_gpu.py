@@ -9,7 +9,7 @@ import pytest
 import torch
 from tests.kernels.kernel_reference import TOLERANCE, PagedCache, make_paged_cache, reference_attention, rel_err, take_new_tokens
 
-from compile_attn.attention.triton_ops import (
+from compile_attn.attention.kernels import (
     build_kv_indices,
     build_kv_indptr,
     compute_num_kv_splits,
@@ -17,7 +17,7 @@ from compile_attn.attention.triton_ops import (
     decode_semaphores,
     extend_attention_fwd,
 )
-from compile_attn.attention.triton_ops import decode_attention as decode_module
+from compile_attn.attention.kernels import decode_attention as decode_module
 
 pytestmark = [
     pytest.mark.gpu,

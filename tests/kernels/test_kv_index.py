@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tests.kernels.kernel_reference import DEVICE, make_paged_cache
 
-from compile_attn.attention.triton_ops import build_kv_indices, build_kv_indptr, build_page_indices, store_kv
+from compile_attn.attention.kernels import build_kv_indices, build_kv_indptr, build_page_indices, store_kv
 
 
 @settings(max_examples=15, deadline=None)

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 import torch
 
 from compile_attn import ForwardBatch, KVCache, forward_context
-from compile_attn.attention.torch_native import TorchNativeBackend
-from compile_attn.attention.triton_backend import TritonBackend
+from compile_attn.attention.torch_native.backend import TorchNativeBackend
+from compile_attn.attention.triton.backend import TritonBackend
 from compile_attn.config import GraphConfig
 from compile_attn.graph_runner import GraphRunner
 from compile_attn.models import ToyDecoder, ToyDecoderConfig

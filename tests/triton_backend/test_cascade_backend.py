@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from compile_attn import ForwardBatch, KVCache
-from compile_attn.attention.torch_native import TorchNativeBackend
-from compile_attn.attention.triton_backend import TritonBackend
+from compile_attn.attention.torch_native.backend import TorchNativeBackend
+from compile_attn.attention.triton.backend import TritonBackend
 from compile_attn.layer import AttentionLayer
 from compile_attn.batch import SharedPrefixGroup
 from compile_attn.kv.shared_prefix import find_shared_prefixes

@@ -14,8 +14,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from compile_attn.attention import registry, triton_cascade
-from compile_attn.attention.triton_backend import TritonBackend
+from compile_attn.attention import registry
+from compile_attn.attention.triton import cascade as triton_cascade
+from compile_attn.attention.triton.backend import TritonBackend
 from compile_attn.compiler import compile_counters
 from compile_attn.engine import LLM, SamplingParams
 from compile_attn.graph_mode import GraphMode

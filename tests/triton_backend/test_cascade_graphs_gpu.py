@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from compile_attn.attention import triton_cascade
+from compile_attn.attention.triton import cascade as triton_cascade
 from compile_attn.engine import LLM, SamplingParams
 from compile_attn.graph_mode import GraphMode
 from compile_attn.kv.page_account import page_account

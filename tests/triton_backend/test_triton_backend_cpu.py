@@ -25,8 +25,8 @@ from compile_attn import (
     create_backend,
     forward_context,
 )
-from compile_attn.attention import triton_backend
-from compile_attn.attention.triton_backend import TritonBackend
+from compile_attn.attention.triton import backend as triton_backend
+from compile_attn.attention.triton.backend import TritonBackend
 from compile_attn.config import GraphConfig
 from compile_attn.models import ToyDecoderConfig
 

@@ -17,8 +17,8 @@ from types import ModuleType
 
 import torch
 
-from compile_attn.attention.triton_ops.cascade_attention import cascade_decode_fwd
-from compile_attn.attention.triton_ops.cascade_index import CascadeIndex, build_cascade_index
+from compile_attn.attention.kernels.cascade_attention import cascade_decode_fwd
+from compile_attn.attention.kernels.cascade_index import CascadeIndex, build_cascade_index
 from compile_attn.batch import ForwardBatch
 from compile_attn.kv.cache import KVCache
 from compile_attn.layer import AttentionLayer

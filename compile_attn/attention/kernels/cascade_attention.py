@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from compile_attn.attention.triton_ops._common import (
+from compile_attn.attention.kernels._common import (
     check_device,
     check_last_dim_contiguous,
     dot_precision,
@@ -29,9 +29,9 @@ from compile_attn.attention.triton_ops._common import (
     next_pow2,
     softcap,
 )
-from compile_attn.attention.triton_ops.cascade_index import CascadeIndex
-from compile_attn.attention.triton_ops.decode_attention import _split_kernel_config
-from compile_attn.attention.triton_ops.launch import CachedLaunch
+from compile_attn.attention.kernels.cascade_index import CascadeIndex
+from compile_attn.attention.kernels.decode_attention import _split_kernel_config
+from compile_attn.attention.kernels.launch import CachedLaunch
 
 # Level-1 programs aimed at per SM when choosing the number of prefix splits (two resident blocks per SM).
 PREFIX_PROGRAMS_PER_SM = 2

@@ -1,4 +1,4 @@
-"""triton: attention through compile_attn's own Triton kernels (``attention/triton_ops``) over the paged KV pool.
+"""triton: attention through compile_attn's own Triton kernels (``attention/kernels``) over the paged KV pool.
 
 Decode can be captured as one full CUDA graph: ``init_cuda_graph_state`` allocates static token-CSR
 buffers (``kv_indptr``/``kv_indices``/``num_kv_splits``, one set for full attention and one per
@@ -12,7 +12,7 @@ break) keeps its launch after the first step (``DecodePlan``): while its q/k/v/o
 
 An eager decode batch whose requests share a cached prefix (``fb.shared_prefix``, or found in the KV cache with
 ``cascade_decode=True``) runs the shared-prefix (cascade) kernels instead, and so does a decode batch the graph
-runner routes to its piecewise graphs because it carries groups: see ``triton_cascade``.
+runner routes to its piecewise graphs because it carries groups: see ``triton/cascade.py``.
 """
 
 from __future__ import annotations
@@ -20,15 +20,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from itertools import accumulate
-from types import ModuleType
 from typing import Any
 
 import torch
 
 from compile_attn.attention.base import AttentionBackend
+from compile_attn.attention.kernel_loader import kernels_interpreted, load_triton_ops
 from compile_attn.attention.registry import register_backend
-from compile_attn.attention.triton_cascade import CascadePlanner, CascadeStep
-from compile_attn.attention.triton_metadata import (
+from compile_attn.attention.triton.cascade import CascadePlanner, CascadeStep
+from compile_attn.attention.triton.metadata import (
     DecodeGraphBuffers,
     DecodeIndex,
     DecodePlan,
@@ -46,31 +46,6 @@ from compile_attn.kv.cache import KVCache
 from compile_attn.layer import AttentionLayer
 
 logger = logging.getLogger(__name__)
-
-INSTALL_HINT = 'pip install "compile-attn[triton]"  (triton>=3.4)'
-
-
-def load_triton_ops() -> ModuleType:
-    """The ``triton_ops`` kernel package, or BackendUnavailableError naming the install command."""
-    try:
-        import triton  # noqa: F401
-    except ImportError as exc:
-        raise BackendUnavailableError(
-            f"the triton attention backend needs the triton package (importing it failed: {exc}). Install it "
-            f"with: {INSTALL_HINT}; or use backend='torch_native'"
-        ) from exc
-    from compile_attn.attention import triton_ops
-
-    return triton_ops
-
-
-def kernels_interpreted() -> bool:
-    """True when the kernels were defined under ``TRITON_INTERPRET=1`` (they then run on the host)."""
-    from compile_attn.attention.triton_ops._common import is_interpreted
-    from compile_attn.attention.triton_ops.kv_index import _store_kv_kernel
-
-    return is_interpreted(_store_kv_kernel)
-
 
 def _exclusive_cumsum(lens: Sequence[int]) -> list[int]:
     """Host ``[len(lens) + 1]`` offsets."""
@@ -109,14 +84,14 @@ class TritonBackend(AttentionBackend):
         one_launch_decode: bool | None = None,
         cascade_decode: bool | None = None,
     ) -> None:
-        """Options: ``max_kv_splits`` (most KV splits per decode request; default triton_ops.DEFAULT_MAX_KV_SPLITS),
+        """Options: ``max_kv_splits`` (most KV splits per decode request; default kernels.DEFAULT_MAX_KV_SPLITS),
         ``deterministic`` (fixed ``split_size``-token splits and one KV tile size for every batch size, so a
         request's decode output is bitwise the same whatever else is in the batch), ``split_size`` (default
-        triton_ops.DEFAULT_SPLIT_SIZE; the shortest split otherwise), ``graph_max_context`` (longest sequence a
+        kernels.DEFAULT_SPLIT_SIZE; the shortest split otherwise), ``graph_max_context`` (longest sequence a
         decode graph serves; default the cache's max_context), ``one_launch_decode`` (the split kernel merges the
         splits itself, one launch per decode layer; False: a separate merge kernel, two launches; default on
         unless the environment sets ``COMPILE_ATTN_DECODE_ONE_LAUNCH=0``, for A/B runs), ``cascade_decode`` (eager
-        decode batches whose requests share cached prefix pages read each shared prefix once: ``triton_cascade``;
+        decode batches whose requests share cached prefix pages read each shared prefix once: ``triton/cascade.py``;
         batches that carry ``shared_prefix`` groups take that path whatever this says; default off unless the
         environment sets ``COMPILE_ATTN_CASCADE_DECODE=1``)."""
         self._ops = load_triton_ops()
@@ -166,7 +141,7 @@ class TritonBackend(AttentionBackend):
             raise BackendUnavailableError(
                 f"the triton backend runs its kernels on CUDA GPUs but the KV cache is on {device}; use "
                 f"backend='torch_native' on the CPU (tests may run the kernels on the CPU by setting "
-                f"TRITON_INTERPRET=1 before compile_attn.attention.triton_ops is first imported)"
+                f"TRITON_INTERPRET=1 before compile_attn.attention.kernels is first imported)"
             )
         self._interpreted = interpreted
 

@@ -1,7 +1,7 @@
 """Per-step metadata of the triton attention backend: decode token CSRs, split-K scratch, extend offsets, the
 static decode buffers graphs read, and the bound launches of graph-bound decode layers.
 
-Data only: the backend (``attention/triton_backend.py``) fills these; the kernels (``attention/triton_ops``) read
+Data only: the backend (``attention/triton/backend.py``) fills these; the kernels (``attention/kernels``) read
 them.
 """
 

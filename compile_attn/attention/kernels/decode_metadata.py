@@ -14,15 +14,15 @@ import torch
 import triton
 import triton.language as tl
 
-from compile_attn.attention.triton_ops._common import check_device, next_pow2
-from compile_attn.attention.triton_ops.decode_attention import (
+from compile_attn.attention.kernels._common import check_device, next_pow2
+from compile_attn.attention.kernels.decode_attention import (
     DEFAULT_SPLIT_SIZE,
     PROGRAMS_PER_SM,
     check_split_options,
     compute_num_kv_splits,
 )
-from compile_attn.attention.triton_ops.kv_index import build_kv_indices, build_kv_indptr, check_req_to_token, copy_slots
-from compile_attn.attention.triton_ops.launch import CachedLaunch
+from compile_attn.attention.kernels.kv_index import build_kv_indices, build_kv_indptr, check_req_to_token, copy_slots
+from compile_attn.attention.kernels.launch import CachedLaunch
 
 MAX_BATCH = 4096  # larger batches are rare and take the three-call path (each program loads every length)
 MIN_BLOCK_B = 256  # every batch up to this size shares one compiled kernel

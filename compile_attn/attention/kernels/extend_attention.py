@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from compile_attn.attention.triton_ops._common import (
+from compile_attn.attention.kernels._common import (
     check_device,
     check_last_dim_contiguous,
     dot_precision,
@@ -23,7 +23,7 @@ from compile_attn.attention.triton_ops._common import (
     next_pow2,
     softcap,
 )
-from compile_attn.attention.triton_ops.launch import CachedLaunch
+from compile_attn.attention.kernels.launch import CachedLaunch
 
 
 @triton.jit

@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from compile_attn.attention.triton_ops._common import check_device, next_pow2
-from compile_attn.attention.triton_ops.launch import CachedLaunch
+from compile_attn.attention.kernels._common import check_device, next_pow2
+from compile_attn.attention.kernels.launch import CachedLaunch
 
 
 def check_req_to_token(req_to_token: torch.Tensor) -> None:

@@ -27,6 +27,7 @@ from compile_attn.attention.flashinfer.library import load_flashinfer
 from compile_attn.attention.flashinfer.paged_indices import PagedKV, build_paged_kv
 from compile_attn.attention.flashinfer.plan_groups import group_layers, use_tensor_cores
 from compile_attn.attention.flashinfer.warmup import build_kernels, kernel_specs
+from compile_attn.attention.kernel_loader import load_triton_ops
 from compile_attn.attention.flashinfer.wrappers import (
     EagerWrappers,
     PlanDTypes,
@@ -37,7 +38,6 @@ from compile_attn.attention.flashinfer.wrappers import (
 )
 from compile_attn import env
 from compile_attn.attention.registry import register_backend
-from compile_attn.attention.triton_backend import load_triton_ops
 from compile_attn.batch import ForwardBatch
 from compile_attn.errors import UnsupportedConfigError
 from compile_attn.graph_mode import GraphMode

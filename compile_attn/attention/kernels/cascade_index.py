@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from compile_attn.attention.triton_ops.kv_index import build_kv_indices
+from compile_attn.attention.kernels.kv_index import build_kv_indices
 
 
 @dataclass

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from compile_attn.attention.triton_ops._common import (
+from compile_attn.attention.kernels._common import (
     check_device,
     check_last_dim_contiguous,
     dot_precision,
@@ -45,7 +45,7 @@ from compile_attn.attention.triton_ops._common import (
     pdl_supported,
     softcap,
 )
-from compile_attn.attention.triton_ops.launch import BoundLaunch, CachedLaunch
+from compile_attn.attention.kernels.launch import BoundLaunch, CachedLaunch
 
 # Split boundaries are multiples of this many tokens; every stage-1 BLOCK_N divides it.
 SPLIT_ALIGN = 64
