@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from compile_attn import bench
+from compile_attn.bench import decode_step as bench
 
 
 def per_call_us(fn: Callable[[], object], calls: int = 2000) -> float:

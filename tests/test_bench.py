@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from compile_attn import bench
+from compile_attn.bench import decode_step as bench
 
 
 def test_bench_runs_every_mode_and_hf_eager_on_a_tiny_model() -> None:
@@ -45,7 +45,7 @@ def test_bench_json_records_the_command_versions_and_commit(tmp_path) -> None:  
     import torch
 
     from compile_attn import cli
-    from compile_attn.run_info import git_commit
+    from compile_attn.bench.run_info import git_commit
 
     out = tmp_path / "bench.json"
     argv = ["bench", "--tiny", "--backend", "torch_native", "--batch-sizes", "1", "--modes", "none", "--hf", "",

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from compile_attn import bench, bench_engine
+from compile_attn.bench import decode_step as bench
+from compile_attn.bench import engine_start as bench_engine
 
 
 def test_prefill_flops_match_the_weights_of_the_model() -> None:

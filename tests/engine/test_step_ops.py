@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from compile_attn.graph_runner import step_kernels
 from compile_attn.engine import LLM
 from compile_attn.graph_runner.step_kernels import TokenFeed, copy_decode_inputs, feed_tokens, feed_tokens_torch
-from tests.engine.step_ops import D2H, H2D, steady_decode_ops
+from compile_attn.bench.step_ops import D2H, H2D, steady_decode_ops
 
 needs_kernels = pytest.mark.skipif(not step_kernels.kernels_usable(torch.empty(0)),
                                    reason="needs triton with TRITON_INTERPRET=1 (set by conftest)")
@@ -153,7 +153,7 @@ STEADY_DECODE_OPS = Counter({H2D: 1, "triton:_copy_decode_kernel": 1, "argmax.de
 @needs_kernels
 @pytest.mark.parametrize("batch_size", [1, 3, 8])
 def test_steady_decode_step_issues_four_device_ops_outside_the_forward(llm: LLM, batch_size: int) -> None:
-    """Counted per step over four steps (tests/engine/step_ops.py); the LM head is one op beside them."""
+    """Counted per step over four steps (compile_attn/bench/step_ops.py); the LM head is one op beside them."""
     ops = steady_decode_ops(llm, batch_size)
     assert ops["step"] == STEADY_DECODE_OPS, f"batch {batch_size}: {dict(ops['step'])}"
     assert sum(ops["lm_head"].values()) == 1

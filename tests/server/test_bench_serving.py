@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from compile_attn.cli import build_parser, main
-from compile_attn.server.load_client import (RequestRecord, arrival_offsets, load_and_summarize, percentile, run_load,
+from compile_attn.bench.load_client import (RequestRecord, arrival_offsets, load_and_summarize, percentile, run_load,
                                              summarize)
 from tests.server.conftest import MODEL, Served
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from compile_attn.batch import ForwardMode
-from compile_attn.bench_workloads import fixed
+from compile_attn.bench.workloads import fixed
 from compile_attn.engine import LLM
 from compile_attn.models import ToyDecoder, ToyDecoderConfig
-from compile_attn.server import bench_targets
+from compile_attn.bench import serving_targets as bench_targets
 
 CFG = ToyDecoderConfig(vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
                        intermediate_size=64)

@@ -1,6 +1,6 @@
 """Engine benchmark: cold and warm start, prefill throughput, graph and KV memory, through ``compile_attn.LLM``.
 
-Each start runs in a fresh Python process (``python -m compile_attn.bench_engine --child ...``) so nothing is
+Each start runs in a fresh Python process (``python -m compile_attn.bench.engine_start --child ...``) so nothing is
 warm that a user's process would not have: cold = empty compile_attn, Inductor and Triton caches; warm = a
 second process over the caches the first one filled. Python's bytecode cache is one of them
 (``bytecode_cache``, default on): a pip install ships ``.pyc`` files, but where a process finds none it may
@@ -68,7 +68,7 @@ def prefill_flops(shape: dict, requests: int, prompt_len: int) -> float:
 
 def child(cfg: EngineBenchConfig, cache_dir: str) -> dict:
     """One process: build the model, time ``LLM(...)`` (compile + capture), then time prefill."""
-    from compile_attn import bench
+    from compile_attn.bench import decode_step as bench
     from compile_attn.engine import LLM, SamplingParams
 
     dtype = torch.bfloat16 if cfg.device == "cuda" else torch.float32
@@ -129,7 +129,7 @@ def run(cfg: EngineBenchConfig) -> dict:
             env["PYTHONPYCACHEPREFIX"] = os.path.join(tmp, "pycache")
             env.pop("PYTHONDONTWRITEBYTECODE", None)
         for start in ("cold", "warm"):
-            cmd = [sys.executable, "-m", "compile_attn.bench_engine", "--child", json.dumps(asdict(cfg)),
+            cmd = [sys.executable, "-m", "compile_attn.bench.engine_start", "--child", json.dumps(asdict(cfg)),
                    "--cache-dir", os.path.join(tmp, "compile_attn")]
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
             if proc.returncode != 0:

@@ -1,4 +1,4 @@
-"""The serving benchmark behind ``compile-attn bench-serve``: a seeded workload (``compile_attn.bench_workloads``)
+"""The serving benchmark behind ``compile-attn bench-serve``: a seeded workload (``compile_attn.bench.workloads``)
 sent to an OpenAI-compatible server at fixed request rates (Poisson arrivals) and all at once, reporting TTFT, ITL,
 TPOT and e2e percentiles and output tok/s per rate. The rate ``"half"`` is half the request throughput of the
 saturated (``inf``) run before it: the load that uses half the saturated output tok/s.
@@ -23,12 +23,12 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 
-from compile_attn.bench_throughput import ThroughputConfig, engine_round
-from compile_attn.bench_workloads import Workload
+from compile_attn.bench.throughput import ThroughputConfig, engine_round
+from compile_attn.bench.workloads import Workload
 from compile_attn.engine.async_engine import AsyncLLM
-from compile_attn.server import bench_targets
+from compile_attn.bench import serving_targets as bench_targets
 from compile_attn.server.frontend import direct_opener, serving
-from compile_attn.server.load_client import client_ready, load_and_summarize
+from compile_attn.bench.load_client import client_ready, load_and_summarize
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def run(cfg: ServingBenchConfig) -> dict:
     """Every request rate in turn (after ``num_warmup`` requests); one result dict (JSON-ready)."""
     result: dict = {"config": asdict(cfg) | {"request_rates": [_rate_name(r) for r in cfg.request_rates]}}
     if cfg.url is not None:
-        from compile_attn import bench_workloads
+        from compile_attn.bench import workloads as bench_workloads
 
         e = cfg.engine
         workload = bench_workloads.build(e.workload, cfg.vocab_size or 10001, num_seqs=e.num_seqs,
@@ -95,7 +95,7 @@ def run(cfg: ServingBenchConfig) -> dict:
 def _start_llm(cfg: ServingBenchConfig, result: dict) -> tuple[object, Workload]:
     import torch
 
-    from compile_attn import bench_throughput
+    from compile_attn.bench import throughput as bench_throughput
     from compile_attn.engine import LLM
 
     e = cfg.engine

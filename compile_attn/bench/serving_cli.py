@@ -1,5 +1,5 @@
 """The ``compile-attn bench-serve`` subcommand: options, their checks (before any model loads) and the command that
-runs ``compile_attn.server.bench_serving`` and prints its table and JSON."""
+runs ``compile_attn.bench.serving`` and prints its table and JSON."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from compile_attn.bench_workloads import WORKLOADS
+from compile_attn.bench.workloads import WORKLOADS
 from compile_attn.cli_options import add_engine_options, check_engine_options
 from compile_attn.server.frontend import FRONTENDS
 
@@ -76,8 +76,8 @@ def _rates(text: str) -> list[float | str]:
 
 def prepare(args: argparse.Namespace) -> None:
     """Refuse bad options (ValueError naming the value) and set ``args.cfg``, the ServingBenchConfig."""
-    from compile_attn.bench_throughput_cli import throughput_config
-    from compile_attn.server.bench_serving import ServingBenchConfig
+    from compile_attn.bench.throughput_cli import throughput_config
+    from compile_attn.bench.serving import ServingBenchConfig
 
     check_engine_options(args)
     for name in ("num_seqs", "prompt_len", "output_len", "max_concurrency", "vocab_size", "client_processes"):
@@ -104,8 +104,8 @@ def prepare(args: argparse.Namespace) -> None:
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
-    from compile_attn.run_info import run_info
-    from compile_attn.server import bench_serving
+    from compile_attn.bench.run_info import run_info
+    from compile_attn.bench import serving as bench_serving
 
     result = bench_serving.run(args.cfg)
     print(bench_serving.to_markdown(result), flush=True)

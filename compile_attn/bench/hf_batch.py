@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from compile_attn.bench_workloads import Workload
+from compile_attn.bench.workloads import Workload
 
 logger = logging.getLogger(__name__)
 

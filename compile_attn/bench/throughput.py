@@ -1,4 +1,4 @@
-"""Throughput benchmark: a named workload (``compile_attn.bench_workloads``) through one ``compile_attn.LLM``, run
+"""Throughput benchmark: a named workload (``compile_attn.bench.workloads``) through one ``compile_attn.LLM``, run
 ``rounds`` times (the first right after start-up), next to HF transformers' continuous batching on the same
 workload. Behind ``compile-attn throughput``; results print as a markdown table and JSON.
 
@@ -20,8 +20,9 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from compile_attn import bench, bench_workloads
-from compile_attn.bench_workloads import Workload
+from compile_attn.bench import decode_step as bench
+from compile_attn.bench import workloads as bench_workloads
+from compile_attn.bench.workloads import Workload
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ def run(cfg: ThroughputConfig) -> dict:
         result["hf"] = {"skipped": "generate_batch takes every prompt at once; a multi-turn prompt needs the answer "
                                    "before it"}
     elif cfg.hf:
-        from compile_attn import bench_hf_batch
+        from compile_attn.bench import hf_batch as bench_hf_batch
 
         # what the engine left behind on the device (HF's KV cache takes its share of what is free)
         leftover = torch.cuda.memory_allocated() / 2**20 if cfg.device == "cuda" else None

@@ -1,5 +1,5 @@
 """The ``compile-attn throughput WORKLOAD`` subcommand: its options, their checks (before any model is built) and
-the command that runs ``compile_attn.bench_throughput`` and writes its table and JSON."""
+the command that runs ``compile_attn.bench.throughput`` and writes its table and JSON."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from compile_attn.bench_workloads import ALL_WORKLOADS
+from compile_attn.bench.workloads import ALL_WORKLOADS
 from compile_attn.cli_options import add_engine_options, check_engine_options
 
 if TYPE_CHECKING:
-    from compile_attn.bench_throughput import ThroughputConfig
+    from compile_attn.bench.throughput import ThroughputConfig
 
 
 def add_parser(sub: argparse._SubParsersAction, formatter_class: type[argparse.HelpFormatter]) -> None:
@@ -85,8 +85,8 @@ def prepare(args: argparse.Namespace) -> None:
 def throughput_config(args: argparse.Namespace, device: str, **fields: object) -> ThroughputConfig:
     """The ThroughputConfig of the workload options and the engine options (``add_engine_options``) in ``args``,
     on ``device``; ``fields`` set the command's own (rounds, HF)."""
-    from compile_attn import bench
-    from compile_attn.bench_throughput import ThroughputConfig
+    from compile_attn.bench import decode_step as bench
+    from compile_attn.bench.throughput import ThroughputConfig
 
     return ThroughputConfig(
         workload=args.workload, num_seqs=args.num_seqs, prompt_len=args.prompt_len, output_len=args.output_len,
@@ -100,8 +100,8 @@ def throughput_config(args: argparse.Namespace, device: str, **fields: object) -
 
 
 def cmd_throughput(args: argparse.Namespace) -> int:
-    from compile_attn import bench_throughput
-    from compile_attn.run_info import run_info
+    from compile_attn.bench import throughput as bench_throughput
+    from compile_attn.bench.run_info import run_info
 
     result = bench_throughput.run(args.cfg)
     print(bench_throughput.to_markdown(result), flush=True)
