@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from compile_attn.bench.throughput import ThroughputConfig, engine_round
 from compile_attn.bench.workloads import Workload
-from compile_attn.engine.async_engine import AsyncLLM
+from compile_attn.engine.serving.async_engine import AsyncLLM
 from compile_attn.bench import serving_targets as bench_targets
 from compile_attn.server.frontend import direct_opener, serving
 from compile_attn.bench.load_client import client_ready, load_and_summarize

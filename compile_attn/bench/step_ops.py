@@ -26,7 +26,8 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from compile_attn import host_tensors
-from compile_attn.engine import in_flight, step_sampling
+from compile_attn.engine.execution import in_flight
+from compile_attn.engine.execution.sampling import step as step_sampling
 
 logger = logging.getLogger(__name__)
 H2D, D2H = "H2D copy", "D2H copy"

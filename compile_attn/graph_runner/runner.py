@@ -257,7 +257,7 @@ class GraphRunner:
     @torch.inference_mode()
     def run(self, fb: ForwardBatch, feed: TokenFeed | None = None) -> Any:
         """Run one step; returns the model output for the batch's real tokens. ``feed``: what the placeholders in
-        ``fb.input_ids`` stand for (engine/in_flight.py); a graph-bucketed decode step replaces them on the way into
+        ``fb.input_ids`` stand for (engine/execution/in_flight.py); a graph-bucketed decode step replaces them on the way into
         the static buffers, in the same kernel as the copy (``step_kernels.copy_decode_inputs``), others in place.
         The batch's pending request-table write (``fb.table_write_pending``) rides in that kernel too; other routes
         write it first (``fb.write_pending_table``).

@@ -1,5 +1,5 @@
 """An engine step's small device ops as single kernels: the feed of the previous step's sampled tokens into the
-placeholders of this step's input ids (engine/in_flight.py), alone or folded into the copy of a decode step's
+placeholders of this step's input ids (engine/execution/in_flight.py), alone or folded into the copy of a decode step's
 inputs into the graph runner's static buffers, which also writes the step's new KV slots into the request table.
 
 Each is one Triton launch on a GPU (and on the CPU when the kernels are interpreted, ``TRITON_INTERPRET=1``), in

@@ -23,7 +23,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the engine is imported where a server starts, not by the CLI's option parsing
-    from compile_attn.engine.async_engine import AsyncLLM
+    from compile_attn.engine.serving.async_engine import AsyncLLM
 
 logger = logging.getLogger(__name__)
 GRACEFUL_SHUTDOWN_S = 3  # seconds a stopping front end waits for open connections
@@ -41,7 +41,7 @@ def frontend_main(conn: Connection, tokenizer: Any, max_context: int, model_name
     """The front end process: the app on an EngineClient of ``conn``, served by uvicorn until terminated."""
     import uvicorn
 
-    from compile_attn.engine.engine_pipe import EngineClient
+    from compile_attn.engine.serving.engine_pipe import EngineClient
     from compile_attn.server.app import create_app
 
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.WARNING))
@@ -72,7 +72,7 @@ def serve_in_process(engine: AsyncLLM, model_name: str, *, host: str = "127.0.0.
     """Start the front end of ``engine`` in a new process on ``host:port`` (a free port when None); yield its base
     URL once it answers ``/health``; stop it after (its unfinished requests are aborted, their KV freed). The
     engine's ``max_pending`` bounds the requests in flight (past it: 503)."""
-    from compile_attn.engine.engine_pipe import PipeBridge
+    from compile_attn.engine.serving.engine_pipe import PipeBridge
 
     port = free_port(host) if port is None else port
     ctx = multiprocessing.get_context("spawn")  # the engine's process has CUDA: never fork it

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from compile_attn.engine import LLM, InvalidRequestError, SamplingParams
-from compile_attn.engine.async_engine import AsyncLLM, EngineOverloadedError, EngineStoppedError
+from compile_attn.engine.serving.async_engine import AsyncLLM, EngineOverloadedError, EngineStoppedError
 from compile_attn.models import ToyDecoder, ToyDecoderConfig
-from compile_attn.engine.loop_stats import LoopStats, StepCounts
+from compile_attn.engine.serving.loop_stats import LoopStats, StepCounts
 
 CFG = ToyDecoderConfig(vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
                        intermediate_size=64)

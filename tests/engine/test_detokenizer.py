@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from compile_attn.engine import LLM, SamplingParams
-from compile_attn.engine.async_engine import AsyncLLM
-from compile_attn.engine.detokenizer import IncrementalDetokenizer, held_back
+from compile_attn.engine.serving.async_engine import AsyncLLM
+from compile_attn.engine.serving.detokenizer import IncrementalDetokenizer, held_back
 from compile_attn.models import ToyDecoder, ToyDecoderConfig
 
 TEXTS = ["the cat 🐱 sat on the mat", "猫は mat の上 🐈‍⬛ ok", "naïve café — déjà vu 😀😀", "👍"]

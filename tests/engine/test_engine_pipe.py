@@ -13,8 +13,8 @@ import time
 import pytest
 
 from compile_attn.engine import InvalidRequestError, SamplingParams
-from compile_attn.engine.async_engine import AsyncLLM, EngineOverloadedError, EngineStoppedError
-from compile_attn.engine.engine_pipe import EngineClient, PipeBridge
+from compile_attn.engine.serving.async_engine import AsyncLLM, EngineOverloadedError, EngineStoppedError
+from compile_attn.engine.serving.engine_pipe import EngineClient, PipeBridge
 from tests.engine.test_async_engine import PROMPTS, run, toy_llm, wait_idle
 
 
@@ -125,7 +125,7 @@ def test_cancelled_while_waiting_for_admission_is_dropped(piped) -> None:
 def test_delta_fields_round_trip() -> None:
     """What the pipe carries (``Delta.fields()``, built by the engine's loop for a pipe's streams) gives the Delta
     back with the client's text."""
-    from compile_attn.engine.async_engine import Delta
+    from compile_attn.engine.serving.async_engine import Delta
 
     d = Delta([5, 6], "ab", True, "stop", 3, 9, [{5: -0.1}, {6: -0.2}], "xxab")
     assert Delta.from_fields(d.fields(), "ab") == d
@@ -138,7 +138,7 @@ def test_a_client_that_reads_nothing_never_stalls_the_steps() -> None:
     tokens whole and in order, in far fewer items than tokens."""
     import socket
 
-    from compile_attn.engine.async_engine import merge_fields
+    from compile_attn.engine.serving.async_engine import merge_fields
 
     eng = AsyncLLM(toy_llm(), max_pending=8)
     eng.fresh_kv_tokens = eng.llm.kv_cache.available_tokens
@@ -179,7 +179,7 @@ def test_a_client_that_reads_nothing_never_stalls_the_steps() -> None:
 def test_merged_deltas_carry_both_tokens_and_the_later_state() -> None:
     """What a lagging consumer gets for two Deltas in a row (the bridge's merged fields, a stream's merged Deltas),
     written out by hand."""
-    from compile_attn.engine.async_engine import Delta, _merge, merge_fields
+    from compile_attn.engine.serving.async_engine import Delta, _merge, merge_fields
 
     a = Delta([1], "a", False, None, 3, 1, None, None)
     b = Delta([2, 3], "bc", True, "stop", 3, 3, [{2: -0.5}, {3: -0.1}], "xyz")

@@ -1,4 +1,4 @@
-"""KV cache sizing: the formulas of engine/kv_sizing.py checked against numbers worked out by hand from their
+"""KV cache sizing: the formulas of engine/execution/kv_sizing.py checked against numbers worked out by hand from their
 docstrings, the bytes per token against a real KVCache's pool, the errors for caches too small for one request,
 and LLM's CPU default (``max_batch_size * max_context``)."""
 
@@ -12,13 +12,13 @@ import torch
 from tests.hf.hf_tiny_models import tiny_config  # noqa: E402
 
 from compile_attn.engine import LLM  # noqa: E402
-from compile_attn.engine.config import check_memory_utilization  # noqa: E402
-from compile_attn.engine.kv_sizing import (  # noqa: E402
+from compile_attn.engine.requests.config import check_memory_utilization  # noqa: E402
+from compile_attn.engine.execution.kv_sizing import (  # noqa: E402
     kv_bytes_per_token,
     size_for_host_memory,
     size_from_device_memory,
 )
-from compile_attn.engine.memory_profile import profile_batch, profile_forward, profile_lengths  # noqa: E402
+from compile_attn.engine.execution.memory_profile import profile_batch, profile_forward, profile_lengths  # noqa: E402
 from compile_attn.errors import CompileAttnError, InvalidConfigError, KVCacheTooSmallError  # noqa: E402
 from compile_attn.kv.cache import KVCache  # noqa: E402
 from compile_attn.layer import AttentionLayer  # noqa: E402

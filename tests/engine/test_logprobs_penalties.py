@@ -11,8 +11,8 @@ import random
 import pytest
 import torch
 
-from compile_attn.engine.sampling.logprobs import Logprob, compute_logprobs, to_host
-from compile_attn.engine.sampling.penalties import add_tokens, apply_penalties, count_tokens
+from compile_attn.engine.execution.sampling.logprobs import Logprob, compute_logprobs, to_host
+from compile_attn.engine.execution.sampling.penalties import add_tokens, apply_penalties, count_tokens
 
 V = 50
 
@@ -136,7 +136,7 @@ def test_shape_errors_name_the_argument() -> None:
 def test_penalty_state_follows_requests_through_rows() -> None:
     """Requests take rows, sample for a few steps (counted on the device), one is preempted and restarts in another
     row with its outputs so far; the penalised logits match the float64 reference of each request's own lists."""
-    from compile_attn.engine.sampling.penalties import PenaltyState
+    from compile_attn.engine.execution.sampling.penalties import PenaltyState
 
     rng = random.Random(3)
     state = PenaltyState(max_rows=4, vocab_size=V, device="cpu")

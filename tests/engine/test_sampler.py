@@ -10,9 +10,9 @@ from scipy.stats import chi2 as chi2_dist
 from torch._dynamo.utils import counters
 
 from compile_attn.engine import LLM
-from compile_attn.engine.sampler import SamplingPlan, hashed_uniform, sample, warmup
-from compile_attn.engine.sampling import flashinfer_sampling
-from compile_attn.engine.sampling_params import SamplingParams
+from compile_attn.engine.execution.sampling.sampler import SamplingPlan, hashed_uniform, sample, warmup
+from compile_attn.engine.execution.sampling import flashinfer_sampling
+from compile_attn.engine.requests.sampling_params import SamplingParams
 from compile_attn.models import ToyDecoder, ToyDecoderConfig
 
 Filters = tuple[float, int, float, float]  # temperature, top_k, top_p, min_p
@@ -115,7 +115,7 @@ def test_large_vocabulary_rows_across_argmax_blocks() -> None:
 def test_wide_batches_draw_what_each_row_draws_alone() -> None:
     # from WIDE_ROWS rows on, the argmax runs in one stage: every seeded row must still draw the token it draws
     # alone (one row: the two-stage argmax), across argmax blocks (vocab > 2048), ties to the first index included
-    from compile_attn.engine.sampling.portable import WIDE_ROWS
+    from compile_attn.engine.execution.sampling.portable import WIDE_ROWS
 
     gen = torch.Generator().manual_seed(5)
     rows, vocab = WIDE_ROWS + 3, 4500

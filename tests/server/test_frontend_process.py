@@ -11,7 +11,7 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
-from compile_attn.engine.async_engine import AsyncLLM  # noqa: E402
+from compile_attn.engine.serving.async_engine import AsyncLLM  # noqa: E402
 from compile_attn.server.frontend import serve_in_process  # noqa: E402
 from tests.engine.test_async_engine import PROMPTS, toy_llm, wait_idle  # noqa: E402
 

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from compile_attn.engine.errors import InvalidRequestError, RequestTooLargeError
-from compile_attn.engine.request import Request, RequestStatus
+from compile_attn.engine.requests.errors import InvalidRequestError, RequestTooLargeError
+from compile_attn.engine.requests.request import Request, RequestStatus
 from compile_attn.kv.cache import KVCache
 
 logger = logging.getLogger(__name__)
@@ -124,7 +124,7 @@ class Scheduler:
         self._cache([victim])  # what is left of it in the cache when it starts again is not recomputed
         self.kv.free_request(victim.row)
         victim.row, victim.num_cached = None, 0
-        victim.penalty_row = None  # its next row's penalty statistics are filled again (engine/step_extras.py)
+        victim.penalty_row = None  # its next row's penalty statistics are filled again (engine/execution/step_extras.py)
         victim.status = RequestStatus.WAITING
         victim.num_preemptions += 1
         self.num_preemptions += 1

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from compile_attn.engine.errors import InvalidRequestError, RequestTypeError
+from compile_attn.engine.requests.errors import InvalidRequestError, RequestTypeError
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # the sampler holds top_k, seeds and token ids as int64
 

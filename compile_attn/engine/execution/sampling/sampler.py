@@ -15,12 +15,12 @@ import logging
 
 import torch
 
-from compile_attn.engine.sampling import flashinfer_sampling
-from compile_attn.engine.sampling.noise import hashed_uniform
-from compile_attn.engine.sampling.plan import SamplingPlan
-from compile_attn.engine.sampling import portable
+from compile_attn.engine.execution.sampling import flashinfer_sampling
+from compile_attn.engine.execution.sampling.noise import hashed_uniform
+from compile_attn.engine.execution.sampling.plan import SamplingPlan
+from compile_attn.engine.execution.sampling import portable
 from compile_attn import env
-from compile_attn.engine.sampling.portable import compile_default, run_candidates, run_plain
+from compile_attn.engine.execution.sampling.portable import compile_default, run_candidates, run_plain
 
 __all__ = ["BACKENDS", "SamplingPlan", "hashed_uniform", "sample", "warmup"]
 

@@ -14,7 +14,7 @@ from types import ModuleType
 
 import torch
 
-from compile_attn.engine.sampling.portable import MIN_TEMPERATURE
+from compile_attn.engine.execution.sampling.portable import MIN_TEMPERATURE
 
 logger = logging.getLogger(__name__)
 

@@ -28,10 +28,10 @@ import threading
 from multiprocessing.connection import Connection
 from typing import Any
 
-from compile_attn.engine.async_engine import (AsyncLLM, Delta, EngineStoppedError, RequestStream, _Stream,
+from compile_attn.engine.serving.async_engine import (AsyncLLM, Delta, EngineStoppedError, RequestStream, _Stream,
                                               merge_fields)
-from compile_attn.engine.detokenizer import IncrementalDetokenizer
-from compile_attn.engine.sampling_params import SamplingParams
+from compile_attn.engine.serving.detokenizer import IncrementalDetokenizer
+from compile_attn.engine.requests.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from compile_attn.engine.errors import InvalidRequestError, NoChatTemplateError, RequestTypeError
+from compile_attn.engine.requests.errors import InvalidRequestError, NoChatTemplateError, RequestTypeError
 
 Message = Mapping[str, Any]
 

@@ -2,7 +2,7 @@
 tokens on the device, uploading each request's sampling parameters in one copy per dtype.
 
 Nothing here waits for the device: the tokens come back as a device tensor, which the engine copies to the host
-asynchronously (see engine/in_flight.py) while it prepares the next step.
+asynchronously (see engine/execution/in_flight.py) while it prepares the next step.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from itertools import accumulate
 import torch
 
 from compile_attn.batch import ForwardBatch
-from compile_attn.engine.request import Request
-from compile_attn.engine.sampler import SamplingPlan, sample
-from compile_attn.engine.step_extras import StepExtras
-from compile_attn.engine.step_runner import StepRunner
+from compile_attn.engine.requests.request import Request
+from compile_attn.engine.execution.sampling.sampler import SamplingPlan, sample
+from compile_attn.engine.execution.step_extras import StepExtras
+from compile_attn.engine.execution.step_runner import StepRunner
 from compile_attn.host_tensors import to_device, upload
 from compile_attn.graph_runner.step_kernels import TokenFeed
 

@@ -8,7 +8,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from compile_attn.engine.sampling_params import SamplingParams
+from compile_attn.engine.requests.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -27,7 +27,7 @@ class Request:
     The tokens still to run through the model are ``token_ids[num_cached:]``: the prompt (or the
     rest of it) while prefilling, exactly the last sampled token while decoding. A preempted request
     drops its KV (``num_cached = 0``) and later recomputes prompt + outputs. With overlap scheduling the last
-    ``unresolved`` entries are placeholders for tokens still on the device (see engine/in_flight.py); the
+    ``unresolved`` entries are placeholders for tokens still on the device (see engine/execution/in_flight.py); the
     scheduler counts them, ``output_ids`` leaves them out.
     """
 
@@ -126,3 +126,17 @@ class RequestOutput:
     @property
     def finish_reason(self) -> str | None:
         return self.outputs[0].finish_reason
+
+
+def request_output(group: list[Request], tokenizer: Any) -> RequestOutput:
+    """One prompt's RequestOutput: a CompletionOutput per sample, its text cut before a matched stop string."""
+    outputs = []
+    for k, r in enumerate(group):
+        text = r.text
+        if text is None and tokenizer is not None:
+            text = tokenizer.decode(r.output_ids, skip_special_tokens=True)
+        outputs.append(CompletionOutput(k, text, r.output_ids, r.finish_reason or "length", r.stop_reason,
+                                        None if r.logprobs is None else list(r.logprobs)))
+    first = group[0]
+    return RequestOutput(first.request_id, first.prompt, first.prompt_ids.tolist(), outputs,
+                         finished=all(r.status is RequestStatus.FINISHED for r in group))

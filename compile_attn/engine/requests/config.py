@@ -18,7 +18,7 @@ import torch
 
 from compile_attn.attention.registry import check_backend_name
 from compile_attn.config import GraphConfig
-from compile_attn.engine.errors import EngineOptionError, UnknownEngineOptionError
+from compile_attn.engine.requests.errors import EngineOptionError, UnknownEngineOptionError
 from compile_attn.errors import InvalidConfigError
 from compile_attn.graph_mode import GraphMode
 
@@ -38,7 +38,7 @@ class EngineConfig:
     capture: capture every graph and warm up every step shape at start-up (off: lazily, for tests).
     max_batch_size: requests per step, and request rows of the KV cache; max_num_tokens: tokens per step.
     kv_cache_tokens: the KV capacity; None sizes it from ``gpu_memory_utilization`` of the device's memory (CUDA)
-    or as ``max_batch_size * max_context`` capped by host memory (CPU), see engine/kv_sizing.py.
+    or as ``max_batch_size * max_context`` capped by host memory (CPU), see engine/execution/kv_sizing.py.
     max_context: tokens per request at most (None: the model's, else 4096). page_size: tokens per KV page.
     dtype: a floating torch.dtype or one of vLLM's names ("auto" / None: bfloat16 on CUDA, float32 on the CPU).
     device: "cpu", "cuda" or "cuda:N" (None: CUDA when there is one).

@@ -27,11 +27,11 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from compile_attn.engine.detokenizer import IncrementalDetokenizer
+from compile_attn.engine.serving.detokenizer import IncrementalDetokenizer
 from compile_attn.engine.llm import LLM
-from compile_attn.engine.loop_stats import LoopStats
-from compile_attn.engine.request import Request, RequestStatus
-from compile_attn.engine.sampling_params import SamplingParams
+from compile_attn.engine.serving.loop_stats import LoopStats
+from compile_attn.engine.requests.request import Request, RequestStatus
+from compile_attn.engine.requests.sampling_params import SamplingParams
 from compile_attn.errors import CompileAttnError
 
 logger = logging.getLogger(__name__)

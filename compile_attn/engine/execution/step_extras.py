@@ -4,7 +4,7 @@ penalties on their logits before sampling, and the log-probabilities of their sa
 Both stay on the device. Penalties read per-request-row token statistics (``PenaltyState``) that a step updates
 with its sampled tokens without a host sync; a request's row is (re)filled from its prompt and outputs when it
 first samples in that row (after admission or a preemption). Log-probabilities are packed into one float64 tensor
-that the engine copies to the host with the step's tokens (see engine/in_flight.py) and unpacks when it reads them.
+that the engine copies to the host with the step's tokens (see engine/execution/in_flight.py) and unpacks when it reads them.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from compile_attn.engine.in_flight import feed_tokens
-from compile_attn.engine.request import Request
-from compile_attn.engine.sampling.logprobs import compute_logprobs, pack
-from compile_attn.engine.sampling.penalties import PenaltyState
+from compile_attn.engine.execution.in_flight import feed_tokens
+from compile_attn.engine.requests.request import Request
+from compile_attn.engine.execution.sampling.logprobs import compute_logprobs, pack
+from compile_attn.engine.execution.sampling.penalties import PenaltyState
 from compile_attn.host_tensors import to_device, upload
 
 

@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from compile_attn.engine.errors import InvalidRequestError, RequestTypeError
-from compile_attn.engine.sampling_params import SamplingParams
+from compile_attn.engine.requests.errors import InvalidRequestError, RequestTypeError
+from compile_attn.engine.requests.sampling_params import SamplingParams
 
 _PROMPT_KINDS = ("a string (with a tokenizer), a list or tuple of token ids, or a 1-D integer tensor or NumPy array")
 

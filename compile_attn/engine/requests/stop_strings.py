@@ -13,7 +13,7 @@ from typing import Any
 
 from tokenizers.decoders import DecodeStream
 
-from compile_attn.engine.errors import RequestTypeError
+from compile_attn.engine.requests.errors import RequestTypeError
 
 
 def backend_tokenizer(tokenizer: Any) -> Any:

@@ -23,7 +23,7 @@ from compile_attn.attention import create_backend
 from compile_attn.attention.base import AttentionBackend
 from compile_attn.batch import ForwardBatch
 from compile_attn.context import forward_context
-from compile_attn.engine.kv_sizing import (
+from compile_attn.engine.execution.kv_sizing import (
     CUDA_GRAPH_MARGIN_BYTES,
     GiB,
     KVSizing,
@@ -32,12 +32,12 @@ from compile_attn.engine.kv_sizing import (
     size_for_host_memory,
     size_from_device_memory,
 )
-from compile_attn.engine.sampler import sample
+from compile_attn.engine.execution.sampling.sampler import sample
 from compile_attn.kv.cache import KVCache
 from compile_attn.layer import AttentionLayer
 
 if TYPE_CHECKING:
-    from compile_attn.engine.config import EngineConfig
+    from compile_attn.engine.requests.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from compile_attn.graph_runner import step_kernels
-from compile_attn.engine.request import Request
+from compile_attn.engine.requests.request import Request
 
 
 def placeholder(row: int) -> int:
@@ -37,7 +37,7 @@ class InFlightStep:
     host: torch.Tensor
     ready: torch.cuda.Event | None
     logprob_at: list[int]  # positions in ``requests`` of the rows of ``logprobs_host``
-    logprobs_host: torch.Tensor | None  # their packed log-probabilities (engine/step_extras.py), copied with tokens
+    logprobs_host: torch.Tensor | None  # their packed log-probabilities (engine/execution/step_extras.py), copied with tokens
 
     @classmethod
     def launch(cls, requests: list[Request], tokens: torch.Tensor, logprobs: torch.Tensor | None = None,
