@@ -1,7 +1,7 @@
 """Host shortcuts: each trick that leans on another library's internals is pinned here (a torch or Triton upgrade
 that changes them fails a test, not a user), and the one switch ``COMPILE_ATTN_HOST_SHORTCUTS=0`` turns every
 shortcut off (tests/graph_runner/test_gr_shortcuts.py runs every layer both ways). Triton's launch form
-(``CachedLaunch``) is pinned in tests/kernels/test_cached_launch.py."""
+(``CachedLaunch``) is pinned in tests/attention/kernels/test_cached_launch.py."""
 
 from __future__ import annotations
 

@@ -53,7 +53,7 @@ def register_backend(name: str) -> Callable[[B], B]:
 
 def module_available(module: str) -> bool:
     """True if ``module`` is importable as a real module (a bare namespace directory does not count,
-    e.g. a ``tests/flashinfer/`` folder on sys.path)."""
+    e.g. a ``tests/attention/flashinfer/`` folder on sys.path)."""
     try:
         spec = importlib.util.find_spec(module)
     except (ImportError, ValueError):

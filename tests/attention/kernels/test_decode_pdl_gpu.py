@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from tests.kernels.kernel_reference import TOLERANCE, make_paged_cache, reference_attention, rel_err
+from tests.attention.kernels.kernel_reference import TOLERANCE, make_paged_cache, reference_attention, rel_err
 from torch._inductor.utils import run_and_get_code
 
 from compile_attn.attention.kernels import decode_attention, decode_semaphores

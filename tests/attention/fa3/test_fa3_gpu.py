@@ -3,8 +3,8 @@ extend / prefix / mixed batches, page sizes 1 and 16, GQA 1/4/8, head dims 64/12
 softcap, bf16 and fp16; refused head dims and dtypes; a ToyDecoder through the GraphRunner against eager
 torch_native.
 
-Batches come from the shared harness (tests/backends/harness.py); what every backend must pass (padding
-tokens, decode graphs replayed per bucket, save_kv_cache) is in tests/backends/test_conformance.py.
+Batches come from the shared harness (tests/attention/harness.py); what every backend must pass (padding
+tokens, decode graphs replayed per bucket, save_kv_cache) is in tests/attention/test_conformance.py.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ pytest.importorskip("sgl_kernel")
 
 from compile_attn import AttentionLayer, KVCache, create_backend  # noqa: E402
 from compile_attn.errors import UnsupportedConfigError  # noqa: E402
-from tests.backends.harness import TOL, Case, run_case  # noqa: E402
+from tests.attention.harness import TOL, Case, run_case  # noqa: E402
 
 BF16 = torch.bfloat16
 

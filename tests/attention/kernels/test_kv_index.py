@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tests.kernels.kernel_reference import DEVICE, make_paged_cache
+from tests.attention.kernels.kernel_reference import DEVICE, make_paged_cache
 
 from compile_attn.attention.kernels import build_kv_indices, build_kv_indptr, build_page_indices, store_kv
 

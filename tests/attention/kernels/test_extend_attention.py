@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tests.kernels.kernel_reference import DEVICE, TOLERANCE, make_paged_cache, reference_attention, rel_err
+from tests.attention.kernels.kernel_reference import DEVICE, TOLERANCE, make_paged_cache, reference_attention, rel_err
 
 from compile_attn.attention.kernels import SUPPORTED_HEAD_DIMS, extend_attention_fwd
 
@@ -90,7 +90,7 @@ def extend_cases(draw):
 
 # Interpreted on the CPU each example costs its run; compiled on a GPU each new constexpr combination (page size,
 # group, head dim, dtype, window, cap, causal) costs a ~7 s Triton compile on a fresh cache (20 examples took 156 s
-# on the H100 machine), and tests/kernels/test_kernels_gpu.py covers the compiled kernel at long prefixes.
+# on the H100 machine), and tests/attention/kernels/test_kernels_gpu.py covers the compiled kernel at long prefixes.
 EXAMPLES = 20 if DEVICE == "cpu" else 8
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tests.kernels.kernel_reference import DEVICE, TOLERANCE, make_paged_cache, reference_attention, rel_err, take_new_tokens
+from tests.attention.kernels.kernel_reference import DEVICE, TOLERANCE, make_paged_cache, reference_attention, rel_err, take_new_tokens
 
 from compile_attn.attention.kernels import (
     SUPPORTED_HEAD_DIMS,

@@ -3,7 +3,7 @@
 CPU: torch_native and Triton (interpreted) in both orders against the float64 reference on random mixed,
 prefix and decode batches, with the routing observed on the real parts; a request prefilled by one part is
 decoded by the other; names, errors and graph support. The GPU pairs (fa3 / flashinfer / triton) run through
-tests/backends/test_conformance.py.
+tests/attention/test_conformance.py.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "experiments" / "bench_kv_read_pattern.py"
+SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "experiments" / "bench_kv_read_pattern.py"
 
 
 def test_read_kernels_sum_the_gathered_kv(capsys):

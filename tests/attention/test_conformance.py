@@ -19,7 +19,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.backends.harness import TOL, Case, decode_replays, run_case
+from tests.attention.harness import TOL, Case, decode_replays, run_case
 
 F32, BF16 = torch.float32, torch.bfloat16
 W = {"window": 9, "logit_cap": 30.0}

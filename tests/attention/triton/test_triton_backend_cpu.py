@@ -1,5 +1,5 @@
 """The triton backend on the CPU (kernels under TRITON_INTERPRET=1), beyond the conformance suite
-(tests/backends/test_conformance.py): bf16, several KV splits, distinct K and V head dims and the two-launch
+(tests/attention/test_conformance.py): bf16, several KV splits, distinct K and V head dims and the two-launch
 decode against the float64 reference; graph-safety of the in-graph work; configuration errors."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 import torch
 from tests.batch_factory import random_step
 from tests.reference import max_rel_error, reference_attention
-from tests.backends.harness import TOL, Case, padded_decode_batch, run_case
-from tests.triton_backend.tb_runner import make_runner, run_random_steps
+from tests.attention.harness import TOL, Case, padded_decode_batch, run_case
+from tests.attention.triton.tb_runner import make_runner, run_random_steps
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from compile_attn import (
@@ -41,7 +41,7 @@ PREFIX = ((12, 40, 3), (9, 5, 17))
 MIXED = ((9, 0, 31, 16), (1, 13, 1, 6))
 W = {"window": 9, "logit_cap": 30.0}
 
-# What every backend must pass is in tests/backends/test_conformance.py (float32, head dim 64); these add bf16
+# What every backend must pass is in tests/attention/test_conformance.py (float32, head dim 64); these add bf16
 # on the interpreter, several KV splits per request and a head dim other than the value head dim.
 CASES = [
     pytest.param(Case(*DECODE, group=4, page_size=16), BF16, id="decode-gqa4-p16-bf16"),

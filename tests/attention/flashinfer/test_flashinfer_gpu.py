@@ -1,6 +1,6 @@
 """GPU tests of the flashinfer backend with the real kernels (bf16 on CUDA) against the float64 reference:
 decode / extend / prefix / mixed batches, page sizes 1 and 16, GQA 1/4/8, head dims 64 and 128, sliding
-window and softcap, both prefix paths and tensor-core decode (the shared harness, tests/backends/harness.py);
+window and softcap, both prefix paths and tensor-core decode (the shared harness, tests/attention/harness.py);
 captured decode graphs replayed with new batches per bucket with and without the fast plan; and a ToyDecoder
 through the GraphRunner (full decode graphs, breakable extend) against eager torch_native.
 
@@ -20,7 +20,7 @@ import torch
 from compile_attn import create_backend
 from compile_attn.attention.flashinfer.library import flashinfer_installed, load_flashinfer
 from compile_attn.attention.flashinfer.warmup import KernelSpec, build_kernels
-from tests.backends.harness import TOL, Case, decode_replays, run_case
+from tests.attention.harness import TOL, Case, decode_replays, run_case
 
 pytestmark = [
     pytest.mark.gpu,

@@ -15,7 +15,7 @@ import pytest
 from compile_attn.engine import InvalidRequestError, SamplingParams
 from compile_attn.engine.serving.async_engine import AsyncLLM, EngineOverloadedError, EngineStoppedError
 from compile_attn.engine.serving.engine_pipe import EngineClient, PipeBridge
-from tests.engine.test_async_engine import PROMPTS, run, toy_llm, wait_idle
+from tests.engine.serving.test_async_engine import PROMPTS, run, toy_llm, wait_idle
 
 
 @pytest.fixture

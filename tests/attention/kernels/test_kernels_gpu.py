@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from tests.kernels.kernel_reference import TOLERANCE, PagedCache, make_paged_cache, reference_attention, rel_err, take_new_tokens
+from tests.attention.kernels.kernel_reference import TOLERANCE, PagedCache, make_paged_cache, reference_attention, rel_err, take_new_tokens
 
 from compile_attn.attention.kernels import (
     build_kv_indices,

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from tests.kernels.kernel_reference import TOLERANCE, make_paged_cache, reference_attention, rel_err
+from tests.attention.kernels.kernel_reference import TOLERANCE, make_paged_cache, reference_attention, rel_err
 
 from compile_attn.attention.kernels import build_kv_indices, build_kv_indptr, compute_num_kv_splits
 from compile_attn.attention.kernels import decode_attention as decode_module

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.kernels.kernel_reference import DEVICE, TOLERANCE, rel_err
-from tests.kernels.test_cascade_attention import make_shared_cache, reference
-from tests.triton_backend.test_cascade_backend import D, HKV, HQ, decode_step, shared_cache
+from tests.attention.kernels.kernel_reference import DEVICE, TOLERANCE, rel_err
+from tests.attention.kernels.test_cascade_attention import make_shared_cache, reference
+from tests.attention.triton.test_cascade_backend import D, HKV, HQ, decode_step, shared_cache
 
 from compile_attn.attention.flashinfer.cascade import cascade_pages
 from compile_attn.attention.flashinfer.library import flashinfer_installed

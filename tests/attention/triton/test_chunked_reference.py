@@ -1,4 +1,4 @@
-"""``tests.backends.harness.chunked_reference`` (the vectorised, query-chunked float64 reference the GPU triton tests use for
+"""``tests.attention.harness.chunked_reference`` (the vectorised, query-chunked float64 reference the GPU triton tests use for
 long sequences) against ``reference.reference_attention`` (the per-token one every other test uses): the same
 outputs over random batches, prefix lengths, page sizes, GQA ratios, windows, softcaps, causal or not, and chunk
 sizes smaller than a request's new tokens. Plain torch on the CPU."""
@@ -10,7 +10,7 @@ from tests.batch_factory import random_step
 from hypothesis import given
 from hypothesis import strategies as st
 from tests.reference import reference_attention
-from tests.backends.harness import Case, chunked_reference
+from tests.attention.harness import Case, chunked_reference
 
 
 @st.composite

@@ -15,8 +15,8 @@ from tests.batch_factory import random_step
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tests.reference import max_rel_error
-from tests.backends.harness import TOL, Case, chunked_reference, decode_replays, run_case
-from tests.triton_backend.tb_runner import make_runner, run_random_steps
+from tests.attention.harness import TOL, Case, chunked_reference, decode_replays, run_case
+from tests.attention.triton.tb_runner import make_runner, run_random_steps
 
 from compile_attn import AttentionLayer, ForwardBatch, ForwardMode, KVCache, create_backend, forward_context
 from compile_attn.env import host_shortcuts_enabled

@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tests.kernels.kernel_reference import DEVICE, make_paged_cache
+from tests.attention.kernels.kernel_reference import DEVICE, make_paged_cache
 
 from compile_attn.attention.kernels import build_decode_metadata, compute_num_kv_splits
 from compile_attn.attention.kernels import decode_metadata as dm

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.kernels.kernel_reference import DEVICE, TOLERANCE, cdiv, reference_attention, rel_err
+from tests.attention.kernels.kernel_reference import DEVICE, TOLERANCE, cdiv, reference_attention, rel_err
 
 from compile_attn.attention.kernels.cascade_attention import cascade_decode_fwd, cascade_scratch
 from compile_attn.attention.kernels.cascade_index import build_cascade_index, check_shared_slots

@@ -1,5 +1,5 @@
 """CPU tests of the flashinfer backend: import hygiene, the clear error without flashinfer, and the page
-CSR it builds. Attention itself is only tested against the real kernels (tests/flashinfer/test_flashinfer_gpu.py):
+CSR it builds. Attention itself is only tested against the real kernels (tests/attention/flashinfer/test_flashinfer_gpu.py):
 no stand-in replaces FlashInfer here."""
 
 from __future__ import annotations
