@@ -9,7 +9,7 @@ AsyncLLM and uvicorn on a free loopback port (the HTTP front end in a process of
 the same engine (the throughput the server is compared with; the last round counts, the first warms up). Started
 here, each rate runs with an empty prefix cache (as each offline round does), the engine's running batch size is
 counted per rate, and after a half-load run the server stops and the same engine measures what its latencies are
-held against (``bench_targets``): the prefill of one prompt and the decode step at the batch size it ran at. The
+held against (``serving_targets``): the prefill of one prompt and the decode step at the batch size it ran at. The
 client always runs in a process of its own, so that its work never competes with the engine's step loop for the
 interpreter lock (several, when one cannot read the streams as fast as the server writes them).
 """

@@ -1,7 +1,7 @@
 """PageAllocator: the KV pool's free list of pages, all-or-nothing, with a vectorised check of every free.
 
 Page 0 is the pool's scratch page and is never handed out. Pages go in and out as int64 ``array.array``s; this
-module knows nothing of requests or slots (see ``kv_cache``).
+module knows nothing of requests or slots (see ``cache.py``).
 """
 
 from __future__ import annotations
