@@ -10,8 +10,9 @@ from scipy.stats import chi2 as chi2_dist
 from torch._dynamo.utils import counters
 
 from compile_attn.engine import LLM
-from compile_attn.engine.execution.sampling.sampler import SamplingPlan, hashed_uniform, sample, warmup
 from compile_attn.engine.execution.sampling import flashinfer_sampling
+from compile_attn.engine.execution.sampling import sampler as sampler_module
+from compile_attn.engine.execution.sampling.sampler import SamplingPlan, hashed_uniform, sample, warmup
 from compile_attn.engine.requests.sampling_params import SamplingParams
 from compile_attn.models import ToyDecoder, ToyDecoderConfig
 
@@ -244,6 +245,16 @@ def test_engine_filters_that_keep_one_token_give_the_greedy_tokens() -> None:
 
 def _graphs() -> int:
     return counters["stats"]["unique_graphs"]
+
+
+@pytest.fixture(autouse=True)
+def _sampler_warm_state():
+    """A compiled warm-up marks its device (later LLMs there then sample through the compiled graphs): undo it, so
+    that tests run after this module see the sampler as a fresh process does."""
+    warmed = set(sampler_module._warmed_compiled)
+    yield
+    sampler_module._warmed_compiled.clear()
+    sampler_module._warmed_compiled.update(warmed)
 
 
 def test_compiled_path_matches_eager_and_never_recompiles_after_warmup() -> None:
