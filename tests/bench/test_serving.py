@@ -18,7 +18,10 @@ import pytest
 from compile_attn.cli import build_parser, main
 from compile_attn.bench.load_client import (RequestRecord, arrival_offsets, load_and_summarize, percentile, run_load,
                                              summarize)
-from tests.server.conftest import MODEL, Served, served  # noqa: F401 - served: the running-server fixture
+from tests.server import conftest as server_conftest
+from tests.server.conftest import MODEL, Served
+
+served = server_conftest.served  # the running server of tests/server (fixture)
 
 
 def test_percentile_and_summary_against_numpy() -> None:

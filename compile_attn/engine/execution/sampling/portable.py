@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from compile_attn import env
 from compile_attn.engine.execution.sampling.noise import hashed_gumbel, row_keys
 
 MIN_TEMPERATURE = 1e-5  # divisor for temperature-0 rows, whose result is replaced by the argmax
