@@ -31,14 +31,14 @@ import torch
 import triton.testing
 
 from common import HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, PEAK_BF16_FLOPS, graph_us, num_copies, require_cuda
-from compile_attn.attention.triton_ops import compute_num_kv_splits, decode_attention_fwd, decode_semaphores
-from compile_attn.attention.triton_ops.cascade_attention import (
+from compile_attn.attention.kernels import compute_num_kv_splits, decode_attention_fwd, decode_semaphores
+from compile_attn.attention.kernels.cascade_attention import (
     MAX_PREFIX_SPLITS,
     cascade_decode_fwd,
     cascade_scratch,
     default_prefix_config,
 )
-from compile_attn.attention.triton_ops.cascade_index import build_cascade_index
+from compile_attn.attention.kernels.cascade_index import build_cascade_index
 
 MAX_KV_SPLITS = 16
 DEVICE = "cuda"

@@ -30,7 +30,7 @@ PEAK_TFLOPS = PEAK_BF16_FLOPS / 1e12
 
 def load_kernel_module(path: str | None) -> ModuleType:
     if path is None:
-        from compile_attn.attention.triton_ops import extend_attention
+        from compile_attn.attention.kernels import extend_attention
 
         return extend_attention
     spec = importlib.util.spec_from_file_location("extend_attention_alt", path)

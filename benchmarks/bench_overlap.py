@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from compile_attn import bench
+from compile_attn.bench import decode_step as bench
 from compile_attn.batch import ForwardBatch
 from compile_attn.engine import LLM, SamplingParams
 

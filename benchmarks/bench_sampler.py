@@ -22,9 +22,9 @@ from collections.abc import Callable
 
 import torch
 
-from compile_attn.engine.sampler import SamplingPlan, sample, warmup
-from compile_attn.engine.sampling import flashinfer_sampling
-from compile_attn.engine.sampling.noise import hashed_uniform
+from compile_attn.engine.execution.sampling.sampler import SamplingPlan, sample, warmup
+from compile_attn.engine.execution.sampling import flashinfer_sampling
+from compile_attn.engine.execution.sampling.noise import hashed_uniform
 
 CASES: dict[str, tuple[float, int, float, float]] = {  # temperature, top_k, top_p, min_p
     "greedy": (0.0, 0, 1.0, 0.0),

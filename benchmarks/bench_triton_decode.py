@@ -21,7 +21,7 @@ import triton
 import triton.testing
 
 from common import HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, PEAK_TB_S, graph_us, num_copies, require_cuda
-from compile_attn.attention.triton_ops import compute_num_kv_splits, decode_attention_fwd
+from compile_attn.attention.kernels import compute_num_kv_splits, decode_attention_fwd
 
 def eager_us(fn, rep: int = 200) -> float:
     """Median microseconds of fn() launched from Python (``graph_us`` for launches inside a CUDA graph)."""

@@ -1,5 +1,5 @@
 """What the benchmark scripts share: the model shape they measure, the GPU limits they compare against,
-per-launch timing inside a CUDA graph, and the small CPU engine the host-time profiles run. The shape is the library's ``compile_attn.bench.LLAMA_1B`` (what
+per-launch timing inside a CUDA graph, and the small CPU engine the host-time profiles run. The shape is the library's ``compile_attn.bench.decode_step.LLAMA_1B`` (what
 ``compile-attn bench`` and ``compile-attn throughput`` run), so every script measures the same model.
 
 Scripts in this folder import it as ``from common import ...`` (Python puts a script's folder first on its path).
@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 import torch
 
-from compile_attn.bench import LLAMA_1B, TINY, BenchConfig
-from compile_attn.bench_engine import PEAK_BF16_FLOPS
+from compile_attn.bench.decode_step import LLAMA_1B, TINY, BenchConfig
+from compile_attn.bench.engine_start import PEAK_BF16_FLOPS
 from compile_attn.models import ToyDecoderConfig
 
 __all__ = ["BANDWIDTH", "HEAD_DIM", "LLAMA_1B", "NUM_HEADS", "NUM_KV_HEADS", "PEAK_BF16_FLOPS", "PEAK_TB_S",
@@ -82,7 +82,7 @@ def host_decode_llm(bs: int, prompt_len: int, new_tokens: int, *, stub_decode: b
     """A tiny HF Llama (``HOST_VOCAB`` tokens) on the CPU behind ``LLM`` (torch_native, no graphs) sized for ``bs``
     requests of ``prompt_len`` + ``new_tokens``: what the host-time profiles run. ``stub_decode``: decode steps skip
     the model call and take zero logits, so a decode step is host work only."""
-    from compile_attn import bench
+    from compile_attn.bench import decode_step as bench
     from compile_attn.engine import LLM
 
     context = prompt_len + new_tokens + 8

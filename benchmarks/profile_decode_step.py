@@ -17,7 +17,7 @@ from collections import defaultdict
 
 import torch
 
-from compile_attn import bench
+from compile_attn.bench import decode_step as bench
 from compile_attn.config import parse_compile_sizes
 
 

@@ -27,7 +27,7 @@ import torch
 
 from common import HOST_VOCAB, host_decode_llm
 
-from compile_attn import bench
+from compile_attn.bench import decode_step as bench
 from compile_attn.engine import LLM, SamplingParams
 
 

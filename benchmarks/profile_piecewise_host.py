@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from compile_attn import bench
+from compile_attn.bench import decode_step as bench
 
 
 def per_call_us(fn: Callable[[], object], calls: int = 2000) -> float:
@@ -166,13 +166,13 @@ def main() -> None:
             ops = getattr(backend, "_ops", None)
             if ops is not None and hasattr(ops, "store_kv"):
                 kb, vb = setup.kv.pool.get_kv(0)
-                parts["triton_ops.store_kv (not used by decode: fused into the split kernel)"] = (
+                parts["kernels.store_kv (not used by decode: fused into the split kernel)"] = (
                     lambda: ops.store_kv(kb, vb, fb.out_cache_loc, k, v))
                 step_md = backend.step_metadata
                 idx = step_md.indexes[None]
                 sc = step_md.scratch[(hq, layer.v_head_dim)]
                 # as the backend calls it: fused store, one launch (the split programs merge, semaphores)
-                parts["triton_ops.decode_attention_fwd (fused store, one launch)"] = lambda: ops.decode_attention_fwd(
+                parts["kernels.decode_attention_fwd (fused store, one launch)"] = lambda: ops.decode_attention_fwd(
                     q, kb, vb, out, idx.kv_indptr, idx.kv_indices, idx.num_kv_splits, backend.max_kv_splits,
                     sc.attn_logits, sc.attn_lse, layer.scaling, 0.0, k_new=k, v_new=v, new_loc=fb.out_cache_loc,
                     semaphores=sc.semaphores)

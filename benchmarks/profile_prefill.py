@@ -68,8 +68,8 @@ def main() -> None:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from compile_attn import bench
-    from compile_attn.bench_engine import prefill_flops
+    from compile_attn.bench import decode_step as bench
+    from compile_attn.bench.engine_start import prefill_flops
     from compile_attn.engine import LLM, SamplingParams
 
     tokens = args.requests * args.prompt_len

@@ -31,8 +31,8 @@ import torch  # noqa: E402
 from common import HOST_VOCAB, host_decode_llm  # noqa: E402
 
 from compile_attn.engine import SamplingParams  # noqa: E402
-from compile_attn.engine.async_engine import AsyncLLM  # noqa: E402
-from compile_attn.engine.engine_pipe import PipeBridge  # noqa: E402
+from compile_attn.engine.serving.async_engine import AsyncLLM  # noqa: E402
+from compile_attn.engine.serving.engine_pipe import PipeBridge  # noqa: E402
 
 SKIP_STEPS = 3  # not timed: the step that admits and prefills every request, and two more
 

@@ -1,4 +1,4 @@
-"""The device ops a steady decode step issues outside the model forward, counted on the CPU (tests/engine/step_ops.py
+"""The device ops a steady decode step issues outside the model forward, counted on the CPU (compile_attn/bench/step_ops.py
 says how): on a GPU each is a launch around the decode graph's replay, with its own few microseconds of device
 time and a gap before the next.
 
@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from compile_attn.engine import LLM  # noqa: E402
-from tests.engine.step_ops import REGIONS, steady_decode_ops  # noqa: E402
+from compile_attn.bench.step_ops import REGIONS, steady_decode_ops  # noqa: E402
 
 
 def small_llama() -> torch.nn.Module:

@@ -23,9 +23,9 @@ import torch
 
 from bench_triton_decode import copies_of, make_case
 from common import HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, PEAK_TB_S, graph_us, require_cuda
-from compile_attn.attention.triton_ops import compute_num_kv_splits, decode_attention_fwd
-from compile_attn.attention.triton_ops.decode_attention import decode_semaphores
-from compile_attn.attention.triton_ops import decode_attention as decode_mod
+from compile_attn.attention.kernels import compute_num_kv_splits, decode_attention_fwd
+from compile_attn.attention.kernels.decode_attention import decode_semaphores
+from compile_attn.attention.kernels import decode_attention as decode_mod
 
 
 def run_case(cases: list[dict], max_kv_splits: int, num_sms: int, programs_per_sm: int, split_size: int,

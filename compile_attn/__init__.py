@@ -2,7 +2,7 @@
 
 Public API only: what the README and docs tell users to call (the engine, the graph runner, the compile backend,
 the HF integration, backends, the KV cache and batches). Internals (the pool, the allocator, the scratch slot) are
-reached through their modules (``compile_attn.kv_cache``, ...).
+reached through their modules (``compile_attn.kv.cache``, ...).
 """
 
 from compile_attn import ops  # noqa: F401  (registers torch.ops.compile_attn.*)
@@ -40,7 +40,7 @@ from compile_attn.errors import (
 )
 from compile_attn.graph_mode import GraphMode
 from compile_attn.graph_runner import GraphRunner
-from compile_attn.kv_cache import KVCache
+from compile_attn.kv.cache import KVCache
 from compile_attn.layer import AttentionLayer
 from compile_attn.ops import register_split_op
 from compile_attn.version import __version__ as __version__

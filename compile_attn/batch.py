@@ -4,7 +4,8 @@ A batch is a list of requests; request b contributes ``extend_seq_lens[b]`` new 
 ``extend_prefix_lens[b] .. seq_lens[b] - 1`` (decode is the case where every request adds one token).
 Tokens are laid out request after request. A batch padded for a CUDA graph bucket may carry padding
 tokens after the last request's tokens; they belong to no request and write KV only to the scratch slot.
-This module builds and checks batches; it never allocates KV slots (see ``kv_cache``).
+This module builds and checks batches; it never allocates KV slots (see ``kv/cache.py``) and imports nothing of the
+KV cache: what it asks of one is ``BatchCache``.
 
 Where a batch is checked: ``build`` checks what its host lists say (lengths agree, nothing negative, the token
 count); ``check(kv_cache)``, run by every backend's eager ``init_forward_metadata``, checks the batch against the
@@ -14,61 +15,42 @@ slots come from ``kv_cache.alloc_extend``); ``validate`` also reads device tenso
 
 from __future__ import annotations
 
-import array
 import enum
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-import numpy as np
 import torch
 
 from compile_attn.errors import InvalidBatchError
-from compile_attn.host_tensors import int_tensor, ragged_arange, to_device_groups
-from compile_attn.kv_cache import PAD_REQUEST, PAD_SLOT
+from compile_attn.host_tensors import int_list, int_tensor, num_entries, ragged_arange, short_list, to_device_groups
 
-if TYPE_CHECKING:
-    from compile_attn.kv_cache import KVCache
-    from compile_attn.shared_prefix import SharedPrefixGroup
+PAD_SLOT = 0  # the scratch slot (page 0): padding tokens write their KV here, never into a live request's
+PAD_REQUEST = 0  # the scratch request row: its table entries all point at PAD_SLOT
 
 
-def _int_list(name: str, values: Sequence[int]) -> list[int]:
-    """``values`` as a list of Python ints; InvalidBatchError for a float, None or other non-integer entry."""
-    if type(values) in (list, tuple):  # one C loop for the usual int64 values (``__index__``, as operator.index)
-        try:
-            return array.array("q", values).tolist()
-        except (TypeError, OverflowError):
-            pass  # the entry-by-entry path: Python ints past int64 pass here, their upload refuses them by name
-    try:
-        return [operator.index(x) for x in values]
-    except TypeError:
-        try:
-            shown = repr(next(x for x in values if not hasattr(x, "__index__")))
-        except (TypeError, StopIteration):
-            shown = f"{type(values).__name__} {values!r}"
-        raise InvalidBatchError(f"{name} must be a sequence of ints, got {shown}") from None
+@dataclass(frozen=True)
+class SharedPrefixGroup:
+    """Requests ``members`` (indices into the batch) hold the same KV slots at positions ``0 .. prefix_len - 1``
+    (found by ``kv/shared_prefix.py``; read by the backends' shared-prefix decode)."""
+
+    members: tuple[int, ...]
+    prefix_len: int
 
 
-def _num_entries(name: str, value: object) -> int:
-    """Entries of a per-token field given as a 1-D integer tensor, array or sequence; InvalidBatchError otherwise."""
-    dtype = getattr(value, "dtype", None)
-    if dtype is not None and not (
-        dtype.kind in "iu" if isinstance(dtype, np.dtype) else
-        (dtype in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8))
-    ):
-        raise InvalidBatchError(f"{name} must hold integers, got dtype {dtype}")
-    if getattr(value, "ndim", 1) != 1:
-        raise InvalidBatchError(f"{name} must be 1-D (one entry per token), got shape {tuple(value.shape)}")
-    try:
-        return int(value.shape[0]) if hasattr(value, "shape") else len(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise InvalidBatchError(f"{name} must be a 1-D tensor, array or sequence of ints, got {value!r}") from None
+class BatchCache(Protocol):
+    """What a batch asks of the KV cache it runs on: ``kv.cache.KVCache``, whose checks are ``kv/batch_checks``."""
 
-
-def _short(values: list[int], limit: int = 8) -> str:
-    """A list for an error message, cut after ``limit`` entries."""
-    return str(values) if len(values) <= limit else f"[{', '.join(map(str, values[:limit]))}, ... ({len(values)})]"
+    @property
+    def req_to_token(self) -> torch.Tensor: ...
+    @property
+    def generation(self) -> int: ...
+    def issued(self, out_cache_loc: torch.Tensor, rows: list[int], prefix_lens: list[int],
+               extend_lens: list[int]) -> bool: ...
+    def check_rows(self, rows: Sequence[int], prefix_lens: Sequence[int], extend_lens: Sequence[int]) -> None: ...
+    def check_slots(self, rows: Sequence[int], prefix_lens: Sequence[int], extend_lens: Sequence[int],
+                    out_cache_loc: torch.Tensor) -> None: ...
+    def check_batch_bounds(self, fb: ForwardBatch, seq_lens: list[int]) -> None: ...
 
 
 class ForwardMode(enum.IntEnum):
@@ -114,7 +96,7 @@ class ForwardBatch:
     real_batch_size: int | None = None
     graph_bucket: int | None = None
     req_pool_indices_cpu: list[int] | None = None  # host copy of req_pool_indices (set by build)
-    # Decode requests that share a cached prefix (shared_prefix.SharedPrefixGroup); None: not known, a backend may
+    # Decode requests that share a cached prefix (SharedPrefixGroup); None: not known, a backend may
     # find them itself. Read by the triton backend's shared-prefix (cascade) decode.
     shared_prefix: tuple[SharedPrefixGroup, ...] | None = None
     # The request table does not hold this batch's new slots yet (one new token per request: token b is request
@@ -126,7 +108,7 @@ class ForwardBatch:
     # changed with dataclasses.replace, is checked in full (see check()).
     _built: bool = field(default=False, init=False, repr=False, compare=False)
     _scratch: bool = field(default=False, init=False, repr=False, compare=False)  # see build_scratch
-    _checked_against: tuple[KVCache, torch.Tensor, int] | None = field(default=None, init=False, repr=False,
+    _checked_against: tuple[BatchCache, torch.Tensor, int] | None = field(default=None, init=False, repr=False,
                                                                        compare=False)
     # The out_cache_loc tensor build was given (kv.issued recognises it; on a GPU a host one is uploaded).
     _given_loc: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
@@ -166,9 +148,9 @@ class ForwardBatch:
         (see the field); needs one new token per request.
         """
         device = torch.device(device)
-        prefix_lens = _int_list("prefix_lens", prefix_lens)
-        extend_lens = _int_list("extend_lens", extend_lens)
-        req_idx = _int_list("req_pool_indices", req_pool_indices)
+        prefix_lens = int_list("prefix_lens", prefix_lens)
+        extend_lens = int_list("extend_lens", extend_lens)
+        req_idx = int_list("req_pool_indices", req_pool_indices)
         bs = len(req_idx)
         if not (len(prefix_lens) == len(extend_lens) == bs):
             raise InvalidBatchError(
@@ -184,15 +166,15 @@ class ForwardBatch:
         seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
         num_tokens = sum(extend_lens)
         for name, value in (("out_cache_loc", out_cache_loc), ("input_ids", input_ids), ("positions", positions)):
-            if value is not None and (n := _num_entries(name, value)) != num_tokens:
+            if value is not None and (n := num_entries(name, value)) != num_tokens:
                 raise InvalidBatchError(
-                    f"extend_lens {_short(extend_lens)} sum to {num_tokens} tokens but {name} has {n} entries; "
+                    f"extend_lens {short_list(extend_lens)} sum to {num_tokens} tokens but {name} has {n} entries; "
                     f"give one entry per new token, request after request"
                 )
         one_each = extend_lens.count(1) == bs  # one new token per request (decode-shaped)
         if table_write_pending and not one_each:
             raise InvalidBatchError(
-                f"table_write_pending needs one new token per request, got extend_lens {_short(extend_lens)}"
+                f"table_write_pending needs one new token per request, got extend_lens {short_list(extend_lens)}"
             )
         if forward_mode is None:
             if bs == 0:
@@ -207,7 +189,7 @@ class ForwardBatch:
             forward_mode = ForwardMode(forward_mode)
             if forward_mode.is_decode() and not one_each:
                 raise InvalidBatchError(
-                    f"forward_mode DECODE needs extend_len 1 for every request, got {_short(extend_lens)}; "
+                    f"forward_mode DECODE needs extend_len 1 for every request, got {short_list(extend_lens)}; "
                     f"leave forward_mode None to derive it"
                 )
             if forward_mode.is_idle() and bs:
@@ -272,7 +254,7 @@ class ForwardBatch:
         fb._scratch = True
         return fb
 
-    def write_pending_table(self, kv_cache: KVCache) -> None:
+    def write_pending_table(self, kv_cache: BatchCache) -> None:
         """Write this batch's new slots into ``kv_cache``'s request table if that is still pending
         (``table_write_pending``): ``req_to_token[req_pool_indices[b], positions[b]] = out_cache_loc[b]``, two
         device ops (the slots as int32, an index_put). Backends' eager entry and ``GraphRunner.run`` call it before
@@ -299,16 +281,14 @@ class ForwardBatch:
         return self.out_cache_loc.device
 
     # ------------------------------------------------------------------ validation
-    def validate(self, kv_cache: KVCache | None = None) -> None:
+    def validate(self, kv_cache: BatchCache | None = None) -> None:
         """Raise InvalidBatchError naming the first inconsistent field and its values.
 
-        Checks lengths of every per-request and per-token field, non-negative lengths,
-        ``prefix <= seq_len``, ``seq_len == prefix + extend``, the device tensors against the host
-        values, the mode, and, when ``kv_cache`` is given, that slots, request rows and sequence
-        lengths fit it: each live request's row allocated and used once, ``prefix + extend`` within
-        the row's allocated tokens, each token's slot the one the row holds for its position. Reads
-        device tensors, so it syncs: call it in tests and debug mode, not per step in production.
-        """
+        Checks lengths of every per-request and per-token field, non-negative lengths, ``prefix <= seq_len``,
+        ``seq_len == prefix + extend``, the device tensors against the host values, the mode, and, when
+        ``kv_cache`` is given, that slots, request rows and sequence lengths fit it: each live request's row
+        allocated and used once, ``prefix + extend`` within the row's allocated tokens, each token's slot the one
+        the row holds for its position. Reads device tensors, so it syncs: tests and debug mode only."""
         bs = self.batch_size
         per_request = {
             "req_pool_indices": len(self.req_pool_indices),
@@ -365,45 +345,17 @@ class ForwardBatch:
             on_device = [int(x) for x in getattr(self, name)[: len(values)].tolist()]
             if on_device != list(values):
                 raise InvalidBatchError(
-                    f"ForwardBatch.{name} on device {_short(on_device)} differ from the host values "
-                    f"{_short(list(values))}; build batches with ForwardBatch.build"
+                    f"ForwardBatch.{name} on device {short_list(on_device)} differ from the host values "
+                    f"{short_list(list(values))}; build batches with ForwardBatch.build"
                 )
         if self.forward_mode.is_idle() and bs:
             raise InvalidBatchError(f"forward_mode IDLE needs an empty batch, got batch_size {bs}")
         if self.forward_mode.is_decode() and any(e != 1 for e in extend):
             raise InvalidBatchError(f"forward_mode DECODE needs extend_len 1 for every request, got {extend}")
         if kv_cache is not None:
-            self._validate_against(kv_cache, seq)
+            kv_cache.check_batch_bounds(self, seq)
 
-    def _validate_against(self, kv_cache: KVCache, seq: list[int]) -> None:
-        if self.num_tokens:
-            lo, hi = (int(x) for x in torch.aminmax(self.out_cache_loc))
-            if lo < 0 or hi >= kv_cache.pool.num_slots:
-                raise InvalidBatchError(
-                    f"out_cache_loc holds slots in [{lo}, {hi}] but the KV pool has slots "
-                    f"0..{kv_cache.pool.num_slots - 1}; use the slots kv.alloc_extend() returns"
-                )
-        if self.batch_size:
-            rows = [int(x) for x in self.req_pool_indices.tolist()]
-            lo, hi = min(rows), max(rows)
-            if lo < 0 or hi >= kv_cache.req_to_token_pool.num_rows:
-                raise InvalidBatchError(
-                    f"req_pool_indices in [{lo}, {hi}] but the request table has rows "
-                    f"0..{kv_cache.req_to_token_pool.num_rows - 1}"
-                )
-            longest = max(seq)
-            if longest > kv_cache.max_context:
-                raise InvalidBatchError(
-                    f"seq_len {longest} exceeds the KV cache's max_context {kv_cache.max_context}; "
-                    f"create the KVCache with a larger max_context"
-                )
-            # Padded requests of a graph view (after real_batch_size) share row PAD_REQUEST and its scratch slot.
-            real = self.batch_size if self.graph_bucket is None else self.real_batch_size
-            prefix, extend = self.extend_prefix_lens_cpu[:real], self.extend_seq_lens_cpu[:real]
-            kv_cache.check_rows(rows[:real], prefix, extend)
-            kv_cache.check_slots(rows[:real], prefix, extend, self.out_cache_loc)  # padding tokens write PAD_SLOT
-
-    def check(self, kv_cache: KVCache) -> None:
+    def check(self, kv_cache: BatchCache) -> None:
         """Raise InvalidBatchError unless this batch fits ``kv_cache``; the check every backend's eager entry
         (``init_forward_metadata``) runs, so that no kernel reads or writes outside its buffers.
 

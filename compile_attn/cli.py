@@ -1,6 +1,6 @@
 """The ``compile-attn`` command: ``generate`` text with a model, ``info`` about this machine's backends, ``bench``
-decode steps and engine starts (``compile_attn.bench``, ``compile_attn.bench_engine``), ``throughput`` on a serving
-workload (``compile_attn.bench_throughput``), ``serve`` an OpenAI-compatible server and ``bench-serve`` it
+decode steps and engine starts (``compile_attn.bench.decode_step``, ``compile_attn.bench.engine_start``), ``throughput`` on a serving
+workload (``compile_attn.bench.throughput``), ``serve`` an OpenAI-compatible server and ``bench-serve`` it
 (``compile_attn.server``)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from compile_attn.cli_options import add_engine_options, check_engine_options, engine_config
 from compile_attn.config import parse_compile_sizes
 from compile_attn.errors import CompileAttnError
-from compile_attn.run_info import package_versions, run_info
+from compile_attn.bench.run_info import package_versions, run_info
 
 TINY_MODEL = "tiny"  # built-in, random weights
 TRAINED_MODEL = "tiny-llama"  # a tiny Llama trained on the CPU on first use (compile_attn.models.tiny_llama)
@@ -87,7 +87,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run the benchmark of ``args.cfg`` (the BenchConfig that ``_prepare_bench`` built from the options)."""
-    from compile_attn import bench
+    from compile_attn.bench import decode_step as bench
 
     cfg = args.cfg
     logger.warning(RANDOM_WEIGHTS + "the benchmark times steps of a %s-shaped model with random weights, so its "
@@ -99,7 +99,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(bench.to_markdown(rows), flush=True)
     engine = None
     if args.engine or args.engine_only:
-        from compile_attn import bench_engine
+        from compile_attn.bench import engine_start as bench_engine
 
         # the engine starts compile with the same options as the decode rows
         common = dict(shape=cfg.shape, backend=cfg.backends[0], bytecode_cache=not args.no_bytecode_cache,
@@ -179,16 +179,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--engine-only", action="store_true", help="only the --engine part")
     bench.add_argument("--no-bytecode-cache", action="store_true",
                        help="engine starts: keep this environment's bytecode settings (by default the start "
-                            "processes share a .pyc cache, as a pip install has; see compile_attn.bench_engine)")
+                            "processes share a .pyc cache, as a pip install has; see compile_attn.bench.engine_start)")
     bench.add_argument("--out", default=None, help="write JSON here (results, with the command, versions and commit)")
     bench.set_defaults(func=cmd_bench, prepare=_prepare_bench, subparser=bench)
-    from compile_attn.bench_throughput_cli import add_parser as add_throughput_parser
+    from compile_attn.bench.throughput_cli import add_parser as add_throughput_parser
 
     add_throughput_parser(sub, _ShowDefaults)
     from compile_attn.server.cli import add_parser as add_serve_parser
 
     add_serve_parser(sub, _ShowDefaults)
-    from compile_attn.server.bench_cli import add_parser as add_bench_serve_parser
+    from compile_attn.bench.serving_cli import add_parser as add_bench_serve_parser
 
     add_bench_serve_parser(sub, _ShowDefaults)
     return parser
@@ -252,7 +252,7 @@ def _json_object(option: str, text: str) -> dict:
 def _prepare_bench(args: argparse.Namespace) -> None:
     """Refuse bad options before the benchmark builds its model (ValueError naming the value). Sets ``args.cfg``,
     the BenchConfig for ``cmd_bench``."""
-    from compile_attn import bench
+    from compile_attn.bench import decode_step as bench
     from compile_attn.attention.registry import check_backend_name
     from compile_attn.graph_mode import GraphMode
 

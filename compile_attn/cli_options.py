@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from compile_attn.engine.config import EngineConfig
+    from compile_attn.engine.requests.config import EngineConfig
 
 _SIZES = ("max_batch_size", "max_num_tokens", "kv_cache_tokens", "page_size", "max_context")
 
@@ -64,7 +64,7 @@ def check_engine_options(args: argparse.Namespace) -> None:
 def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
     """The EngineConfig that the options of ``add_engine_options`` describe; ``overrides`` replace fields (a
     command's own choices, such as the device it picked)."""
-    from compile_attn.engine.config import EngineConfig
+    from compile_attn.engine.requests.config import EngineConfig
 
     options = dict(attn_backend=args.backend, graph_mode=args.graph_mode, compile=not args.no_compile,
                    gpu_memory_utilization=args.gpu_memory_utilization, device=args.device,

@@ -1,5 +1,5 @@
-"""GraphConfig: the one place where graph and compile options live (mode, capture sizes, compiler, dirs), and
-the environment switches the library reads (debug dir, host shortcuts).
+"""GraphConfig: the one place where graph and compile options live (mode, capture sizes, compiler, dirs); the
+defaults that come from the environment are read by ``env``.
 
 Validated on construction; components read it, never their own copies of the same options.
 """
@@ -7,11 +7,11 @@ Validated on construction; components read it, never their own copies of the sam
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from compile_attn import env
 from compile_attn.graph_mode import GraphMode
 
 DEFAULT_DECODE_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, *range(16, 257, 8))
@@ -31,37 +31,6 @@ def parse_compile_sizes(text: str) -> tuple[int, ...] | None:
         return tuple(int(x) for x in text.split(","))
     except ValueError:
         raise ValueError(f"compile sizes must be 'auto', 'none' or comma-separated token counts, got {text!r}") from None
-
-
-def env_switched_off(name: str) -> bool:
-    """Whether environment variable ``name`` turns a default-on switch off: ``0``, ``false``, ``off`` or ``no``
-    (any case); unset or anything else leaves it on."""
-    return os.environ.get(name, "1").strip().lower() in ("0", "false", "off", "no")
-
-
-DEBUG_DIR_ENV = "COMPILE_ATTN_DEBUG_DIR"
-HOST_SHORTCUTS_ENV = "COMPILE_ATTN_HOST_SHORTCUTS"
-
-
-def host_shortcuts_enabled() -> bool:
-    """The one switch of the host-time shortcuts (``attention/triton_ops/launch.py``, ``passes/fuse_linears.py``,
-    ``compiler/shortcuts.py``, ``graph_runner/shortcuts.py``; table in docs/graph_runner.md): on unless ``$COMPILE_ATTN_HOST_SHORTCUTS`` is 0 / false / off / no. Off,
-    every step takes the plain path (Dynamo's frame and guards, ``torch.ops`` calls, ``kernel[grid]`` launches);
-    results are the same. Read where each shortcut is set up (a backend, a compile, a runner, a kernel launcher)."""
-    return not env_switched_off(HOST_SHORTCUTS_ENV)
-
-
-def default_debug_dir() -> str | None:
-    """``$COMPILE_ATTN_DEBUG_DIR`` or None: the default of ``GraphConfig.debug_dir``, the one place it is read."""
-    return os.environ.get(DEBUG_DIR_ENV) or None
-
-
-def default_cache_dir() -> str:
-    """``$COMPILE_ATTN_CACHE_DIR``, else ``$XDG_CACHE_HOME/compile_attn``, else ``~/.cache/compile_attn``."""
-    if os.environ.get("COMPILE_ATTN_CACHE_DIR"):
-        return os.environ["COMPILE_ATTN_CACHE_DIR"]
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "compile_attn")
 
 
 def _check_inductor_options(patches: Mapping[str, Any], field_name: str = "inductor_config") -> None:
@@ -104,7 +73,7 @@ class GraphConfig:
     and returned one of its output tensors. This holds under ``skip_guards``'s assumption, and when the model's
     ``forward`` has no Python side effects outside its graph (Dynamo would replay them; a direct call does
     not). Off under ``verify`` and with ``skip_guards`` off. Both are host shortcuts (``graph_runner/shortcuts.py``):
-    also off while ``$COMPILE_ATTN_HOST_SHORTCUTS`` is 0 (``host_shortcuts_enabled``).
+    also off while ``$COMPILE_ATTN_HOST_SHORTCUTS`` is 0 (``env.host_shortcuts_enabled``).
     compile_sizes: token counts at which every piece is compiled once more with static shapes (at one
     token its linear layers become fused matrix-vector reductions); other sizes run the symbolic-shape
     compile. Each size adds one compile per unique piece to a cold start (cached like the others). None
@@ -119,8 +88,8 @@ class GraphConfig:
     decode_batch_sizes: tuple[int, ...] = DEFAULT_DECODE_BATCH_SIZES
     prefill_token_sizes: tuple[int, ...] = DEFAULT_PREFILL_TOKEN_SIZES
     compiler: str = "inductor"
-    cache_dir: str | None = field(default_factory=default_cache_dir)
-    debug_dir: str | None = field(default_factory=default_debug_dir)
+    cache_dir: str | None = field(default_factory=env.cache_dir)
+    debug_dir: str | None = field(default_factory=env.debug_dir)
     verify: bool = False
     fuse_linears: bool = True
     inductor_config: dict[str, Any] = field(default_factory=dict, hash=False)

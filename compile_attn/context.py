@@ -24,7 +24,7 @@ from compile_attn.graph_mode import GraphMode
 if TYPE_CHECKING:
     from compile_attn.attention.base import AttentionBackend
     from compile_attn.batch import ForwardBatch
-    from compile_attn.kv_cache import KVCache
+    from compile_attn.kv.cache import KVCache
     from compile_attn.layer import AttentionLayer
 
 

@@ -12,10 +12,13 @@ kernel launch that the GPU waits for at the step's start (docs/performance.md).
 from __future__ import annotations
 
 import array
+import operator
 from collections.abc import Sequence
 
 import numpy as np
 import torch
+
+from compile_attn.errors import InvalidBatchError
 
 _TYPECODES = {torch.int64: "q", torch.int32: "i"}
 
@@ -175,3 +178,42 @@ def _fitting(arr: np.ndarray, np_dtype: np.dtype) -> np.ndarray:
             bad = lo if lo < info.min else hi
             raise OverflowError(f"value {bad} does not fit {np_dtype}")
     return np.ascontiguousarray(arr, dtype=np_dtype)
+
+
+# ------------------------------------------------------------------ host lists given to ForwardBatch.build
+def int_list(name: str, values: Sequence[int]) -> list[int]:
+    """``values`` as a list of Python ints; InvalidBatchError for a float, None or other non-integer entry."""
+    if type(values) in (list, tuple):  # one C loop for the usual int64 values (``__index__``, as operator.index)
+        try:
+            return array.array("q", values).tolist()
+        except (TypeError, OverflowError):
+            pass  # the entry-by-entry path: Python ints past int64 pass here, their upload refuses them by name
+    try:
+        return [operator.index(x) for x in values]
+    except TypeError:
+        try:
+            shown = repr(next(x for x in values if not hasattr(x, "__index__")))
+        except (TypeError, StopIteration):
+            shown = f"{type(values).__name__} {values!r}"
+        raise InvalidBatchError(f"{name} must be a sequence of ints, got {shown}") from None
+
+
+def num_entries(name: str, value: object) -> int:
+    """Entries of a per-token field given as a 1-D integer tensor, array or sequence; InvalidBatchError otherwise."""
+    dtype = getattr(value, "dtype", None)
+    if dtype is not None and not (
+        dtype.kind in "iu" if isinstance(dtype, np.dtype) else
+        (dtype in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8))
+    ):
+        raise InvalidBatchError(f"{name} must hold integers, got dtype {dtype}")
+    if getattr(value, "ndim", 1) != 1:
+        raise InvalidBatchError(f"{name} must be 1-D (one entry per token), got shape {tuple(value.shape)}")
+    try:
+        return int(value.shape[0]) if hasattr(value, "shape") else len(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidBatchError(f"{name} must be a 1-D tensor, array or sequence of ints, got {value!r}") from None
+
+
+def short_list(values: list[int], limit: int = 8) -> str:
+    """A list for an error message, cut after ``limit`` entries."""
+    return str(values) if len(values) <= limit else f"[{', '.join(map(str, values[:limit]))}, ... ({len(values)})]"

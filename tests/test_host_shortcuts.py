@@ -1,7 +1,7 @@
 """Host shortcuts: each trick that leans on another library's internals is pinned here (a torch or Triton upgrade
 that changes them fails a test, not a user), and the one switch ``COMPILE_ATTN_HOST_SHORTCUTS=0`` turns every
 shortcut off (tests/graph_runner/test_gr_shortcuts.py runs every layer both ways). Triton's launch form
-(``CachedLaunch``) is pinned in tests/kernels/test_cached_launch.py."""
+(``CachedLaunch``) is pinned in tests/attention/kernels/test_cached_launch.py."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from torch import fx
 
 from compile_attn.compiler.shortcuts import install_piece, record_graph_calls
-from compile_attn.config import HOST_SHORTCUTS_ENV, host_shortcuts_enabled
+from compile_attn.env import HOST_SHORTCUTS_ENV, host_shortcuts_enabled
 from compile_attn.graph_runner.shortcuts import CAN_SKIP_GUARDS, RECOMPILE_REFUSED, skipped_guards
 from compile_attn.ops.attention import attention as attention_body
 from compile_attn.ops.split_registry import split_op_python_impl

@@ -17,8 +17,12 @@ import pytest
 PACKAGE = "compile_attn"
 ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 # The layers the library reads in, lowest first; a module may import from its own layer and the ones below.
-# Top-level modules (config, context, batch, errors, ...) are the lowest layer, "base".
-LAYER_ORDER = ("base", "ops", "passes", "attention", "compiler", "graph_runner", "engine")
+# Top-level modules (config, context, batch, errors, ...) are the lowest layer, "base"; the KV cache sits on it.
+# The applications on top of the library come last: the HTTP server, then the benchmarks (which may start a server).
+LAYER_ORDER = ("base", "kv", "ops", "passes", "attention", "compiler", "graph_runner", "hf", "engine", "server", "bench")
+APPLICATIONS = ("server", "bench")  # the root modules only they import (cli_options) are not "base"
+BACKENDS = ("torch_native", "triton", "flashinfer", "fa3")  # attention/<name>/: one folder per backend
+MAX_ROOT_MODULES = 14  # the package root keeps the base and the CLI; every other concept is a folder
 
 
 def module_names() -> dict[str, Path]:
@@ -127,7 +131,7 @@ def test_the_graph_builder_sees_known_imports() -> None:
     edges = import_edges()
     assert f"{PACKAGE}.ops.split_registry" in edges[f"{PACKAGE}.ops.attention"]  # from pkg.mod import name
     assert f"{PACKAGE}.ops.attention" in edges[f"{PACKAGE}.ops"]  # a package __init__ re-exporting
-    assert f"{PACKAGE}.attention.triton_ops" in edges[f"{PACKAGE}.attention.triton_backend"]  # inside a function
+    assert f"{PACKAGE}.attention.kernels" in edges[f"{PACKAGE}.attention.kernel_loader"]  # inside a function
     assert f"{PACKAGE}.graph_runner.runner" not in edges[f"{PACKAGE}.graph_runner.verify"]  # TYPE_CHECKING only
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": {"c"}}) is None
@@ -148,11 +152,11 @@ def test_no_import_cycle_between_layers() -> None:
 
 
 def layer_ranks(edges: dict[str, set[str]]) -> dict[str, int]:
-    """Rank of each ranked layer: its index in LAYER_ORDER; a top-level module that a ranked subpackage imports is
-    "base" (rank 0). Applications on top (cli, bench, server, hf, models) are not ranked."""
+    """Rank of each ranked layer: its index in LAYER_ORDER; a top-level module that a ranked library subpackage
+    imports is "base" (rank 0). The command line (cli, cli_options) and models are not ranked."""
     rank = {f"{PACKAGE}.{name}": i for i, name in enumerate(LAYER_ORDER) if name != "base"}
     for src, targets in _layer_edges(edges).items():
-        if src in rank:
+        if src in rank and src.split(".")[1] not in APPLICATIONS:
             for dst in targets:
                 if dst not in rank and dst.count(".") == 1 and not module_names()[dst].name == "__init__.py":
                     rank[dst] = 0
@@ -160,11 +164,31 @@ def layer_ranks(edges: dict[str, set[str]]) -> dict[str, int]:
 
 
 def test_no_layer_imports_a_layer_above_it() -> None:
-    """base (config, context, batch, ...) -> ops -> passes -> attention -> compiler -> graph_runner -> engine:
-    every import between ranked layers points down (or stays in the layer)."""
+    """base (config, context, batch, ...) -> kv -> ops -> passes -> attention -> compiler -> graph_runner -> hf ->
+    engine -> server -> bench: every import between ranked layers points down (or stays in the layer); the server
+    imports nothing of the benchmarks."""
     edges = import_edges()
     rank = layer_ranks(edges)
     assert rank[f"{PACKAGE}.config"] == 0 and rank[f"{PACKAGE}.context"] == 0
     upward = sorted(_witness(edges, src, dst) for src, targets in _layer_edges(edges).items() if src in rank
                     for dst in targets if dst in rank and rank[dst] > rank[src])
     assert not upward, "imports of a higher layer: " + "; ".join(upward)
+
+
+def test_no_backend_imports_another() -> None:
+    """``attention/<backend>/`` imports no other backend's folder (shared pieces live beside them: ``base``,
+    ``registry``, ``kernels``, ``kernel_loader``)."""
+    edges = import_edges()
+    crossing = sorted(f"{src} -> {dst}" for src, targets in edges.items() for dst in targets
+                      if (a := _backend_of(src)) and (b := _backend_of(dst)) and a != b)
+    assert not crossing, "a backend imports another: " + "; ".join(crossing)
+
+
+def _backend_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "attention" and parts[2] in BACKENDS else None
+
+
+def test_package_root_is_small() -> None:
+    root = sorted(p.stem for p in ROOT.glob("*.py") if p.stem not in ("__init__", "__main__"))
+    assert len(root) <= MAX_ROOT_MODULES, f"{len(root)} modules at the package root: {root}"

@@ -32,7 +32,8 @@ from compile_attn import (
     create_backend,
     forward_context,
 )
-from compile_attn.kv_cache import PAD_SLOT, PagedKVPool, ReqToTokenPool
+from compile_attn.batch import PAD_SLOT
+from compile_attn.kv.pools import PagedKVPool, ReqToTokenPool
 
 HEAD_DIM = 64  # the smallest head dim the triton kernels take
 NUM_HEADS, NUM_KV_HEADS = 2, 1

@@ -16,7 +16,8 @@ import time
 
 import torch
 
-from compile_attn import GraphConfig, bench
+from compile_attn import GraphConfig
+from compile_attn.bench import decode_step as bench
 from compile_attn.compiler.compiled_model import compile_model
 from compile_attn.graph_runner.runner import GraphRunner
 from compile_attn.hf import HFModelAdapter

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from compile_attn.bench import LLAMA_1B
+from compile_attn.bench.decode_step import LLAMA_1B
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from compile_attn.bench import LLAMA_1B
+from compile_attn.bench.decode_step import LLAMA_1B
 from compile_attn.compiler.compile_sizes import STATIC_PATCHES, linear_as_reduction
 
 EPS = 1e-5

@@ -13,7 +13,7 @@ from compile_attn.attention.registry import (
     register_backend,
     resolve_auto_backend,
 )
-from compile_attn.attention import torch_native as _torch_native  # noqa: F401  (registers "torch_native")
+from compile_attn.attention.torch_native import backend as _torch_native  # noqa: F401  (registers "torch_native")
 
 __all__ = [
     "AttentionBackend",

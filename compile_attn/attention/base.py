@@ -29,7 +29,7 @@ import torch
 from compile_attn.batch import ForwardBatch
 from compile_attn.errors import InvalidBatchError, InvalidConfigError, UnsupportedConfigError
 from compile_attn.graph_mode import GraphMode
-from compile_attn.kv_cache import KVCache
+from compile_attn.kv.cache import KVCache
 from compile_attn.layer import AttentionLayer
 
 

@@ -19,7 +19,7 @@ from compile_attn.errors import BackendUnavailableError, UnknownBackendError, Un
 
 if TYPE_CHECKING:
     from compile_attn.attention.base import AttentionBackend
-    from compile_attn.kv_cache import KVCache
+    from compile_attn.kv.cache import KVCache
     from compile_attn.layer import AttentionLayer
 
 logger = logging.getLogger(__name__)
@@ -27,11 +27,11 @@ logger = logging.getLogger(__name__)
 _BACKENDS: dict[str, type[AttentionBackend]] = {}
 # name -> module that registers it when imported (for backends with optional dependencies)
 _LAZY_BACKENDS: dict[str, str] = {
-    "torch_native": "compile_attn.attention.torch_native",
-    "triton": "compile_attn.attention.triton_backend",
-    "flashinfer": "compile_attn.attention.flashinfer_backend",
-    "fa3": "compile_attn.attention.fa3_backend",
-    "hybrid": "compile_attn.attention.hybrid_backend",
+    "torch_native": "compile_attn.attention.torch_native.backend",
+    "triton": "compile_attn.attention.triton.backend",
+    "flashinfer": "compile_attn.attention.flashinfer.backend",
+    "fa3": "compile_attn.attention.fa3.backend",
+    "hybrid": "compile_attn.attention.hybrid",
 }
 
 # name -> the package its kernels come from (a backend is "installed" when that package is importable)
@@ -53,7 +53,7 @@ def register_backend(name: str) -> Callable[[B], B]:
 
 def module_available(module: str) -> bool:
     """True if ``module`` is importable as a real module (a bare namespace directory does not count,
-    e.g. a ``tests/flashinfer/`` folder on sys.path)."""
+    e.g. a ``tests/attention/flashinfer/`` folder on sys.path)."""
     try:
         spec = importlib.util.find_spec(module)
     except (ImportError, ValueError):

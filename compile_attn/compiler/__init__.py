@@ -9,7 +9,7 @@ from __future__ import annotations
 from compile_attn.compiler.backend import compile_attn_backend, resolve_config
 from compile_attn.compiler.cache import clear_cache
 from compile_attn.compiler.counters import CompileCounters, compile_counters
-from compile_attn.config import DEBUG_DIR_ENV
+from compile_attn.env import DEBUG_DIR_ENV
 
 BACKEND_NAME = "compile_attn"
 

@@ -28,7 +28,8 @@ from compile_attn.compiler.piece_compiler import PieceCompiler, inductor_options
 from compile_attn.compiler.piecewise import PiecewiseGraphWrapper
 from compile_attn.compiler.shortcuts import GraphEntry, direct_split_piece, install_piece
 from compile_attn.compiler.token_dim import find_token_symbol, token_count_getter
-from compile_attn.config import GraphConfig, host_shortcuts_enabled
+from compile_attn.env import host_shortcuts_enabled
+from compile_attn.config import GraphConfig
 from compile_attn.errors import CompileAttnError
 from compile_attn.passes.fuse_linears import bind_fused_weights, fuse_linears, fused_group_count
 from compile_attn.passes.scalars import specialize_tensorified_floats

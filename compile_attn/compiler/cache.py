@@ -110,9 +110,9 @@ def _log_unsaveable_once(path: Path) -> None:
 def clear_cache(cache_dir: str | os.PathLike[str] | None = None) -> int:
     """Delete the pieces saved under ``cache_dir`` (default: GraphConfig's); returns how many."""
     if cache_dir is None:
-        from compile_attn.config import default_cache_dir
+        from compile_attn import env
 
-        cache_dir = default_cache_dir()
+        cache_dir = env.cache_dir()
     target = Path(cache_dir).expanduser() / CACHE_SUBDIR
     if not target.is_dir():
         return 0

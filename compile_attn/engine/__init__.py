@@ -1,9 +1,11 @@
-"""The serving engine: LLM (generate) and its EngineConfig, SamplingParams, the continuous-batching scheduler and the
-sampler."""
+"""The serving engine, in three layers: ``requests/`` (the request lifecycle: requests, sampling parameters,
+admission, the scheduler, EngineConfig), ``execution/`` (one step on the device: step runner, sampling, memory and KV
+sizing, model loading) and ``serving/`` (AsyncLLM and its pipes); ``llm.py`` (LLM) ties them. This package re-exports
+the public names."""
 
-from compile_attn.engine.async_engine import AsyncLLM, EngineOverloadedError, EngineStoppedError
-from compile_attn.engine.config import EngineConfig
-from compile_attn.engine.errors import (
+from compile_attn.engine.serving.async_engine import AsyncLLM, EngineOverloadedError, EngineStoppedError
+from compile_attn.engine.requests.config import EngineConfig
+from compile_attn.engine.requests.errors import (
     EngineBusyError,
     EngineOptionError,
     InvalidRequestError,
@@ -13,8 +15,8 @@ from compile_attn.engine.errors import (
     UnknownEngineOptionError,
 )
 from compile_attn.engine.llm import LLM
-from compile_attn.engine.request import CompletionOutput, RequestOutput
-from compile_attn.engine.sampling_params import SamplingParams
+from compile_attn.engine.requests.request import CompletionOutput, RequestOutput
+from compile_attn.engine.requests.sampling_params import SamplingParams
 
 __all__ = [
     "LLM",

@@ -18,27 +18,28 @@ from tqdm.auto import tqdm
 
 from compile_attn.attention import create_backend
 from compile_attn.batch import ForwardBatch, ForwardMode
-from compile_attn.engine.memory_profile import check_memory_after_capture, size_kv_cache
-from compile_attn.engine.admission import encode_prompt, find_vocab_size, split_params, split_prompts
-from compile_attn.engine.chat import render_chat, split_conversations
-from compile_attn.engine.config import EngineConfig
-from compile_attn.engine.errors import EngineBusyError, InvalidRequestError, RequestTypeError
-from compile_attn.engine.in_flight import InFlightStep, has_placeholders
-from compile_attn.engine.model_loading import LoadedModel, load_for_engine
-from compile_attn.engine.request import CompletionOutput, Request, RequestOutput, RequestStatus
-from compile_attn.engine import sampler
-from compile_attn.engine.sampling_params import SamplingParams
-from compile_attn.engine.scheduler import ScheduledStep, Scheduler
-from compile_attn.engine.step_runner import StepRunner
-from compile_attn.engine.sampling.penalties import PenaltyState
-from compile_attn.engine.sampling.logprobs import unpack as unpack_logprobs
-from compile_attn.engine.step_extras import StepExtras, start_penalty_rows
-from compile_attn.engine.step_sampling import forward_and_sample
-from compile_attn.engine.stop_strings import StopStringMatcher, backend_tokenizer
-from compile_attn.kv_cache import KVCache
-from compile_attn.shared_prefix import engine_prefix_finder
-from compile_attn import step_kernels
-from compile_attn.step_kernels import TokenFeed
+from compile_attn.engine.execution.in_flight import InFlightStep, has_placeholders
+from compile_attn.engine.execution.memory_profile import check_memory_after_capture, size_kv_cache
+from compile_attn.engine.execution.model_loading import LoadedModel, load_for_engine
+from compile_attn.engine.execution.sampling import sampler
+from compile_attn.engine.execution.sampling.logprobs import unpack as unpack_logprobs
+from compile_attn.engine.execution.sampling.penalties import PenaltyState
+from compile_attn.engine.execution.sampling.step import forward_and_sample
+from compile_attn.engine.execution.step_extras import StepExtras, start_penalty_rows
+from compile_attn.engine.execution.step_runner import StepRunner
+from compile_attn.engine.requests.admission import encode_prompt, find_vocab_size, split_params, split_prompts
+from compile_attn.engine.requests.chat import render_chat, split_conversations
+from compile_attn.engine.requests.config import EngineConfig
+from compile_attn.engine.requests.errors import EngineBusyError, InvalidRequestError, RequestTypeError
+from compile_attn.engine.requests.request import Request, RequestOutput, RequestStatus, request_output
+from compile_attn.engine.requests.sampling_params import SamplingParams
+from compile_attn.engine.requests.scheduler import ScheduledStep, Scheduler
+from compile_attn.engine.requests.stop_strings import StopStringMatcher, backend_tokenizer
+from compile_attn.graph_runner import step_kernels
+from compile_attn.graph_runner.step_kernels import TokenFeed
+from compile_attn.kv.cache import KVCache
+from compile_attn.kv.shared_prefix import engine_prefix_finder
+
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +54,9 @@ class LLM:
     ``LLM(model, config=EngineConfig(...))``, whose fields the keywords then replace. Every option is checked
     before the model loads; an unknown keyword is refused with the closest option names.
     ``overlap`` (on by default) keeps one step in flight: the host schedules and launches step N+1 while the device
-    runs step N, and reads step N's tokens after (see ``step`` and engine/in_flight.py); ``overlap=False`` reads
+    runs step N, and reads step N's tokens after (see ``step`` and engine/execution/in_flight.py); ``overlap=False`` reads
     each step's tokens before scheduling the next. Both give the same tokens. ``enable_prefix_cache`` (on by
-    default) keeps computed KV in a radix tree so that prompts starting alike reuse it (see prefix_cache.py).
+    default) keeps computed KV in a radix tree so that prompts starting alike reuse it (see kv/prefix_cache.py).
     """
 
     def __init__(self, model: Any, *, tokenizer: Any = None, config: EngineConfig | None = None,
@@ -77,12 +78,11 @@ class LLM:
         self.scheduler = Scheduler(self.kv_cache, config.max_batch_size, config.max_num_tokens,
                                    defer_table_write=True)
         # Shared-prefix groups of decode batches (None: not looked for); see EngineConfig.cascade_decode.
-        self.prefix_groups = engine_prefix_finder(config.cascade_decode, self.kv_cache, self.backend)
-        self.step_runner = StepRunner(
-            self.model, self.backend, graph_mode=config.graph_mode, compile=config.compile,
-            compile_options=config.compile_options, max_batch_size=config.max_batch_size,
-            max_num_tokens=config.max_num_tokens,
-        )
+        self.prefix_groups = engine_prefix_finder(config.cascade_decode, self.kv_cache, self.backend.name,
+                                                  self.backend.takes_shared_prefix_decode())
+        self.step_runner = StepRunner(self.model, self.backend, graph_mode=config.graph_mode, compile=config.compile,
+                                      compile_options=config.compile_options, max_batch_size=config.max_batch_size,
+                                      max_num_tokens=config.max_num_tokens)
         logger.info(
             "LLM ready: device %s, dtype %s, backend %s, graph mode %s, KV cache %d tokens (%.1f MiB), page size %d",
             device, dtype, self.backend.name, self.step_runner.graph_mode.value, kv_cache_tokens,
@@ -166,7 +166,7 @@ class LLM:
         elapsed = time.perf_counter() - start
         logger.info("generated %d tokens for %d requests in %.2f s", sum(r.num_output for r in requests),
                     len(requests), elapsed)
-        return [self._output(group) for group in groups]
+        return [request_output(group, self.tokenizer) for group in groups]
 
     def add_request(self, prompt: Any, params: SamplingParams | Mapping[str, Any] | None = None) -> Request:
         """Queue a request (a prompt as in ``generate``); it runs in the following ``step()`` calls. Checked like
@@ -379,19 +379,6 @@ class LLM:
                 r.text, r.stop_reason = hit
                 return "stop"
         return "length" if self._at_length_limit(r, length) else None
-
-    def _output(self, group: list[Request]) -> RequestOutput:
-        """One prompt's RequestOutput: a CompletionOutput per sample, its text cut before a matched stop string."""
-        outputs = []
-        for k, r in enumerate(group):
-            text = r.text
-            if text is None and self.tokenizer is not None:
-                text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
-            outputs.append(CompletionOutput(k, text, r.output_ids, r.finish_reason or "length", r.stop_reason,
-                                            None if r.logprobs is None else list(r.logprobs)))
-        first = group[0]
-        return RequestOutput(first.request_id, first.prompt, first.prompt_ids.tolist(), outputs,
-                             finished=all(r.status is RequestStatus.FINISHED for r in group))
 
 
 def sample_seed(seed: int | None, index: int) -> int:

@@ -16,8 +16,8 @@ import torch
 
 from compile_attn.batch import ForwardBatch
 from compile_attn.graph_runner.static_buffers import StaticBuffers
-from compile_attn.kv_cache import PAD_REQUEST, PAD_SLOT
-from compile_attn.step_kernels import TokenFeed, copy_decode_inputs
+from compile_attn.batch import PAD_REQUEST, PAD_SLOT
+from compile_attn.graph_runner.step_kernels import TokenFeed, copy_decode_inputs
 
 
 def next_bucket(buckets: Sequence[int], n: int) -> int | None:

@@ -30,6 +30,7 @@ from compile_attn.graph_mode import GraphMode
 from compile_attn.graph_runner.breakable import capture_segments
 from compile_attn.graph_runner.full_graph import capture_full
 from compile_attn.graph_runner.plan import ModePlan, is_compiled, plan_modes
+from compile_attn.graph_runner.protocol import Route
 from compile_attn.graph_runner.replay_view import ReplayViews, next_bucket
 from compile_attn.graph_runner.segments import CapturedGraph, RerunGraph
 from compile_attn.graph_runner.shortcuts import ModelCalls
@@ -37,14 +38,13 @@ from compile_attn.graph_runner.static_buffers import StaticBuffers
 from compile_attn.graph_runner.stats import GraphRunnerStats
 from compile_attn.graph_runner.verify import verify_runner
 from compile_attn.graph_runner.warmup import warm_up
-from compile_attn.step_kernels import TokenFeed
+from compile_attn.graph_runner.step_kernels import TokenFeed
 
 if TYPE_CHECKING:
     from compile_attn.attention.base import AttentionBackend
 
 logger = logging.getLogger(__name__)
 
-Route = tuple[GraphMode, int]
 _FULL, _PIECEWISE = GraphMode.FULL, GraphMode.PIECEWISE
 
 
@@ -91,7 +91,7 @@ class GraphRunner:
         self.captured = False
         self.model_calls = ModelCalls(model, config, self.stats, compiled=self.compiled)
         self._graphs: dict[Route, CapturedGraph | RerunGraph] = {}
-        self._warned_fallback = False
+        self.fallback_logged = False
         logger.info(
             "GraphRunner: decode -> %s (%d buckets), extend -> %s (%d buckets), backend %r on %s",
             self.plan.decode.value,
@@ -152,8 +152,8 @@ class GraphRunner:
 
     def _count_fallback(self, fb: ForwardBatch) -> None:
         self.stats.eager_fallbacks += 1
-        log = logger.debug if self._warned_fallback else logger.info
-        self._warned_fallback = True
+        log = logger.debug if self.fallback_logged else logger.info
+        self.fallback_logged = True
         log(
             "%s batch of %d requests / %d tokens is larger than the largest bucket (decode %s requests, "
             "extend %s tokens, %d requests): running it eagerly",
@@ -257,7 +257,7 @@ class GraphRunner:
     @torch.inference_mode()
     def run(self, fb: ForwardBatch, feed: TokenFeed | None = None) -> Any:
         """Run one step; returns the model output for the batch's real tokens. ``feed``: what the placeholders in
-        ``fb.input_ids`` stand for (engine/in_flight.py); a graph-bucketed decode step replaces them on the way into
+        ``fb.input_ids`` stand for (engine/execution/in_flight.py); a graph-bucketed decode step replaces them on the way into
         the static buffers, in the same kernel as the copy (``step_kernels.copy_decode_inputs``), others in place.
         The batch's pending request-table write (``fb.table_write_pending``) rides in that kernel too; other routes
         write it first (``fb.write_pending_table``).

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from compile_attn.compiler.shortcuts import DirectCall, record_graph_calls
-from compile_attn.config import GraphConfig, host_shortcuts_enabled
+from compile_attn.env import host_shortcuts_enabled
+from compile_attn.config import GraphConfig
 
 if TYPE_CHECKING:
     from compile_attn.batch import ForwardBatch

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from compile_attn.batch import ForwardBatch, ForwardMode
-from compile_attn.kv_cache import PAD_REQUEST, PAD_SLOT
+from compile_attn.batch import PAD_REQUEST, PAD_SLOT
 
 
 class StaticBuffers:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import random
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,8 +18,7 @@ from torch import nn
 from compile_attn.batch import ForwardBatch, ForwardMode
 from compile_attn.errors import CompileAttnError
 
-if TYPE_CHECKING:
-    from compile_attn.graph_runner.runner import GraphRunner
+from compile_attn.graph_runner.protocol import RunnerLike
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +46,7 @@ def _split(total: int, parts: int, rng: random.Random) -> list[int]:
 
 
 def random_batch(
-    runner: GraphRunner, kind: str, lo: int, hi: int, rng: random.Random
+    runner: RunnerLike, kind: str, lo: int, hi: int, rng: random.Random
 ) -> tuple[ForwardBatch, list[int]] | None:
     """A random decode batch of ``lo..hi`` requests or extend batch of ``lo..hi`` tokens, in the KV cache."""
     kv = runner.backend.kv_cache
@@ -105,7 +104,7 @@ def compare(graph_out: torch.Tensor, eager_out: torch.Tensor, what: str) -> floa
     return err
 
 
-def verify_runner(runner: GraphRunner, seed: int = 0) -> int:
+def verify_runner(runner: RunnerLike, seed: int = 0) -> int:
     """Check every captured (mode, kind, bucket) once; returns how many were checked."""
     rng = random.Random(seed)
     saved_runs = Counter(runner.stats.runs)

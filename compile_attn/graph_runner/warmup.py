@@ -18,16 +18,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from compile_attn.batch import ForwardBatch
 from compile_attn.graph_mode import GraphMode
 
-
-if TYPE_CHECKING:
-    from compile_attn.graph_runner.runner import GraphRunner
+from compile_attn.graph_runner.protocol import RunnerLike
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +59,7 @@ def decode_sizes(lo: int, hi: int, variants: int, thresholds: bool) -> list[int]
     return sorted(sizes)
 
 
-def warmup_shapes(runner: GraphRunner) -> list[Shape]:
+def warmup_shapes(runner: RunnerLike) -> list[Shape]:
     """Every batch shape the warm-up runs for ``runner`` (dummy requests of the shapes a scheduler can send)."""
     cuda = runner.device.type == "cuda"
     variants = 4 if cuda else 1  # CPU kernels are not specialised per alignment: one batch per path
@@ -96,11 +94,12 @@ def warmup_shapes(runner: GraphRunner) -> list[Shape]:
     return list(dict.fromkeys(shapes))  # in order, each once
 
 
-def shared_prefix_batches(runner: GraphRunner) -> list[ForwardBatch]:
+def shared_prefix_batches(runner: RunnerLike) -> list[ForwardBatch]:
     """Decode batches of 4 request counts (every alignment of the cascade index's views on a GPU; one on the CPU)
     whose requests share a ``prefix``-token group, all of them or all but the last, for a runner that routes such
     batches (``GraphRunner.shared_prefix_route``); empty when it routes none."""
-    from compile_attn.shared_prefix import MIN_REQUESTS, SharedPrefixGroup
+    from compile_attn.kv.shared_prefix import MIN_REQUESTS
+    from compile_attn.batch import SharedPrefixGroup
 
     max_context = runner.backend.kv_cache.max_context
     prefix = min(16, max_context - 1)
@@ -124,7 +123,7 @@ def dummy_batch(shape: Shape, device: torch.device) -> ForwardBatch:
         return ForwardBatch.build_scratch(prefix, lens, device)
 
 
-def warm_up(runner: GraphRunner, run: Callable[[ForwardBatch], Any] | None = None, *,
+def warm_up(runner: RunnerLike, run: Callable[[ForwardBatch], Any] | None = None, *,
             shared_prefix: bool = False) -> int:
     """Run every ``warmup_shapes`` batch (and with ``shared_prefix`` every ``shared_prefix_batches`` batch) through
     ``run`` (default ``runner.run``); the runner's step statistics are left as they were. Returns how many batches
@@ -132,8 +131,8 @@ def warm_up(runner: GraphRunner, run: Callable[[ForwardBatch], Any] | None = Non
     run = run or runner.run
     stats = runner.stats
     saved = (stats.runs.copy(), stats.eager_fallbacks, stats.direct_calls, stats.shared_prefix_runs,
-             runner._warned_fallback)
-    runner._warned_fallback = True  # the warm-up's eager batches are not news: no log line for them
+             runner.fallback_logged)
+    runner.fallback_logged = True  # the warm-up's eager batches are not news: no log line for them
     start = time.perf_counter()
     batches = [dummy_batch(shape, runner.device) for shape in warmup_shapes(runner)]
     if shared_prefix:
@@ -145,7 +144,7 @@ def warm_up(runner: GraphRunner, run: Callable[[ForwardBatch], Any] | None = Non
             torch.cuda.synchronize(runner.device)
     finally:
         (stats.runs, stats.eager_fallbacks, stats.direct_calls, stats.shared_prefix_runs,
-         runner._warned_fallback) = saved
+         runner.fallback_logged) = saved
     logger.info("warm-up: %d dummy batches through every step path in %.2f s", len(batches),
                 time.perf_counter() - start)
     return len(batches)

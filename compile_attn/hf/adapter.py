@@ -17,7 +17,7 @@ from compile_attn.arg_checks import renamed_keywords
 from compile_attn.hf.attention import ATTN_IMPLEMENTATION
 from compile_attn.hf.families import attention_layers, check_supported
 from compile_attn.hf.registration import register
-from compile_attn.kv_cache import KV_CACHE_RENAMED, KVCache
+from compile_attn.kv.cache import KV_CACHE_RENAMED, KVCache
 from compile_attn.layer import AttentionLayer
 
 

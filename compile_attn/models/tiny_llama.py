@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from compile_attn.config import default_cache_dir
+from compile_attn import env
 from compile_attn.errors import CompileAttnError
 
 logger = logging.getLogger(__name__)
@@ -247,8 +247,8 @@ def _window_loss(model: torch.nn.Module, window: torch.Tensor) -> torch.Tensor:
 
 
 def default_tiny_llama_dir() -> Path:
-    """Where the trained tiny model is cached: ``<compile_attn cache>/tiny-llama`` (``config.default_cache_dir``)."""
-    return Path(default_cache_dir()) / "tiny-llama"
+    """Where the trained tiny model is cached: ``<compile_attn cache>/tiny-llama`` (``env.cache_dir``)."""
+    return Path(env.cache_dir()) / "tiny-llama"
 
 
 def is_trained(directory: str | os.PathLike[str], *, seed: int = 0, steps: int | None = None) -> bool:

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from compile_attn.config import host_shortcuts_enabled
+from compile_attn.env import host_shortcuts_enabled
 from compile_attn.passes.split import is_split_node
 
 logger = logging.getLogger(__name__)

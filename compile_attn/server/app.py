@@ -18,9 +18,9 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from compile_attn.engine.async_engine import AsyncLLM, Delta, EngineOverloadedError, EngineStoppedError, RequestStream
-from compile_attn.engine.engine_pipe import EngineClient
-from compile_attn.engine.errors import InvalidRequestError, MessageTooLargeError
+from compile_attn.engine.serving.async_engine import AsyncLLM, Delta, EngineOverloadedError, EngineStoppedError, RequestStream
+from compile_attn.engine.serving.engine_pipe import EngineClient
+from compile_attn.engine.requests.errors import InvalidRequestError, MessageTooLargeError
 from compile_attn.engine.llm import sample_seed
 from compile_attn.server import logprobs_format, request_body
 from compile_attn.server.http_guards import add_guards

@@ -83,7 +83,7 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from compile_attn.engine import LLM
-    from compile_attn.engine.async_engine import AsyncLLM
+    from compile_attn.engine.serving.async_engine import AsyncLLM
     from compile_attn.server.frontend import serving
 
     llm = LLM(args.model, config=engine_config(args))

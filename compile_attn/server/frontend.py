@@ -1,6 +1,6 @@
 """Where the HTTP front end of an AsyncLLM runs: in a process of its own (``serve_in_process``: the OpenAI-compatible
-app on an EngineClient, talking over a pipe to the AsyncLLM in the engine's process, see
-``compile_attn.engine.engine_pipe``) or in a thread of the engine's process (``serve_in_thread``).
+app on an EngineClient, talking over a channel to the AsyncLLM in the engine's process, see
+``compile_attn.engine.serving.engine_pipe``) or in a thread of the engine's process (``serve_in_thread``).
 
 A process of its own is how ``compile-attn serve`` and ``compile-attn bench-serve`` run by default: parsing
 requests, detokenising and formatting a server-sent event per token then never compete with the engine's step loop
@@ -27,8 +27,8 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the engine and uvicorn are imported where a server starts, not by the CLI's option parsing
-    from compile_attn.engine.async_engine import AsyncLLM
-    from compile_attn.engine.channel import ChannelAddress
+    from compile_attn.engine.serving.async_engine import AsyncLLM
+    from compile_attn.engine.serving.channel import ChannelAddress
     from compile_attn.server.shutdown import GracefulServer
     from compile_attn.server.options import ServerOptions
 
@@ -127,7 +127,7 @@ def frontend_main(address: ChannelAddress, tokenizer: Any, max_context: int, mod
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the engine's process, which stops this one
     import uvicorn
 
-    from compile_attn.engine.engine_pipe import EngineClient
+    from compile_attn.engine.serving.engine_pipe import EngineClient
     from compile_attn.server.app import create_app
     from compile_attn.server.shutdown import GracefulServer
 
@@ -172,7 +172,7 @@ def serve_in_process(engine: AsyncLLM, model_name: str, *, host: str = "127.0.0.
     answers ``/health``; stop it gracefully after (``FrontEnd.stop``), then disconnect it from the engine (what is
     still unfinished is aborted, its KV freed). The engine's ``max_pending`` bounds the requests in flight (past it:
     503); ``options`` is the app's (create_app)."""
-    from compile_attn.engine.engine_pipe import PipeBridge
+    from compile_attn.engine.serving.engine_pipe import PipeBridge
 
     port = free_port(host) if port is None else port
     ctx = multiprocessing.get_context("spawn")  # the engine's process has CUDA: never fork it

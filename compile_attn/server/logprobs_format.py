@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from compile_attn.engine.sampling.logprobs import Logprob
+from compile_attn.engine.execution.sampling.logprobs import Logprob
 
 Entry = dict[int, Logprob]
 

@@ -14,8 +14,8 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from compile_attn.engine.async_engine import AsyncLLM, Delta
-from compile_attn.engine.engine_pipe import EngineClient
+from compile_attn.engine.serving.async_engine import AsyncLLM, Delta
+from compile_attn.engine.serving.engine_pipe import EngineClient
 
 PREFIX = "compile_attn"
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,

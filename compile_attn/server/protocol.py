@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from compile_attn.engine.chat import render_chat, split_conversations
-from compile_attn.engine.errors import InvalidRequestError, NoChatTemplateError
-from compile_attn.engine.sampling_params import SamplingParams
+from compile_attn.engine.requests.chat import render_chat, split_conversations
+from compile_attn.engine.requests.errors import InvalidRequestError, NoChatTemplateError
+from compile_attn.engine.requests.sampling_params import SamplingParams
 
 # OpenAI name -> SamplingParams field
 SAMPLING_FIELDS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "temperature": "temperature",

@@ -15,7 +15,8 @@ import torch
 from tests.compiler.compile_helpers import SMALL, GatedMLP, run_step, toy_model
 
 from compile_attn.compiler import compile_counters, resolve_config
-from compile_attn.config import GraphConfig, host_shortcuts_enabled
+from compile_attn.env import host_shortcuts_enabled
+from compile_attn.config import GraphConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 # the toy model's three attention pieces call the op's body directly, unless COMPILE_ATTN_HOST_SHORTCUTS=0

@@ -25,7 +25,7 @@ from compile_attn.engine import (
     SamplingParams,
 )
 from compile_attn.errors import CompileAttnError
-from compile_attn.prefix_cache import page_account
+from compile_attn.kv.page_account import page_account
 from compile_attn.models import ToyDecoder, ToyDecoderConfig
 from tests.greedy_reference import greedy_by_recompute
 

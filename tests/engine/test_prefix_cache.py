@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from compile_attn.engine import LLM, SamplingParams
 from compile_attn.models import ToyDecoder, ToyDecoderConfig
-from compile_attn.prefix_cache import page_account
+from compile_attn.kv.page_account import page_account
 from tests.greedy_reference import greedy_by_recompute
 from tests.hf.hf_tiny_models import FAMILIES, build_pair, hf_greedy
 

@@ -10,7 +10,7 @@ import torch
 
 from compile_attn.attention.registry import module_available
 from compile_attn.engine import LLM, SamplingParams
-from compile_attn.prefix_cache import page_account
+from compile_attn.kv.page_account import page_account
 from tests.engine.bf16_reference import greedy_up_to_first_tie, small_llama
 
 pytestmark = pytest.mark.gpu

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from compile_attn import ForwardBatch, ForwardMode, KVCache, forward_context, get_forward_context
-from compile_attn.attention.torch_native import TorchNativeBackend
+from compile_attn.attention.torch_native.backend import TorchNativeBackend
 from compile_attn.models import ToyDecoder, ToyDecoderConfig
 
 SMALL = ToyDecoderConfig(

@@ -9,7 +9,7 @@ import torch
 from tests.graph_runner.gr_helpers import Twin, make_model
 
 from compile_attn import register_split_op
-from compile_attn.attention.torch_native import TorchNativeBackend, _DecodeMetadata
+from compile_attn.attention.torch_native.backend import TorchNativeBackend, _DecodeMetadata
 from compile_attn.config import GraphConfig
 from compile_attn.graph_runner import GraphCaptureError, GraphRunner, GraphVerificationError, capture_segments
 from compile_attn.ops import unregister_split_op

@@ -9,7 +9,8 @@ import pytest
 import torch
 from tests.graph_runner.gr_helpers import CountingBackend, Twin, eager_reference, make_model, run_scenario
 
-from compile_attn.config import GraphConfig, host_shortcuts_enabled
+from compile_attn.env import host_shortcuts_enabled
+from compile_attn.config import GraphConfig
 from compile_attn.context import forward_context
 from compile_attn.graph_mode import GraphMode
 from compile_attn.graph_runner import GraphRunner

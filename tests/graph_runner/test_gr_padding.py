@@ -6,7 +6,7 @@ import pytest
 import torch
 from tests.graph_runner.gr_helpers import CountingBackend, Twin, make_model
 
-from compile_attn.kv_cache import PAD_REQUEST, PAD_SLOT
+from compile_attn.batch import PAD_REQUEST, PAD_SLOT
 from compile_attn.config import GraphConfig
 from compile_attn.graph_runner import GraphRunner, ReplayViews, StaticBuffers
 from compile_attn.graph_runner.replay_view import next_bucket

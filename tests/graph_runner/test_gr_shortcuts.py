@@ -10,7 +10,8 @@ from torch import fx
 
 from compile_attn.compiler import compile_counters
 from compile_attn.compiler.shortcuts import record_graph_calls
-from compile_attn.config import HOST_SHORTCUTS_ENV, GraphConfig
+from compile_attn.env import HOST_SHORTCUTS_ENV
+from compile_attn.config import GraphConfig
 from compile_attn.graph_runner import GraphRunner
 
 
@@ -45,7 +46,7 @@ def test_switched_off_every_layer_takes_the_plain_path_with_the_same_results(
     pytest.importorskip("triton")
     from triton.runtime.jit import JITFunction
 
-    from compile_attn.attention.triton_ops.launch import _SHORT_PATH, CachedLaunch
+    from compile_attn.attention.kernels.launch import _SHORT_PATH, CachedLaunch
 
     # a compiled-kernel launcher (JITFunction itself: under TRITON_INTERPRET=1 triton.jit makes interpreted ones)
     assert CachedLaunch(JITFunction(_noop_kernel))._usable is (on and _SHORT_PATH)

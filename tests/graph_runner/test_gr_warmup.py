@@ -14,7 +14,7 @@ from compile_attn.config import GraphConfig
 from compile_attn.graph_runner import GraphRunner
 from compile_attn.graph_mode import GraphMode
 from compile_attn.graph_runner.warmup import warmup_shapes
-from compile_attn.kv_cache import PAD_SLOT
+from compile_attn.batch import PAD_SLOT
 
 
 def test_warm_up_reaches_every_route_and_writes_only_the_scratch_slot() -> None:

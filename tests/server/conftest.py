@@ -16,7 +16,7 @@ openai = pytest.importorskip("openai")
 
 
 from compile_attn.engine import LLM  # noqa: E402
-from compile_attn.engine.async_engine import AsyncLLM  # noqa: E402
+from compile_attn.engine.serving.async_engine import AsyncLLM  # noqa: E402
 from compile_attn.models.tiny_llama import tiny_llama  # noqa: E402
 from compile_attn.server.frontend import FRONTENDS, serving  # noqa: E402
 

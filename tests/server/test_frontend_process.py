@@ -11,9 +11,9 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
-from compile_attn.engine.async_engine import AsyncLLM  # noqa: E402
+from compile_attn.engine.serving.async_engine import AsyncLLM  # noqa: E402
 from compile_attn.server.frontend import serve_in_process  # noqa: E402
-from tests.engine.test_async_engine import PROMPTS, toy_llm, wait_idle  # noqa: E402
+from tests.engine.serving.test_async_engine import PROMPTS, toy_llm, wait_idle  # noqa: E402
 
 
 def test_dead_front_end_aborts_its_requests() -> None:

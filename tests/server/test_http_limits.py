@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from compile_attn.engine import SamplingParams
-from compile_attn.engine.async_engine import AsyncLLM
+from compile_attn.engine.serving.async_engine import AsyncLLM
 from compile_attn.models.tiny_llama import tiny_llama
 from compile_attn.server import request_body
 from compile_attn.server.frontend import FRONTENDS, serving

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from compile_attn.engine.sampling.logprobs import compute_logprobs, to_host
+from compile_attn.engine.execution.sampling.logprobs import compute_logprobs, to_host
 from compile_attn.server.logprobs_format import chat_logprobs, completion_logprobs, merge
 
 

@@ -28,10 +28,10 @@ pytest.importorskip("zmq")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from compile_attn.engine import LLM, SamplingParams  # noqa: E402
-from compile_attn.engine.async_engine import AsyncLLM  # noqa: E402
+from compile_attn.engine.serving.async_engine import AsyncLLM  # noqa: E402
 from compile_attn.models import ToyDecoder  # noqa: E402
 from compile_attn.server.frontend import FRONTENDS, serving  # noqa: E402
-from tests.engine.test_async_engine import CFG as SMALL, wait_idle  # noqa: E402
+from tests.engine.serving.test_async_engine import CFG as SMALL, wait_idle  # noqa: E402
 
 import dataclasses  # noqa: E402
 

@@ -50,7 +50,7 @@ def cascade_pages(
     """Level 0: one segment per group over its prefix pages (read from its first member's row), then one empty
     segment for the requests in no group (if any); level 1: each request's pages from its prefix's end. ValueError for a
     prefix that does not end on a page boundary."""
-    from compile_attn.attention.triton_ops.cascade_index import check_groups
+    from compile_attn.attention.kernels.cascade_index import check_groups
 
     seq = [int(n) for n in seq_lens_cpu]
     check_groups(groups, seq)
@@ -110,7 +110,7 @@ class FlashInferCascadeDecode:
             raise BackendUnavailableError(
                 f"shared-prefix decode with FlashInfer needs flashinfer's MultiLevelCascadeAttentionWrapper "
                 f"({exc}); install it with: {INSTALL_HINT}; or use the triton cascade kernels "
-                f"(compile_attn.attention.triton_ops.cascade_attention)") from exc
+                f"(compile_attn.attention.kernels.cascade_attention)") from exc
         self.wrapper = wrapper_cls(2, workspace, "NHD")
         self.pages: CascadePages | None = None
         self.page_size = 1

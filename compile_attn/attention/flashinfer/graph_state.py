@@ -103,7 +103,7 @@ class DecodeGraphState:
     def gather(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor) -> None:
         """The page ids of the planned bucket (``len(req_pool_indices)`` requests) into ``indices``: one launch,
         static shapes, no host sync (recordable in the graph)."""
-        from compile_attn.attention.triton_ops import build_page_indices
+        from compile_attn.attention.kernels import build_page_indices
 
         bs = req_pool_indices.shape[0]
         if bs != self._live_bs:

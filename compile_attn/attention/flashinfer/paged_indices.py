@@ -83,7 +83,7 @@ def build_paged_kv(
 ) -> PagedKV:
     """Pages covering the first ``lens_cpu[b]`` tokens of request row ``req_pool_indices[b]``: the host CSR,
     one upload of ``indptr`` and one gather launch into a new ``indices`` tensor."""
-    from compile_attn.attention.triton_ops import build_page_indices
+    from compile_attn.attention.kernels import build_page_indices
 
     csr = page_csr(lens_cpu, page_size)
     if req_pool_indices.shape[0] != csr.batch_size:

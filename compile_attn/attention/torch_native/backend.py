@@ -1,0 +1,154 @@
+"""torch_native: the reference attention backend in plain torch ops, on CPU and CUDA.
+
+Extend (and mixed) batches loop over requests on the host and gather each request's KV from the
+pool. Decode is batched and graph-capturable: the slot table of every request is gathered up to a
+fixed width into a static buffer and masked by sequence length, so a full decode CUDA graph can be
+tested with this backend before the fast ones. Masked positions are replaced (``torch.where``) before any
+product, so whatever unused slots hold never reaches the output. Scores are computed in float32. Slow by
+design.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from compile_attn.attention.base import AttentionBackend
+from compile_attn.attention.registry import register_backend
+from compile_attn.batch import ForwardBatch
+from compile_attn.graph_mode import GraphMode
+from compile_attn.kv.cache import KVCache
+from compile_attn.layer import AttentionLayer
+
+
+@dataclass
+class _DecodeMetadata:
+    table: torch.Tensor  # [bs, width] slots of positions 0..width-1 of each request
+    seq_lens: torch.Tensor  # [bs]
+
+
+def _masked_attention(
+    q: torch.Tensor,  # [N, Hkv, G, D]  float32
+    k: torch.Tensor,  # [N, L, Hkv, D]   float32
+    v: torch.Tensor,  # [N, L, Hkv, Dv]  float32
+    allowed: torch.Tensor,  # [N, Q, L] bool, Q = 1 (decode) or the query count
+    layer: AttentionLayer,
+) -> torch.Tensor:
+    """Softmax attention for N independent problems; returns ``[N, Q, Hkv, G, Dv]`` (Q query rows)."""
+    # q: [N, Q, Hkv, G, D] expected; callers reshape so Q is explicit.
+    # Keys no query may see (past a request's length: the scratch slot, stale or never-written slots) can hold
+    # anything, NaN included; 0 * NaN is NaN, so they are replaced, not multiplied by a 0/1 mask.
+    key_used = allowed.any(dim=1)[:, :, None, None]  # [N, L, 1, 1]
+    k = torch.where(key_used, k, 0.0)
+    v = torch.where(key_used, v, 0.0)
+    scores = torch.einsum("nqhgd,nlhd->nhgql", q, k) * layer.scaling
+    if layer.logit_cap > 0:
+        scores = layer.logit_cap * torch.tanh(scores / layer.logit_cap)
+    scores = scores.masked_fill(~allowed[:, None, None, :, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    probs = torch.nan_to_num(probs, nan=0.0)  # rows with nothing visible (never for valid batches)
+    return torch.einsum("nhgql,nlhd->nqhgd", probs, v)
+
+
+def _visibility(q_pos: torch.Tensor, k_pos: torch.Tensor, k_valid: torch.Tensor, layer: AttentionLayer) -> torch.Tensor:
+    """``allowed[..., i, j]``: causal (if the layer is), sliding window, and key validity."""
+    allowed = k_valid[..., None, :].expand(*q_pos.shape, k_pos.shape[-1]).clone()
+    if layer.causal:
+        allowed &= k_pos[..., None, :] <= q_pos[..., :, None]
+    if layer.sliding_window is not None:
+        allowed &= k_pos[..., None, :] > q_pos[..., :, None] - layer.sliding_window
+    return allowed
+
+
+@register_backend("torch_native")
+class TorchNativeBackend(AttentionBackend):
+    """Plain-torch attention; decode full-graph capturable through static, padded slot tables."""
+
+    graph_support = GraphMode.FULL_AND_PIECEWISE
+
+    def __init__(
+        self,
+        kv_cache: KVCache,
+        layers: Sequence[AttentionLayer] | Mapping[int, AttentionLayer],
+        graph_max_context: int | None = None,
+    ) -> None:
+        """``graph_max_context`` bounds the decode slot-table width in graphs (default: the cache's max_context)."""
+        super().__init__(kv_cache, layers)
+        self.graph_max_context = graph_max_context or kv_cache.max_context
+        self._decode: _DecodeMetadata | None = None
+        self._cg_table: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ metadata contract
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        self._cg_table = torch.zeros(max_bs, self.graph_max_context, dtype=torch.int32, device=self.device)
+
+    def init_forward_metadata_out_graph(self, fb: ForwardBatch, in_capture: bool = False) -> None:
+        if not fb.forward_mode.is_decode():
+            self._decode = None  # extend reads host lengths at call time
+            return
+        if fb.graph_bucket is not None:
+            allocated = None if self._cg_table is None else self._cg_table.shape[0]
+            self.check_graph_view(fb, allocated, self.graph_max_context)
+            self._decode = _DecodeMetadata(self._cg_table[: fb.batch_size], fb.seq_lens)
+        else:
+            width = int(fb.seq_lens_cpu.max()) if fb.batch_size else 1
+            table = torch.empty(fb.batch_size, width, dtype=torch.int32, device=self.device)
+            self._decode = _DecodeMetadata(table, fb.seq_lens)
+
+    def init_forward_metadata_in_graph(self, fb: ForwardBatch) -> None:
+        if not fb.forward_mode.is_decode():
+            return
+        meta = self._decode
+        assert meta is not None, "init_forward_metadata_out_graph must run first"
+        width = meta.table.shape[1]
+        meta.table.copy_(self.kv_cache.req_to_token[fb.req_pool_indices, :width])
+
+    # ------------------------------------------------------------------ compute
+    def forward_decode(self, q, k, v, layer, fb, out, save_kv_cache) -> None:  # noqa: ANN001
+        if save_kv_cache:
+            self.save_kv(layer, fb, k, v)
+        meta = self._decode
+        if meta is None:
+            raise RuntimeError(
+                "torch_native decode metadata is missing: call backend.init_forward_metadata(batch) before the forward"
+            )
+        k_buf, v_buf = self.kv_cache.pool.get_kv(layer.layer_id)
+        table = meta.table.long()
+        bs, width = table.shape
+        k_all = k_buf[table].float()  # [bs, width, Hkv, D]
+        v_all = v_buf[table].float()
+        if not save_kv_cache:  # the new token is not in the pool: splice it in at position seq_len - 1
+            last = (meta.seq_lens.long() - 1).clamp(min=0)
+            k_all[torch.arange(bs, device=k_all.device), last] = k[:bs].float()
+            v_all[torch.arange(bs, device=v_all.device), last] = v[:bs].float()
+        k_pos = torch.arange(width, device=q.device).expand(bs, width)
+        k_valid = k_pos < meta.seq_lens[:, None]
+        q_pos = (meta.seq_lens.long() - 1)[:, None]  # [bs, 1]
+        allowed = _visibility(q_pos, k_pos, k_valid, layer)  # [bs, 1, width]
+        qh = q[:bs].float().view(bs, 1, layer.num_kv_heads, layer.group_size, layer.head_dim)
+        o = _masked_attention(qh, k_all, v_all, allowed, layer)  # [bs, 1, Hkv, G, Dv]
+        out[:bs].copy_(o.reshape(bs, layer.num_heads, layer.v_head_dim))
+
+    def forward_extend(self, q, k, v, layer, fb, out, save_kv_cache) -> None:  # noqa: ANN001
+        if save_kv_cache:
+            self.save_kv(layer, fb, k, v)
+        k_buf, v_buf = self.kv_cache.pool.get_kv(layer.layer_id)
+        req_to_token = self.kv_cache.req_to_token
+        start = 0
+        for b, (prefix, ext) in enumerate(zip(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu)):
+            if ext == 0:
+                continue
+            prefix_slots = req_to_token[fb.req_pool_indices[b], :prefix].long()
+            k_all = torch.cat([k_buf[prefix_slots].float(), k[start : start + ext].float()])[None]
+            v_all = torch.cat([v_buf[prefix_slots].float(), v[start : start + ext].float()])[None]
+            k_pos = torch.arange(prefix + ext, device=q.device)[None]
+            q_pos = torch.arange(prefix, prefix + ext, device=q.device)[None]
+            allowed = _visibility(q_pos, k_pos, torch.ones_like(k_pos, dtype=torch.bool), layer)
+            qh = q[start : start + ext].float().view(1, ext, layer.num_kv_heads, layer.group_size, layer.head_dim)
+            o = _masked_attention(qh, k_all, v_all, allowed, layer)
+            out[start : start + ext].copy_(o.reshape(ext, layer.num_heads, layer.v_head_dim))
+            start += ext
+        if start < out.shape[0]:
+            out[start:].zero_()  # padding tokens of a graph bucket

@@ -1,0 +1,358 @@
+"""triton: attention through compile_attn's own Triton kernels (``attention/kernels``) over the paged KV pool.
+
+Decode can be captured as one full CUDA graph: ``init_cuda_graph_state`` allocates static token-CSR
+buffers (``kv_indptr``/``kv_indices``/``num_kv_splits``, one set for full attention and one per
+sliding-window size) and split-K scratch, and ``init_forward_metadata_in_graph`` fills them on the
+device with static shapes. Extend and mixed batches are prepared in ``init_forward_metadata_out_graph``
+from host lengths (the kernel's grid depends on them) and run eagerly between captured pieces.
+
+A decode layer run eagerly over graph-bound metadata (between piecewise graphs, or a breakable graph's
+break) keeps its launch after the first step (``DecodePlan``): while its q/k/v/out/slot tensors are the same
+(address, shape, strides, dtype), later steps relaunch it without the argument checks and launch keys.
+
+An eager decode batch whose requests share a cached prefix (``fb.shared_prefix``, or found in the KV cache with
+``cascade_decode=True``) runs the shared-prefix (cascade) kernels instead, and so does a decode batch the graph
+runner routes to its piecewise graphs because it carries groups: see ``triton/cascade.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from itertools import accumulate
+from typing import Any
+
+import torch
+
+from compile_attn.attention.base import AttentionBackend
+from compile_attn.attention.kernel_loader import kernels_interpreted, load_triton_ops
+from compile_attn.attention.registry import register_backend
+from compile_attn.attention.triton.cascade import CascadePlanner, CascadeStep
+from compile_attn.attention.triton.metadata import (
+    DecodeGraphBuffers,
+    DecodeIndex,
+    DecodePlan,
+    DecodeStep,
+    ExtendStep,
+    SplitScratch,
+    decode_inputs,
+)
+from compile_attn.batch import ForwardBatch
+from compile_attn import env
+from compile_attn.errors import BackendUnavailableError, InvalidBatchError, UnsupportedConfigError
+from compile_attn.graph_mode import GraphMode
+from compile_attn.host_tensors import to_device
+from compile_attn.kv.cache import KVCache
+from compile_attn.layer import AttentionLayer
+
+logger = logging.getLogger(__name__)
+
+def _exclusive_cumsum(lens: Sequence[int]) -> list[int]:
+    """Host ``[len(lens) + 1]`` offsets."""
+    return [0, *accumulate(lens)]
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _run_into(out: torch.Tensor, fn: Callable[[torch.Tensor], None]) -> None:
+    """Run a kernel that needs a last-dim-contiguous output; copy into ``out`` if it is not one."""
+    if out.stride(-1) == 1:
+        fn(out)
+    else:
+        tmp = torch.empty(out.shape, dtype=out.dtype, device=out.device)
+        fn(tmp)
+        out.copy_(tmp)
+
+
+@register_backend("triton")
+class TritonBackend(AttentionBackend):
+    """Split-K paged decode and paged extend with compile_attn's Triton kernels; decode is full-graph capturable."""
+
+    graph_support = GraphMode.FULL_AND_PIECEWISE
+
+    def __init__(
+        self,
+        kv_cache: KVCache,
+        layers: Sequence[AttentionLayer] | Mapping[int, AttentionLayer],
+        *,
+        max_kv_splits: int | None = None,
+        deterministic: bool = False,
+        split_size: int | None = None,
+        graph_max_context: int | None = None,
+        one_launch_decode: bool | None = None,
+        cascade_decode: bool | None = None,
+    ) -> None:
+        """Options: ``max_kv_splits`` (most KV splits per decode request; default kernels.DEFAULT_MAX_KV_SPLITS),
+        ``deterministic`` (fixed ``split_size``-token splits and one KV tile size for every batch size, so a
+        request's decode output is bitwise the same whatever else is in the batch), ``split_size`` (default
+        kernels.DEFAULT_SPLIT_SIZE; the shortest split otherwise), ``graph_max_context`` (longest sequence a
+        decode graph serves; default the cache's max_context), ``one_launch_decode`` (the split kernel merges the
+        splits itself, one launch per decode layer; False: a separate merge kernel, two launches; default on
+        unless the environment sets ``COMPILE_ATTN_DECODE_ONE_LAUNCH=0``, for A/B runs), ``cascade_decode`` (eager
+        decode batches whose requests share cached prefix pages read each shared prefix once: ``triton/cascade.py``;
+        batches that carry ``shared_prefix`` groups take that path whatever this says; default off unless the
+        environment sets ``COMPILE_ATTN_CASCADE_DECODE=1``)."""
+        self._ops = load_triton_ops()
+        self._check_device(kv_cache.device)
+        super().__init__(kv_cache, layers)
+        self.max_kv_splits = int(self._ops.DEFAULT_MAX_KV_SPLITS if max_kv_splits is None else max_kv_splits)
+        self.split_size = int(self._ops.DEFAULT_SPLIT_SIZE if split_size is None else split_size)
+        if self.max_kv_splits <= 0 or self.split_size <= 0:
+            raise ValueError(f"max_kv_splits and split_size must be positive, got {max_kv_splits}, {split_size}")
+        self.deterministic = deterministic
+        if one_launch_decode is None:
+            one_launch_decode = env.one_launch_decode()
+        self.one_launch_decode = bool(one_launch_decode)
+        self.graph_max_context = graph_max_context or kv_cache.max_context
+        self.num_sms = (
+            torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 1
+        )
+        ordered = [self.layers[i] for i in sorted(self.layers)]
+        self.windows: list[int | None] = list(dict.fromkeys(layer.sliding_window for layer in ordered))
+        self.head_shapes: list[tuple[int, int]] = list(
+            dict.fromkeys((layer.num_heads, layer.v_head_dim) for layer in ordered)
+        )
+        self._graph: DecodeGraphBuffers | None = None
+        self._eager_scratch: dict[tuple[int, int], SplitScratch] = {}
+        self._step: DecodeStep | ExtendStep | CascadeStep | None = None
+        # Shared-prefix decode needs every layer to see the whole sequence (no sliding window).
+        if cascade_decode is None:
+            cascade_decode = env.cascade_decode()
+        self.cascade = (CascadePlanner(kv_cache, self._ops, detect=cascade_decode) if self.windows == [None]
+                        else None)
+        # Graph-bound decode layers' launches, per (layer, batch size, save_kv_cache): see forward_decode.
+        self._decode_plans: dict[tuple[int, int, bool], DecodePlan] = {}
+        self.bound_decode_launches = 0  # decode layers launched through a DecodePlan (tests, debugging)
+        logger.info(
+            "triton backend: %d layers, windows %s, max_kv_splits %d, split_size %d%s%s, %s",
+            len(self.layers), ["full" if w is None else w for w in self.windows], self.max_kv_splits,
+            self.split_size, ", deterministic" if deterministic else "",
+            "" if self.one_launch_decode else ", two-launch decode (separate merge kernel)",
+            "interpreted kernels, so no full decode graphs (graph mode support: piecewise)"
+            if self._interpreted else f"{self.num_sms} SMs",
+        )
+
+    # ------------------------------------------------------------------ configuration checks
+    def _check_device(self, device: torch.device) -> None:
+        interpreted = kernels_interpreted()
+        if device.type != "cuda" and not interpreted:
+            raise BackendUnavailableError(
+                f"the triton backend runs its kernels on CUDA GPUs but the KV cache is on {device}; use "
+                f"backend='torch_native' on the CPU (tests may run the kernels on the CPU by setting "
+                f"TRITON_INTERPRET=1 before compile_attn.attention.kernels is first imported)"
+            )
+        self._interpreted = interpreted
+
+    def supported_graph_mode(self) -> GraphMode:
+        """Piecewise only with interpreted kernels: they run on the host, so no CUDA graph (or CPU op tape) can
+        record them."""
+        return GraphMode.PIECEWISE if self._interpreted else self.graph_support
+
+    def check_layer(self, layer: AttentionLayer) -> None:
+        super().check_layer(layer)
+        pool = self.kv_cache.pool
+        if layer.v_head_dim != pool.v_head_dim:
+            raise UnsupportedConfigError(
+                f"layer {layer.layer_id} has v_head_dim {layer.v_head_dim} but the KV pool holds V heads of dim "
+                f"{pool.v_head_dim}; build the KVCache with v_head_dim={layer.v_head_dim}"
+            )
+        try:
+            self._ops.check_supported(layer.head_dim, layer.v_head_dim, pool.dtype)
+        except ValueError as exc:
+            raise UnsupportedConfigError(f"layer {layer.layer_id}: {exc}") from None
+
+    # ------------------------------------------------------------------ inspection (tests, debugging)
+    @property
+    def step_metadata(self) -> DecodeStep | ExtendStep | None:
+        """What the last ``init_forward_metadata_out_graph`` prepared."""
+        return self._step
+
+    @property
+    def graph_buffers(self) -> DecodeGraphBuffers | None:
+        """The static decode buffers of ``init_cuda_graph_state`` (None before it ran)."""
+        return self._graph
+
+    # ------------------------------------------------------------------ metadata contract
+    def takes_shared_prefix_decode(self) -> bool:
+        """Decode batches with ``shared_prefix`` groups run the cascade kernels (models without sliding windows)."""
+        return self.cascade is not None
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return 1  # a padded request reads one token: row PAD_REQUEST's scratch slot
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        if self._graph is not None and self._graph.max_bs >= max_bs:
+            return  # graphs captured so far keep their buffers
+        indexes = {
+            w: DecodeIndex.allocate(w, max_bs, max_bs * self._index_capacity(w), self.device, zero=True)
+            for w in self.windows
+        }
+        scratch = {
+            shape: SplitScratch.allocate(max_bs, *shape, self.max_kv_splits, self.device) for shape in self.head_shapes
+        }
+        self._graph = DecodeGraphBuffers(max_bs, indexes, scratch)
+        self._decode_plans.clear()  # bound to the buffers just replaced
+
+    def _index_capacity(self, window: int | None) -> int:
+        """Most KV tokens one request reads in a decode graph."""
+        return self.graph_max_context if window is None else min(window, self.graph_max_context)
+
+    def init_forward_metadata_out_graph(self, fb: ForwardBatch, in_capture: bool = False) -> None:
+        if fb.forward_mode.is_idle() or fb.batch_size == 0:
+            self._step = None
+        elif fb.forward_mode.is_decode():
+            # A graph view takes the cascade only with the groups the runner passed it (a piecewise route, where
+            # attention runs eagerly); a full-graph decode view carries none and keeps the split-K kernel.
+            eager = fb.graph_bucket is None
+            cascade = (self.cascade.prepare(fb) if self.cascade is not None and (eager or fb.shared_prefix)
+                       else None)
+            if cascade is not None:
+                self._step = cascade
+            else:
+                self._step = self._alloc_eager_decode(fb) if eager else self._bind_graph_decode(fb)
+        else:
+            self._step = self._prepare_extend(fb)
+
+    def init_forward_metadata_in_graph(self, fb: ForwardBatch) -> None:
+        """Fill the decode token CSR and split counts on the device: static shapes, no host sync."""
+        step = self._step
+        if not isinstance(step, DecodeStep):
+            return  # extend metadata is prepared in out_graph
+        for idx in step.indexes.values():  # one launch per window
+            self._ops.build_decode_metadata(
+                self.kv_cache.req_to_token, fb.req_pool_indices, fb.seq_lens, idx.kv_indptr, idx.kv_indices,
+                idx.num_kv_splits, num_sms=self.num_sms, max_kv_splits=self.max_kv_splits,
+                deterministic=self.deterministic, split_size=self.split_size,
+                num_kv_heads=self.kv_cache.pool.num_kv_heads, window=idx.window, kv_start=idx.kv_start,
+            )
+        step.filled = True
+
+    def _bind_graph_decode(self, fb: ForwardBatch) -> DecodeStep:
+        graph = self._graph
+        self.check_graph_view(fb, None if graph is None else graph.max_bs, self.graph_max_context)
+        bs = fb.batch_size
+        return DecodeStep(bs, graph.head(bs), graph.scratch, graph_bound=True)
+
+    def _alloc_eager_decode(self, fb: ForwardBatch) -> DecodeStep:
+        bs, lens = fb.batch_size, fb.seq_lens_cpu
+        indexes = {
+            w: DecodeIndex.allocate(w, bs, int(lens.sum() if w is None else lens.clamp(max=w).sum()), self.device,
+                                    zero=False)
+            for w in self.windows
+        }
+        return DecodeStep(bs, indexes, self._scratch_for(bs))
+
+    def _scratch_for(self, bs: int) -> dict[tuple[int, int], SplitScratch]:
+        """Scratch for an eager decode of ``bs`` requests: the graph's if it fits, else a grow-only set."""
+        if self._graph is not None and self._graph.max_bs >= bs:
+            return self._graph.scratch
+        if not self._eager_scratch or next(iter(self._eager_scratch.values())).capacity < bs:
+            self._eager_scratch = {
+                shape: SplitScratch.allocate(bs, *shape, self.max_kv_splits, self.device) for shape in self.head_shapes
+            }
+        return self._eager_scratch
+
+    def _prepare_extend(self, fb: ForwardBatch) -> ExtendStep:
+        ext, prefix = fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu
+        qo_cpu, kv_cpu = _exclusive_cumsum(ext), _exclusive_cumsum(prefix)
+        qo_indptr, kv_indptr = to_device([qo_cpu, kv_cpu], torch.int32, self.device)  # one copy
+        total_prefix = kv_cpu[-1]
+        kv_indices = torch.empty(max(total_prefix, 1), dtype=torch.int32, device=self.device)
+        if total_prefix:
+            self._ops.build_kv_indices(
+                self.kv_cache.req_to_token, fb.req_pool_indices, fb.extend_prefix_lens, kv_indptr, kv_indices
+            )
+        return ExtendStep(
+            num_tokens=qo_cpu[-1], qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices,
+            max_len_extend=max(ext, default=0),
+        )
+
+    def _require_step(self, decode: bool, fb: ForwardBatch) -> DecodeStep | ExtendStep:
+        step = self._step
+        if not isinstance(step, DecodeStep if decode else ExtendStep) or (decode and not step.filled):
+            raise RuntimeError(
+                f"the triton backend has no {'decode' if decode else 'extend'} metadata for this batch: call "
+                f"backend.init_forward_metadata(batch) (or out_graph then in_graph) before the forward"
+            )
+        # The kernels' grids and index buffers were sized for the batch the metadata was prepared for.
+        prepared, given = ((step.batch_size, fb.batch_size) if isinstance(step, DecodeStep)
+                           else (step.num_tokens, fb.num_request_tokens))
+        if prepared != given:
+            raise InvalidBatchError(
+                f"the triton backend's metadata was prepared for a batch of {prepared} "
+                f"{'requests' if decode else 'tokens'} but the forward runs one of {given}; call "
+                f"backend.init_forward_metadata(batch) with the batch the forward context holds"
+            )
+        return step
+
+    # ------------------------------------------------------------------ compute
+    def forward_decode(self, q, k, v, layer, fb, out, save_kv_cache) -> None:
+        if isinstance(self._step, CascadeStep) and self._step.batch_size == fb.batch_size:
+            self.cascade.forward(self._step, q, k, v, layer, fb, out, save_kv_cache)
+            return
+        step = self._require_step(decode=True, fb=fb)
+        assert isinstance(step, DecodeStep)
+        loc = fb.out_cache_loc if save_kv_cache else None
+        bind = step.graph_bound
+        if bind:
+            # Between piecewise graphs a decode layer gets the same tensors every step (a graph's static outputs,
+            # the runner's static buffers, the graph-bound metadata): then its launch repeats as bound the first
+            # time, without the argument checks and launch keys (this runs once per layer per step, on the
+            # host's critical path).
+            plan_key = (layer.layer_id, step.batch_size, save_kv_cache)
+            inputs = decode_inputs(q, k, v, out, loc)
+            plan = self._decode_plans.get(plan_key)
+            if plan is not None and plan.inputs == inputs and plan.indexes is step.indexes:
+                if plan.launch():
+                    self.bound_decode_launches += 1
+                    return
+                bind = False  # a launch hook (profiler) is active: launch the regular way, keep the plan
+        k_buf, v_buf = self.kv_cache.pool.get_kv(layer.layer_id)
+        bs = step.batch_size
+        idx = step.indexes[layer.sliding_window]
+        scratch = step.scratch[(layer.num_heads, layer.v_head_dim)]
+        # The common case (one row per request, contiguous rows) takes no slicing or copying. The kernel takes
+        # each request's new token from k/v and (save_kv_cache) stores it: no separate store_kv launch.
+        if q.shape[0] != bs:
+            q, bind = q[:bs], False
+        if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+            q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
+            bind = False
+        padded = out.shape[0] > bs
+
+        def decode(launch: Callable[..., Any], o: torch.Tensor) -> Any:  # both launch forms take these arguments
+            return launch(q, k_buf, v_buf, o, idx.kv_indptr, idx.kv_indices, idx.num_kv_splits, self.max_kv_splits,
+                          scratch.attn_logits, scratch.attn_lse, layer.scaling, layer.logit_cap, k_new=k, v_new=v,
+                          new_loc=loc, semaphores=scratch.semaphores if self.one_launch_decode else None,
+                          batch_invariant=self.deterministic)
+
+        if bind and not padded and out.stride(-1) == 1 and not (
+            self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        ):
+            again = decode(self._ops.decode_attention_fwd_and_bind, out)
+            if again is not None:
+                self._decode_plans[plan_key] = DecodePlan(inputs, step.indexes, again)
+            return
+        _run_into(out[:bs] if padded else out, lambda o: decode(self._ops.decode_attention_fwd, o))
+        if padded:
+            out[bs:].zero_()
+
+    def forward_extend(self, q, k, v, layer, fb, out, save_kv_cache) -> None:
+        step = self._require_step(decode=False, fb=fb)
+        assert isinstance(step, ExtendStep)
+        k_buf, v_buf = self.kv_cache.pool.get_kv(layer.layer_id)
+        k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
+        if save_kv_cache:  # padding tokens of a bucket write the scratch slot (out_cache_loc PAD_SLOT)
+            self._ops.store_kv(k_buf, v_buf, fb.out_cache_loc, k, v)
+        n = step.num_tokens
+        if n:
+            qn = _last_dim_contiguous(q[:n])
+            _run_into(out[:n], lambda o: self._ops.extend_attention_fwd(
+                qn, k[:n], v[:n], o, k_buf, v_buf, step.qo_indptr, step.kv_indptr, step.kv_indices,
+                step.max_len_extend, layer.scaling, is_causal=layer.causal,
+                sliding_window=layer.sliding_window or -1, logit_cap=layer.logit_cap,
+            ))
+        if out.shape[0] > n:
+            out[n:].zero_()  # padding tokens of a graph bucket

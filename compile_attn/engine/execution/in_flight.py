@@ -1,0 +1,86 @@
+"""A launched engine step whose sampled tokens the host has not read yet, and the device-side feedback of those
+tokens into the next step's input ids.
+
+With overlap scheduling the engine launches step N+1 before it reads step N's tokens. Each request that samples in
+step N gets a placeholder in its ``token_ids`` at launch: ``-(i + 1)`` where ``i`` is its row in step N's token
+tensor. The scheduler counts it like any token, so step N+1 is planned as if the token were known; its input ids
+carry the placeholder, and every negative id is replaced with step N's token on the device before the forward runs
+(``step_kernels.TokenFeed``: in the copy of a decode step's inputs into the graph's buffers, else ``feed_tokens``).
+When the host reads step N's tokens (``InFlightStep.read``, the step's one wait on the device), the engine writes
+them over the placeholders and runs the finish checks one step late.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from compile_attn.graph_runner import step_kernels
+from compile_attn.engine.requests.request import Request
+
+
+def placeholder(row: int) -> int:
+    """The placeholder token id of row ``row`` of the step in flight (negative: never a real token id)."""
+    return -1 - row
+
+
+@dataclass(eq=False)
+class InFlightStep:
+    """``requests[i]`` sampled ``tokens[i]`` (a device tensor) in this step, to be written at ``token_ids[at[i]]``
+    (where its placeholder is). ``host`` is the asynchronous copy of ``tokens`` that ``ready`` marks complete (on the
+    CPU, ``tokens`` itself and no event)."""
+
+    requests: list[Request]
+    at: list[int]
+    tokens: torch.Tensor
+    host: torch.Tensor
+    ready: torch.cuda.Event | None
+    logprob_at: list[int]  # positions in ``requests`` of the rows of ``logprobs_host``
+    logprobs_host: torch.Tensor | None  # their packed log-probabilities (engine/execution/step_extras.py), copied with tokens
+
+    @classmethod
+    def launch(cls, requests: list[Request], tokens: torch.Tensor, logprobs: torch.Tensor | None = None,
+               logprob_at: list[int] | None = None) -> InFlightStep:
+        """Start copying ``tokens`` (and ``logprobs``) to the host and put a placeholder at the end of each
+        request's ``token_ids``."""
+        ready = None
+        host, logprobs_host = tokens, logprobs
+        if tokens.is_cuda:
+            host = _to_pinned(tokens)
+            logprobs_host = None if logprobs is None else _to_pinned(logprobs)
+            ready = torch.cuda.Event()
+            ready.record()
+        at = []
+        for i, r in enumerate(requests):  # hundreds of requests per step: placeholder(i) inlined
+            at.append(len(r.token_ids))
+            r.token_ids.append(-1 - i)
+            r.unresolved += 1
+        return cls(requests, at, tokens, host, ready, logprob_at or [], logprobs_host)
+
+    def read(self) -> list[int]:
+        """The sampled tokens on the host; waits for this step's device work (and only for it)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host.tolist()
+
+
+def _to_pinned(t: torch.Tensor) -> torch.Tensor:
+    """An asynchronous copy of the device tensor ``t`` into fresh pinned host memory."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
+
+
+def has_placeholders(requests: list[Request], prefix_lens: list[int], extend_lens: list[int]) -> bool:
+    """Whether some request's tokens for this step include a placeholder (its newest token, not read yet)."""
+    for r, p, n in zip(requests, prefix_lens, extend_lens):
+        if r.unresolved and p + n > len(r.token_ids) - r.unresolved:
+            return True
+    return False
+
+
+def feed_tokens(input_ids: torch.Tensor, tokens: torch.Tensor, vocab_size: int | None) -> None:
+    """Replace, in place and on the device, each placeholder ``-(i + 1)`` in ``input_ids`` with ``tokens[i]``,
+    clamped into the vocabulary (``step_kernels.feed_tokens``: one kernel where it can)."""
+    step_kernels.feed_tokens(input_ids, tokens, vocab_size)

@@ -1,0 +1,88 @@
+"""What a step computes beside the next tokens, for the requests that ask: presence / frequency / repetition
+penalties on their logits before sampling, and the log-probabilities of their sampled tokens after it.
+
+Both stay on the device. Penalties read per-request-row token statistics (``PenaltyState``) that a step updates
+with its sampled tokens without a host sync; a request's row is (re)filled from its prompt and outputs when it
+first samples in that row (after admission or a preemption). Log-probabilities are packed into one float64 tensor
+that the engine copies to the host with the step's tokens (see engine/execution/in_flight.py) and unpacks when it reads them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from compile_attn.engine.execution.in_flight import feed_tokens
+from compile_attn.engine.requests.request import Request
+from compile_attn.engine.execution.sampling.logprobs import compute_logprobs, pack
+from compile_attn.engine.execution.sampling.penalties import PenaltyState
+from compile_attn.host_tensors import to_device, upload
+
+
+@dataclass(eq=False)
+class StepExtras:
+    """For one step's sampled requests ``reqs``: the positions in ``reqs`` of those with penalties and of those
+    asking for logprobs, and the device tensors the step needs for them."""
+
+    penalty_at: list[int]
+    logprob_at: list[int]
+    state: PenaltyState | None
+    penalty_index: torch.Tensor | None = None  # [P] positions in the step's sampled rows
+    penalty_rows: torch.Tensor | None = None  # [P] request rows of PenaltyState
+    penalty_values: torch.Tensor | None = None  # [3, P] presence, frequency, repetition
+    logprob_index: torch.Tensor | None = None  # [L]
+    num_top: int = 0
+
+    @classmethod
+    def for_step(cls, reqs: list[Request], state: PenaltyState | None, device: torch.device) -> StepExtras | None:
+        """None when no sampled request uses penalties or logprobs (the common case: nothing is uploaded)."""
+        penalty_at = [i for i, r in enumerate(reqs) if r.params.has_penalties] if state is not None else []
+        logprob_at = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+        if not penalty_at and not logprob_at:
+            return None
+        extras = cls(penalty_at, logprob_at, state)
+        longs = to_device([penalty_at, [reqs[i].row for i in penalty_at], logprob_at], torch.int64, device)
+        extras.penalty_index, extras.penalty_rows, extras.logprob_index = longs
+        if penalty_at:
+            values = [[reqs[i].params.presence_penalty for i in penalty_at],
+                      [reqs[i].params.frequency_penalty for i in penalty_at],
+                      [reqs[i].params.repetition_penalty for i in penalty_at]]
+            extras.penalty_values = upload(torch.tensor(values, dtype=torch.float32), device)
+        extras.num_top = max((reqs[i].params.logprobs for i in logprob_at), default=0)
+        return extras
+
+    def penalise(self, logits: torch.Tensor) -> torch.Tensor:
+        """A copy of the logits with the penalty rows penalised (computed in float32, stored in the logits' dtype so
+        the sampler's kernels built at start-up serve it); the same tensor when no row has penalties."""
+        if not self.penalty_at:
+            return logits
+        assert self.state is not None and self.penalty_index is not None and self.penalty_values is not None
+        penalised = self.state.apply(logits.index_select(0, self.penalty_index), self.penalty_rows,
+                                     *self.penalty_values)
+        return logits.index_copy(0, self.penalty_index, penalised.to(logits.dtype))
+
+    def after_sampling(self, raw_logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor | None:
+        """Count the penalty rows' new tokens; return the logprob rows' log-probabilities, packed (``logprobs.pack``)."""
+        if self.penalty_at:
+            assert self.state is not None
+            self.state.record(self.penalty_rows, tokens.index_select(0, self.penalty_index))
+        if not self.logprob_at:
+            return None
+        idx = self.logprob_index
+        return pack(compute_logprobs(raw_logits.index_select(0, idx), tokens.index_select(0, idx), self.num_top))
+
+
+def start_penalty_rows(reqs: list[Request], state: PenaltyState, in_flight_tokens: torch.Tensor | None,
+                       vocab_size: int | None, device: torch.device) -> None:
+    """Fill the penalty statistics of each request in ``reqs`` with penalties whose row they do not describe yet
+    (a new request, or one preempted and admitted again): its prompt, and its outputs so far. A placeholder among
+    the outputs (a token of the step in flight) is read on the device."""
+    for r in reqs:
+        if not r.params.has_penalties or r.penalty_row == r.row:
+            continue
+        prompt, outputs = to_device([r.prompt_ids, r.token_ids[len(r.prompt_ids):]], torch.int64, device)
+        if r.unresolved and in_flight_tokens is not None:
+            feed_tokens(outputs, in_flight_tokens, vocab_size)
+        state.start(r.row, prompt, outputs)
+        r.penalty_row = r.row

@@ -1,0 +1,147 @@
+"""EngineConfig: every option of ``LLM(...)`` in one dataclass, checked once in ``__post_init__`` before a model
+loads, so a bad value is refused by name in one line instead of failing deep inside loading or the first step.
+
+``LLM(model, **options)`` filters its keywords through ``EngineConfig``'s fields (``LLM(model, config=...)`` takes
+one whole); the command line builds the same object (``cli_options.engine_config``). This module checks and
+normalises values; it builds nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from compile_attn.attention.registry import check_backend_name
+from compile_attn.config import GraphConfig
+from compile_attn.engine.requests.errors import EngineOptionError, UnknownEngineOptionError
+from compile_attn.errors import InvalidConfigError
+from compile_attn.graph_mode import GraphMode
+
+# vLLM's dtype names; "auto" (or None) is bfloat16 on CUDA and float32 on the CPU.
+DTYPE_NAMES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.float16,
+               "float32": torch.float32, "float": torch.float32}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The engine's options. After ``__post_init__``, ``device`` is a ``torch.device`` and ``dtype`` a floating
+    ``torch.dtype``; the other fields are as given.
+
+    attn_backend: a backend name, ``"auto"`` or ``"<prefill>+<decode>"`` (see ``create_backend``).
+    graph_mode: which CUDA graphs run (see GraphMode; on the CPU the same logic runs eagerly).
+    compile: wrap the model in ``torch.compile(backend="compile_attn")``; compile_options: GraphConfig fields.
+    capture: capture every graph and warm up every step shape at start-up (off: lazily, for tests).
+    max_batch_size: requests per step, and request rows of the KV cache; max_num_tokens: tokens per step.
+    kv_cache_tokens: the KV capacity; None sizes it from ``gpu_memory_utilization`` of the device's memory (CUDA)
+    or as ``max_batch_size * max_context`` capped by host memory (CPU), see engine/execution/kv_sizing.py.
+    max_context: tokens per request at most (None: the model's, else 4096). page_size: tokens per KV page.
+    dtype: a floating torch.dtype or one of vLLM's names ("auto" / None: bfloat16 on CUDA, float32 on the CPU).
+    device: "cpu", "cuda" or "cuda:N" (None: CUDA when there is one).
+    overlap: keep one step in flight (the host schedules step N+1 while the device runs step N).
+    enable_prefix_cache: keep computed KV in a radix tree so that prompts starting alike reuse it.
+    cascade_decode: give decode batches their shared-prefix groups (requests reading the same cached prefix pages,
+    ``shared_prefix.MIN_REQUESTS`` or more sharing ``MIN_TOKENS`` tokens or more), so that a backend with a
+    shared-prefix decode path (triton) reads each shared prefix once; such batches run through the piecewise graphs
+    instead of a full decode graph. None: on when ``COMPILE_ATTN_CASCADE_DECODE=1``, else off.
+    """
+
+    attn_backend: str = "auto"
+    graph_mode: str | GraphMode = "full_and_piecewise"
+    compile: bool = True
+    compile_options: Mapping[str, Any] | None = None
+    capture: bool = True
+    max_batch_size: int = 32
+    max_num_tokens: int = 2048
+    kv_cache_tokens: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_context: int | None = None
+    page_size: int = 1
+    dtype: str | torch.dtype | None = None
+    device: str | torch.device | None = None
+    overlap: bool = True
+    enable_prefix_cache: bool = True
+    cascade_decode: bool | None = None
+
+    def __post_init__(self) -> None:
+        check_backend_name(self.attn_backend)  # a misspelt name or mode fails here, not after the model has loaded
+        GraphConfig.from_options({**(self.compile_options or {}), "mode": self.graph_mode})
+        check_memory_utilization(self.gpu_memory_utilization)
+        check_sizes(max_batch_size=self.max_batch_size, max_num_tokens=self.max_num_tokens, page_size=self.page_size,
+                    max_context=self.max_context, kv_cache_tokens=self.kv_cache_tokens)
+        device = check_device(self.device)
+        object.__setattr__(self, "device", device)
+        object.__setattr__(self, "dtype", check_dtype(self.dtype, device))
+
+    @classmethod
+    def from_options(cls, config: EngineConfig | None = None, **options: Any) -> EngineConfig:
+        """``config`` (default: every field's default) with ``options`` replacing its fields; a keyword that names
+        no field is refused with the closest field names."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = [k for k in options if k not in names]
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], names, n=3)
+            hint = f"did you mean {', '.join(close)}? " if close else ""
+            raise UnknownEngineOptionError(
+                f"LLM() got an unknown option {unknown[0]!r}; {hint}the options are EngineConfig's fields: "
+                f"{', '.join(names)}"
+            )
+        return dataclasses.replace(config, **options) if config is not None else cls(**options)
+
+    @property
+    def uses_graphs(self) -> bool:
+        """Whether any CUDA graph is captured (graph_mode other than "none")."""
+        return GraphMode.parse(self.graph_mode) is not GraphMode.NONE
+
+
+def check_sizes(**sizes: int | None) -> None:
+    """Each size a positive int (None: its default), refused by name."""
+    for name, value in sizes.items():
+        if value is None and name in ("max_context", "kv_cache_tokens"):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise EngineOptionError(f"LLM({name}=...) must be a positive int, got {value!r}")
+
+
+def check_memory_utilization(utilization: float) -> None:
+    """InvalidConfigError unless ``0 < utilization <= 1`` (a float: the share of device memory the engine uses)."""
+    if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
+        raise InvalidConfigError(
+            f"gpu_memory_utilization must be a number in (0, 1], the share of the device's memory the engine may "
+            f"use, got {utilization!r}; e.g. 0.9, or pass kv_cache_tokens to size the KV cache yourself"
+        )
+
+
+def check_device(device: str | torch.device | None) -> torch.device:
+    """The engine's device: CUDA when present unless named; a CUDA device without CUDA is refused in one line."""
+    try:
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except (RuntimeError, TypeError) as exc:
+        raise EngineOptionError(f"LLM(device={device!r}) is not a device ({exc}); pass 'cpu', 'cuda' or "
+                                f"'cuda:N'") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise EngineOptionError(f"LLM(device={str(device)!r}) but CUDA is not available here (torch "
+                                    f"{torch.__version__}); pass device='cpu', or install a CUDA build of torch")
+        if device.index is not None and device.index >= count:
+            raise EngineOptionError(f"LLM(device={str(device)!r}) but only {count} CUDA device(s) exist; "
+                                    f"pass device='cuda:0'..'cuda:{count - 1}'")
+    return device
+
+
+def check_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """The weights' and KV cache's dtype from a torch floating dtype or one of vLLM's names ("auto", "bfloat16",
+    "float16" / "half", "float32" / "float"); "auto" and None pick bfloat16 on CUDA, float32 on the CPU."""
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, str) and dtype in DTYPE_NAMES:
+        return DTYPE_NAMES[dtype]
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        return dtype
+    raise EngineOptionError(f"LLM(dtype={dtype!r}) is not a floating dtype; pass 'auto' (bfloat16 on CUDA, float32 "
+                            f"on the CPU), {', '.join(map(repr, DTYPE_NAMES))}, or a floating torch.dtype")

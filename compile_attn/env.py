@@ -1,0 +1,80 @@
+"""The environment switches the library reads (every ``COMPILE_ATTN_*`` variable), each by one function here.
+
+Every switch is read when its function is called (where a component is set up), never at import, so a test or a
+script may set the variable just before. Nothing else in the package reads ``os.environ`` for these names; this
+module imports nothing of compile_attn.
+"""
+
+from __future__ import annotations
+
+import os
+
+HOST_SHORTCUTS_ENV = "COMPILE_ATTN_HOST_SHORTCUTS"  # 0 / false / off / no: every host-time shortcut off
+DEBUG_DIR_ENV = "COMPILE_ATTN_DEBUG_DIR"  # the default of GraphConfig.debug_dir
+CACHE_DIR_ENV = "COMPILE_ATTN_CACHE_DIR"  # the default of GraphConfig.cache_dir (and the tiny model's home)
+PDL_ENV = "COMPILE_ATTN_PDL"  # 0: the Triton decode kernel does not launch as a programmatic dependent launch
+ONE_LAUNCH_ENV = "COMPILE_ATTN_DECODE_ONE_LAUNCH"  # 0: the triton backend's decode merges splits in a second launch
+CASCADE_ENV = "COMPILE_ATTN_CASCADE_DECODE"  # 1 / true / on / yes: shared-prefix decode on where not set otherwise
+SAMPLER_COMPILE_ENV = "COMPILE_ATTN_SAMPLER_COMPILE"  # 1 / 0: compile the portable sampler or not (default: CUDA)
+START_PROFILE_ENV = "COMPILE_ATTN_START_PROFILE"  # a file prefix: `compile-attn bench --engine` profiles each start
+
+
+def switched_off(name: str) -> bool:
+    """Whether environment variable ``name`` turns a default-on switch off: ``0``, ``false``, ``off`` or ``no``
+    (any case); unset or anything else leaves it on."""
+    return os.environ.get(name, "1").strip().lower() in ("0", "false", "off", "no")
+
+
+def host_shortcuts_enabled() -> bool:
+    """The one switch of the host-time shortcuts (``attention/kernels/launch.py``, ``passes/fuse_linears.py``,
+    ``compiler/shortcuts.py``, ``graph_runner/shortcuts.py``; table in docs/graph_runner.md): on unless
+    ``$COMPILE_ATTN_HOST_SHORTCUTS`` is 0 / false / off / no. Off, every step takes the plain path (Dynamo's frame
+    and guards, ``torch.ops`` calls, ``kernel[grid]`` launches); results are the same. Read where each shortcut is
+    set up (a backend, a compile, a runner, a kernel launcher)."""
+    return not switched_off(HOST_SHORTCUTS_ENV)
+
+
+def debug_dir() -> str | None:
+    """``$COMPILE_ATTN_DEBUG_DIR`` or None: the default of ``GraphConfig.debug_dir``."""
+    return os.environ.get(DEBUG_DIR_ENV) or None
+
+
+def cache_dir() -> str:
+    """``$COMPILE_ATTN_CACHE_DIR``, else ``$XDG_CACHE_HOME/compile_attn``, else ``~/.cache/compile_attn``."""
+    if os.environ.get(CACHE_DIR_ENV):
+        return os.environ[CACHE_DIR_ENV]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "compile_attn")
+
+
+def pdl_turned_off() -> bool:
+    """``COMPILE_ATTN_PDL`` is 0 (or false, off, no)."""
+    return switched_off(PDL_ENV)
+
+
+def one_launch_decode() -> bool:
+    """The default of the triton backend's ``one_launch_decode``: on unless ``COMPILE_ATTN_DECODE_ONE_LAUNCH`` is 0."""
+    return not switched_off(ONE_LAUNCH_ENV)
+
+
+def cascade_decode() -> bool:
+    """The default of the ``cascade_decode`` options: on when ``COMPILE_ATTN_CASCADE_DECODE`` says so, else off."""
+    return os.environ.get(CASCADE_ENV, "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def sampler_compile() -> bool | None:
+    """``COMPILE_ATTN_SAMPLER_COMPILE``: True for 1, False for 0, None when unset; ValueError for anything else."""
+    env = os.environ.get(SAMPLER_COMPILE_ENV, "").strip().lower()
+    if env in ("1", "true", "yes", "on"):
+        return True
+    if env in ("0", "false", "no", "off"):
+        return False
+    if env:
+        raise ValueError(f"{SAMPLER_COMPILE_ENV}={env!r} is not a switch; set it to 1 or 0, or unset it")
+    return None
+
+
+def start_profile_prefix() -> str | None:
+    """``$COMPILE_ATTN_START_PROFILE``: the file prefix where ``compile-attn bench --engine`` writes each start's
+    cProfile, or None."""
+    return os.environ.get(START_PROFILE_ENV) or None

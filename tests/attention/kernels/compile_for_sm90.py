@@ -1,0 +1,185 @@
+"""Compile every Triton kernel of ``triton_ops`` for an H100 (sm_90) on a machine without a GPU.
+
+Run as a script in a process without ``TRITON_INTERPRET`` (so the kernels are real ``JITFunction``s):
+the public wrappers are called on CPU tensors with their launches recorded instead of run, and each
+recorded launch (its exact arguments, constexprs and options) is compiled through Triton's frontend,
+optimiser and ptxas down to a cubin. The interpreter accepts code that the compiler rejects (types of
+branches, loop-carried values, constexpr misuse), so this catches before a GPU session what the CPU
+tests cannot. Prints one line per compiled launch; exits non-zero on the first failure, 3 when the
+installed Triton's compile API is not the one used here.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+assert "TRITON_INTERPRET" not in os.environ, "run without TRITON_INTERPRET: the kernels must be compiled ones"
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from compile_attn.attention import kernels as triton_ops  # noqa: E402
+from compile_attn.attention.kernels import (  # noqa: E402
+    cascade_attention, cascade_index, decode_attention, decode_metadata, extend_attention, kv_index, launch,
+)
+
+_PTR_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
+              torch.int64: "*i64", torch.uint8: "*u8", torch.bool: "*i1"}
+_OPTIONS = ("num_warps", "num_stages", "launch_pdl")
+
+
+def _type_of(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return _PTR_TYPES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"no Triton type for {value!r}")
+
+
+def compile_launch(kernel, args: tuple, kwargs: dict, target: GPUTarget) -> object:  # noqa: ANN001
+    names = kernel.arg_names
+    options = {k: v for k, v in kwargs.items() if k in _OPTIONS}
+    signature, constexprs = {}, {}
+    for i, name in enumerate(names):
+        if i < len(args):
+            signature[name] = _type_of(args[i])
+        else:
+            signature[name] = "constexpr"
+            constexprs[(i,)] = kwargs[name]
+    try:
+        source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    except TypeError as exc:
+        print(f"UNSUPPORTED_TRITON_API {triton.__version__}: {exc}")
+        sys.exit(3)
+    return triton.compile(source, target=target, options=options)
+
+
+def record_launches() -> list[tuple[object, tuple, dict, str]]:
+    """Call every public wrapper on CPU tensors; return the launches they would make."""
+    launches: list[tuple[object, tuple, dict, str]] = []
+    label = [""]
+
+    def record(self, grid, *args, **kwargs) -> None:  # noqa: ANN001
+        launches.append((self.kernel, args, dict(kwargs), label[0]))
+
+    launch.CachedLaunch.__call__ = record
+    for module in (decode_attention, decode_metadata, extend_attention, kv_index, cascade_attention):
+        module.check_device = lambda *tensors: None  # CPU tensors stand in for CUDA ones; nothing runs
+    decode_attention._use_pdl = lambda q: True  # as on an H100: one-launch decode as a dependent launch
+
+    gen = torch.Generator().manual_seed(0)
+    slots, ctx = 64, 40
+    # (q heads, kv heads, head dim, v head dim, dtype, softcap, fused store)
+    decode_cases = [
+        (32, 8, 64, 64, torch.bfloat16, 0.0, "store"),  # Llama-3.2-1B: GQA 4, tl.dot path
+        (32, 8, 128, 128, torch.float16, 30.0, "attend"),  # fused new token without the store, softcap
+        (8, 8, 64, 64, torch.float32, 0.0, None),  # group 1: no tl.dot, fp32 (IEEE dots), unfused
+        (128, 1, 64, 64, torch.bfloat16, 0.0, "store"),  # group 128: two head blocks per KV head
+        (16, 2, 192, 128, torch.bfloat16, 0.0, "store"),  # K 192 / V 128
+        (8, 2, 256, 256, torch.bfloat16, 0.0, "store"),
+    ]
+    for hq, hkv, d, dv, dtype, cap, fused in decode_cases:
+        label[0] = f"decode Hq{hq} Hkv{hkv} D{d}/{dv} {dtype} cap{cap} {fused}"
+        bs, splits = 2, 4
+        q = torch.randn(bs, hq, d, generator=gen).to(dtype)
+        kb = torch.randn(slots, hkv, d, generator=gen).to(dtype)
+        vb = torch.randn(slots, hkv, dv, generator=gen).to(dtype)
+        new = {}
+        if fused:
+            new = dict(k_new=torch.randn(bs, hkv, d).to(dtype), v_new=torch.randn(bs, hkv, dv).to(dtype),
+                       new_loc=torch.arange(bs) if fused == "store" else None)
+        triton_ops.decode_attention_fwd(
+            q, kb, vb, torch.empty(bs, hq, dv, dtype=dtype), torch.tensor([0, ctx, 2 * ctx], dtype=torch.int32),
+            torch.arange(2 * ctx, dtype=torch.int32), torch.full((bs,), 2, dtype=torch.int32), splits,
+            torch.empty(bs, hq, splits, dv), torch.empty(bs, hq, splits), 1 / math.sqrt(d), cap, **new,
+            semaphores=torch.zeros(bs, hq, dtype=torch.int32) if fused == "store" else None)  # one launch
+    # (q heads, kv heads, head dim, dtype, causal, window, softcap, custom mask)
+    extend_cases = [
+        (32, 8, 64, torch.bfloat16, True, -1, 0.0, False),
+        (16, 4, 128, torch.float32, True, 9, 30.0, False),
+        (8, 8, 64, torch.float16, False, -1, 0.0, True),
+    ]
+    for hq, hkv, d, dtype, causal, window, cap, masked in extend_cases:
+        label[0] = f"extend Hq{hq} Hkv{hkv} D{d} {dtype} causal{causal} window{window} cap{cap} mask{masked}"
+        qo = torch.tensor([0, 5, 12], dtype=torch.int32)
+        kv = torch.tensor([0, 7, 10], dtype=torch.int32)
+        t = int(qo[-1])
+        mask = None
+        if masked:
+            mask = torch.ones(int(extend_attention.build_mask_indptr(qo, kv)[-1]), dtype=torch.uint8)
+        triton_ops.extend_attention_fwd(
+            torch.randn(t, hq, d).to(dtype), torch.randn(t, hkv, d).to(dtype), torch.randn(t, hkv, d).to(dtype),
+            torch.empty(t, hq, d, dtype=dtype), torch.randn(slots, hkv, d).to(dtype),
+            torch.randn(slots, hkv, d).to(dtype), qo, kv, torch.arange(10, dtype=torch.int32), 7,
+            1 / math.sqrt(d), is_causal=causal, sliding_window=window, logit_cap=cap, custom_mask=mask)
+    label[0] = "store_kv bf16"
+    triton_ops.store_kv(torch.zeros(slots, 8, 64, dtype=torch.bfloat16), torch.zeros(slots, 8, 64, dtype=torch.bfloat16),
+                        torch.arange(3), torch.randn(3, 8, 64).to(torch.bfloat16), torch.randn(3, 8, 64))
+    label[0] = "build_kv_indices"
+    triton_ops.build_kv_indices(torch.zeros(4, 128, dtype=torch.int32), torch.tensor([1, 3]),
+                                torch.tensor([5, 9], dtype=torch.int32), torch.tensor([0, 5, 14], dtype=torch.int32),
+                                torch.empty(14, dtype=torch.int32))
+    for window, deterministic in ((None, False), (16, True)):
+        label[0] = f"build_decode_metadata window{window} deterministic{deterministic}"
+        triton_ops.build_decode_metadata(
+            torch.zeros(4, 128, dtype=torch.int32), torch.tensor([1, 3]), torch.tensor([5, 9], dtype=torch.int32),
+            torch.empty(3, dtype=torch.int32), torch.empty(14, dtype=torch.int32), torch.empty(2, dtype=torch.int32),
+            num_sms=132, max_kv_splits=16, deterministic=deterministic, num_kv_heads=8, window=window,
+            kv_start=torch.empty(2, dtype=torch.int32) if window else None)
+    # Shared-prefix decode: (q heads, kv heads, head dim, dtype, softcap, level-1 tile overrides); each case with the
+    # levels fused (level 2 merges) and split (level 2 writes a partial, a third kernel merges)
+    cascade_cases = [
+        (32, 8, 64, torch.bfloat16, 0.0, {}),  # Llama-3.2-1B, default tiles
+        (32, 8, 64, torch.bfloat16, 0.0, {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8}),  # benchmark sweep
+        (32, 8, 64, torch.bfloat16, 0.0, {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4}),
+        (32, 8, 128, torch.float16, 30.0, {}),
+        (8, 8, 64, torch.float32, 0.0, {}),  # group 1: level 2 without tl.dot
+    ]
+    table = torch.arange(4 * 128, dtype=torch.int32).view(4, 128)
+    table[:, :20] = table[0, :20]
+    for hq, hkv, d, dtype, cap, tiles in cascade_cases:
+        label[0] = f"cascade Hq{hq} Hkv{hkv} D{d} {dtype} cap{cap} {tiles}"
+        index = cascade_index.build_cascade_index(
+            table, torch.arange(3), torch.tensor([25, 30, 40], dtype=torch.int32), [([0, 2], 20)],
+            req_pool_indices_cpu=[0, 1, 2], seq_lens_cpu=[25, 30, 40])
+        for split_levels in (False, True):
+            cascade_attention.cascade_decode_fwd(
+                torch.randn(3, hq, d).to(dtype), torch.randn(512, hkv, d).to(dtype),
+                torch.randn(512, hkv, d).to(dtype), torch.empty(3, hq, d, dtype=dtype), index, 1 / math.sqrt(d), cap,
+                num_prefix_splits=2, prefix_config=tiles, split_levels=split_levels)
+    return launches
+
+
+_LAUNCHES: list[tuple[object, tuple, dict, str]] = []
+
+
+def _compile_one(index: int) -> str:
+    kernel, args, kwargs, label = _LAUNCHES[index]
+    compiled = compile_launch(kernel, args, kwargs, GPUTarget("cuda", 90, 32))
+    if "cubin" not in compiled.asm:
+        raise RuntimeError(f"{kernel.__name__} ({label}): compiled without a cubin")
+    return f"ok {kernel.__name__} ({label})"
+
+
+def main() -> None:
+    import multiprocessing
+
+    _LAUNCHES.extend(record_launches())
+    workers = min(len(_LAUNCHES), os.cpu_count() or 1)
+    # fork: the workers inherit the recorded launches (kernels are not picklable); nothing here touches CUDA
+    with multiprocessing.get_context("fork").Pool(workers) as pool:
+        for line in pool.imap(_compile_one, range(len(_LAUNCHES))):
+            print(line, flush=True)
+    print(f"compiled {len(_LAUNCHES)} launches for sm_90")
+
+
+if __name__ == "__main__":
+    main()
