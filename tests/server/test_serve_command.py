@@ -30,19 +30,23 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(tiny_llama(tmp_path_factory.mktemp("serve") / "model", steps=20))
 
 
-def _serve(model: str, *extra: str) -> tuple[subprocess.Popen, str]:
+def _serve(model: str, *extra: str) -> tuple[subprocess.Popen, str, list[str]]:
+    """The server, once it says it serves (its output so far, and from then on, in the returned list)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "compile_attn", "serve", model, "--device", "cpu", "--graph-mode",
                              "none", "--no-compile", "--port", str(port), "--max-context", "512", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    output: list[str] = []
+    threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True).start()
     end = time.monotonic() + 120
-    while not healthy(url):
-        assert proc.poll() is None, proc.stdout.read()
-        assert time.monotonic() < end, "the server did not answer /health"
+    while not any(line.startswith("compile-attn serve:") for line in output):
+        assert proc.poll() is None, "".join(output)
+        assert time.monotonic() < end, "the server did not start: " + "".join(output)
         time.sleep(0.2)
-    return proc, url
+    assert healthy(url)
+    return proc, url, output
 
 
 def _port_free(url: str) -> bool:
@@ -88,7 +92,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def test_serve_answers_then_sigterm_drains_and_exits_0(model: str) -> None:
-    proc, url = _serve(model, "--shutdown-timeout", "0.5", "--max-batch-size", "4")
+    proc, url, _ = _serve(model, "--shutdown-timeout", "0.5", "--max-batch-size", "4")
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=30)
         out = client.completions.create(model=model, prompt="Once upon a time", max_tokens=6,
@@ -134,18 +138,18 @@ def test_serve_answers_then_sigterm_drains_and_exits_0(model: str) -> None:
 
 
 def test_killed_front_end_stops_the_server(model: str) -> None:
-    proc, url = _serve(model)
+    proc, url, output = _serve(model)
     try:
         os.kill(_front_end_pid(proc.pid), signal.SIGKILL)
         assert proc.wait(30) == 1
-        assert "front end exited" in proc.stdout.read()
+        assert _wait(lambda: "front end exited" in "".join(output), 5), "".join(output)
         assert _wait(lambda: _port_free(url), 10)
     finally:
         _stop(proc)
 
 
 def test_killed_engine_process_stops_the_front_end(model: str) -> None:
-    proc, url = _serve(model)
+    proc, url, _ = _serve(model)
     try:
         front = _front_end_pid(proc.pid)
         proc.kill()
