@@ -3,7 +3,9 @@ admission, the scheduler, EngineConfig), ``execution/`` (one step on the device:
 sizing, model loading) and ``serving/`` (AsyncLLM and its pipes); ``llm.py`` (LLM) ties them. This package re-exports
 the public names."""
 
-from compile_attn.engine.serving.async_engine import AsyncLLM, EngineOverloadedError, EngineStoppedError
+from compile_attn.engine.serving.async_engine import AsyncLLM
+
+from compile_attn.engine.serving.streams import EngineOverloadedError, EngineStoppedError
 from compile_attn.engine.requests.config import EngineConfig
 from compile_attn.engine.requests.errors import (
     EngineBusyError,

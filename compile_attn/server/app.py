@@ -18,7 +18,10 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from compile_attn.engine.serving.async_engine import AsyncLLM, Delta, EngineOverloadedError, EngineStoppedError, RequestStream
+from compile_attn.engine.serving.async_engine import AsyncLLM
+
+from compile_attn.engine.serving.streams import (Delta, EngineOverloadedError, EngineStoppedError,
+                                                 RequestStream)
 from compile_attn.engine.serving.engine_pipe import EngineClient
 from compile_attn.engine.requests.errors import InvalidRequestError, MessageTooLargeError
 from compile_attn.engine.llm import sample_seed

@@ -14,7 +14,9 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from compile_attn.engine.serving.async_engine import AsyncLLM, Delta
+from compile_attn.engine.serving.async_engine import AsyncLLM
+
+from compile_attn.engine.serving.streams import Delta
 from compile_attn.engine.serving.engine_pipe import EngineClient
 
 PREFIX = "compile_attn"

@@ -17,7 +17,7 @@ from typing import Any
 
 import uvicorn
 
-from compile_attn.engine.serving.async_engine import EngineStoppedError, RequestStream
+from compile_attn.engine.serving.streams import EngineStoppedError, RequestStream
 
 logger = logging.getLogger(__name__)
 

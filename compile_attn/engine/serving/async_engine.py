@@ -23,194 +23,18 @@ import time
 import weakref
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from multiprocessing.connection import wait
-from typing import Any, Protocol
+from typing import Any
 
-from compile_attn.engine.serving.detokenizer import IncrementalDetokenizer
 from compile_attn.engine.llm import LLM
-from compile_attn.engine.serving.loop_stats import LoopStats
-from compile_attn.engine.requests.request import Request, RequestStatus
+from compile_attn.engine.requests.request import RequestStatus
 from compile_attn.engine.requests.sampling_params import SamplingParams
-from compile_attn.errors import CompileAttnError
+from compile_attn.engine.serving.detokenizer import IncrementalDetokenizer
+from compile_attn.engine.serving.loop_stats import LoopStats
+from compile_attn.engine.serving.streams import (Delta, EngineOverloadedError, EngineStoppedError, LoopSink, Port,
+                                                 RequestStream, StreamState)
 
 logger = logging.getLogger(__name__)
-
-
-class EngineOverloadedError(CompileAttnError, RuntimeError):
-    """More requests are unfinished than the AsyncLLM's ``max_pending``; retry later (an HTTP server answers 503
-    with Retry-After)."""
-
-
-class EngineStoppedError(CompileAttnError, RuntimeError):
-    """The AsyncLLM was shut down (or its step loop failed), so it takes no more requests."""
-
-
-@dataclass
-class Delta:
-    """What one request produced since the last Delta: its new token ids and text, and, on the last one, why it
-    finished. ``num_prompt_tokens`` / ``num_output_tokens`` count the whole request so far. ``logprobs``: one
-    ``dict[int, Logprob]`` per new token when the request asked for them (``SamplingParams.logprobs``) and the
-    step records them in ``Request.logprobs``; else None."""
-
-    token_ids: list[int]
-    text: str
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    logprobs: list | None = None
-    final_text: str | None = None  # on the last Delta: the request's whole text (None: not known to the engine)
-
-    @classmethod
-    def from_fields(cls, fields: tuple, text: str = "") -> Delta:
-        """The Delta of ``fields`` (every field but ``text``, in order: what a pipe carries, see ``fields``)."""
-        return cls(fields[0], text, *fields[1:])
-
-    def fields(self) -> tuple:
-        """Every field but ``text``, as a tuple (pickles several times faster than the dataclass)."""
-        return (self.token_ids, self.finished, self.finish_reason, self.num_prompt_tokens, self.num_output_tokens,
-                self.logprobs, self.final_text)
-
-
-class Port(Protocol):
-    """A consumer in another process, served by the loop between steps (``AsyncLLM.attach``; see ``engine_pipe``).
-    Every method runs on the loop thread."""
-
-    def waitables(self) -> list:
-        """What an idle loop waits on (file descriptors or objects with ``fileno``)."""
-
-    def readable(self) -> bool:
-        """Whether a command waits that the waitables may not signal again (an edge-triggered socket)."""
-
-    def pump(self) -> bool:
-        """Handle every command that arrived; False once the peer is gone (the loop drops the port)."""
-
-    def on_idle(self) -> None:
-        """The loop ran out of work and is about to wait: send what was held back."""
-
-    def on_close(self) -> None:
-        """The peer is gone or the port was detached: abort its requests, release its channel."""
-
-    def release(self) -> None:
-        """Release the channel only (the loop has ended)."""
-
-
-class LoopSink:
-    """Where a stream's items go: an asyncio event loop (its consumer's), one ``call_soon_threadsafe`` per batch of
-    items (``deliver`` raises RuntimeError once that loop has closed)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-
-    def deliver(self, items: list[tuple[_Stream, Any]]) -> None:
-        self.loop.call_soon_threadsafe(_deliver, [(stream.out, item) for stream, item in items])
-
-
-def _deliver(items: list[tuple[asyncio.Queue, Any]]) -> None:
-    """On a consumer's event loop: one step's items into their queues (one wake-up of the loop per step)."""
-    for out, item in items:
-        out.put_nowait(item)
-
-
-class _Stream:
-    """One request's state on the loop thread: what was sent to its consumer, and where to send more (``sink``:
-    a LoopSink, or another process's pipe). ``detok`` is None where the consumer detokenises itself (a pipe) or
-    there is no tokenizer."""
-
-    def __init__(self, sink: Any, out: asyncio.Queue | None = None, key: Any = None) -> None:
-        self.sink, self.out, self.key = sink, out, key
-        self.req: Request | None = None
-        self.sent_tokens = 0
-        self.admitted_at = 0.0  # perf_counter() when the loop admitted it
-        self.detok: IncrementalDetokenizer | None = None  # the request's streamed text
-        self.wants_text = out is not None  # a local consumer: the loop thread detokenises for it
-        # the sink takes a Delta's fields as a tuple (``Delta.fields``), the text left to its consumer (a pipe)
-        self.as_fields = bool(getattr(sink, "takes_fields", False))
-        self.gone = False  # the consumer's event loop is closed: nobody will read more
-
-    def put(self, item: Any) -> None:
-        try:
-            self.sink.deliver([(self, item)])
-        except RuntimeError:  # its event loop has closed
-            self.gone = True
-
-
-def merge_fields(a: tuple, b: tuple) -> tuple:
-    """Two ``Delta.fields()`` of one request, ``a`` then ``b``, as one: the tokens (and logprobs) of both, the rest
-    from ``b``."""
-    logprobs = None if a[5] is None and b[5] is None else (a[5] or []) + (b[5] or [])
-    return (a[0] + b[0], b[1], b[2], b[3], b[4], logprobs, b[6])
-
-
-def _merge(a: Delta, b: Delta) -> Delta:
-    """``a`` then ``b`` as one Delta."""
-    return Delta.from_fields(merge_fields(a.fields(), b.fields()), a.text + b.text)
-
-
-def _requeue_first(out: asyncio.Queue, item: Any) -> None:
-    """Put ``item`` back at the head of ``out`` (nothing else reads it concurrently: one consumer per stream)."""
-    rest = [item]
-    while not out.empty():
-        rest.append(out.get_nowait())
-    for x in rest:
-        out.put_nowait(x)
-
-
-class RequestStream:
-    """One submitted request's Deltas (an async iterator). ``abort()`` (or ``aclose()``) before the last Delta
-    drops the request and frees its KV; so does a stream dropped unfinished. ``end(exc)`` drops it too and has the
-    consumer's next (or pending) ``__anext__`` raise ``exc``."""
-
-    def __init__(self, engine: Any, stream: Any) -> None:  # an AsyncLLM and its _Stream, or an EngineClient's
-        self._engine, self._stream = engine, stream
-        self.finished = False
-        self._ended: BaseException | None = None
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> Delta:
-        """The next Delta: everything the request produced since the last one taken (a consumer that falls behind
-        the steps gets their Deltas merged into one, so it never lags further)."""
-        if self._ended is not None:
-            raise self._ended
-        if self.finished:
-            raise StopAsyncIteration
-        out = self._stream.out
-        item = await out.get()
-        if self._ended is not None:  # woken by end()
-            raise self._ended
-        while isinstance(item, Delta) and not item.finished and not out.empty():
-            nxt = out.get_nowait()
-            if not isinstance(nxt, Delta):  # an exception after tokens: hand over the tokens, raise it next time
-                _requeue_first(out, nxt)
-                break
-            item = _merge(item, nxt)
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        self.finished = item.finished
-        return item
-
-    def abort(self) -> None:
-        if not self.finished:
-            self.finished = True
-            self._engine.abort_stream(self._stream)
-
-    def end(self, exc: BaseException) -> None:
-        """Abort the request (if unfinished) and make the consumer's next ``__anext__`` raise ``exc``; call on the
-        consumer's event loop."""
-        if not self.finished:
-            self.abort()
-            self._ended = exc
-            self._stream.out.put_nowait(None)  # wakes a consumer waiting for its next Delta
-
-    async def aclose(self) -> None:
-        self.abort()
-
-    def __del__(self) -> None:
-        self.abort()
 
 
 class AsyncLLM:
@@ -234,7 +58,7 @@ class AsyncLLM:
         os.set_blocking(self._wake_w, False)
         self._wake_lock = threading.Lock()  # the write end is closed under it once the loop ends
         self._ports: list[Port] = []  # loop thread only: consumers in other processes (``attach``)
-        self._active: dict[int, _Stream] = {}  # loop thread only: request_id -> stream
+        self._active: dict[int, StreamState] = {}  # loop thread only: request_id -> stream
         self._loop_sinks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its LoopSink
         self._pending = 0
         self._count_lock = threading.Lock()
@@ -261,7 +85,7 @@ class AsyncLLM:
         sink = self._loop_sinks.get(loop)
         if sink is None:  # one sink per event loop: a step's Deltas for that loop go in one call
             sink = self._loop_sinks[loop] = LoopSink(loop)
-        stream = _Stream(sink, out)
+        stream = StreamState(sink, out)
         self._post(("add", prompt, params, stream))
         try:
             first = await out.get()
@@ -292,7 +116,7 @@ class AsyncLLM:
         self._post(("call", fn, fut))
         return fut
 
-    def abort_stream(self, stream: _Stream) -> None:
+    def abort_stream(self, stream: StreamState) -> None:
         """Drop ``stream``'s request (if still running) on the loop thread; its KV is freed there."""
         self._command(("abort", stream))
 
@@ -309,7 +133,7 @@ class AsyncLLM:
         else:
             port.release()
 
-    def add_stream(self, prompt: Any, params: SamplingParams, stream: _Stream) -> None:
+    def add_stream(self, prompt: Any, params: SamplingParams, stream: StreamState) -> None:
         """Queue a request whose items go to ``stream.sink`` (its admission, an error, its Deltas): the entry for a
         consumer in another process (``engine_pipe``). Counts toward ``num_pending`` until it ends; past
         ``max_pending`` the stream gets EngineOverloadedError instead."""
@@ -508,7 +332,7 @@ class AsyncLLM:
                 except Exception as exc:
                     fut.set_exception(exc)
 
-    def _abort(self, stream: _Stream, exc: BaseException | None) -> None:
+    def _abort(self, stream: StreamState, exc: BaseException | None) -> None:
         req = stream.req
         if req.status is not RequestStatus.FINISHED:
             self.llm.abort_request(req)
@@ -521,7 +345,7 @@ class AsyncLLM:
     def _stop_all(self) -> None:
         for stream in list(self._active.values()):
             self._abort(stream, None)
-            stream.put(self._delta(stream, finished=True))
+            stream.put(stream.next_delta(finished=True))
         while True:  # what came in after "stop" is refused, not left waiting
             try:
                 cmd = self._inbox.get_nowait()
@@ -537,7 +361,7 @@ class AsyncLLM:
     def _publish(self) -> None:
         """After a step: each request's new tokens (and finished ones' last Delta) to its consumer, handed to each
         sink in one call (a call per request would wake an event loop once per request)."""
-        by_sink: dict[Any, list[tuple[_Stream, Any]]] = {}
+        by_sink: dict[Any, list[tuple[StreamState, Any]]] = {}
         ended = []
         finished = RequestStatus.FINISHED
         for stream in self._active.values():
@@ -550,7 +374,7 @@ class AsyncLLM:
                 items = by_sink.get(stream.sink)
                 if items is None:
                     items = by_sink[stream.sink] = []
-                items.append((stream, self._delta(stream, finished=done, known=known)))
+                items.append((stream, stream.next_delta(finished=done, known=known)))
             if done:
                 ended.append(stream)
         for stream in ended:
@@ -568,28 +392,3 @@ class AsyncLLM:
         for stream in list(self._active.values()):
             if stream.gone:
                 self._abort(stream, None)
-
-    def _delta(self, stream: _Stream, *, finished: bool, known: int | None = None) -> Delta | tuple:
-        """The request's tokens since the last Delta (``known``: its output tokens read back so far, default
-        ``num_output_known``) and the text they made safe to send (see IncrementalDetokenizer); the last Delta
-        completes the text to the request's final text. For a sink that takes fields, ``Delta.fields()`` of it
-        (no text: its consumer detokenises)."""
-        req = stream.req
-        num_prompt = len(req.prompt_ids)
-        if known is None:
-            known = req.num_output_known
-        sent = stream.sent_tokens
-        # up to the tokens read back: a step in flight's placeholders are not tokens yet
-        new = req.token_ids[num_prompt + sent:num_prompt + known].tolist()
-        recorded = req.logprobs  # per output token, when the step computes them
-        logprobs = None
-        if recorded is not None and req.params.logprobs is not None:
-            logprobs = list(recorded[sent: sent + len(new)])
-        stream.sent_tokens = sent + len(new)
-        reason = (req.finish_reason or "abort") if finished else None
-        final = req.text if finished else None
-        if stream.as_fields:
-            return (new, finished, reason, num_prompt, stream.sent_tokens, logprobs, final)
-        text = "" if stream.detok is None else stream.detok.delta_text(
-            new, finished=finished, final_text=req.text, output_ids=req.output_ids if finished else ())
-        return Delta(new, text, finished, reason, num_prompt, stream.sent_tokens, logprobs, final)

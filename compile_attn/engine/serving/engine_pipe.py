@@ -32,8 +32,10 @@ import pickle
 import threading
 from typing import Any
 
-from compile_attn.engine.serving.async_engine import (AsyncLLM, Delta, EngineStoppedError, RequestStream, _Stream,
-                                              merge_fields)
+from compile_attn.engine.serving.async_engine import AsyncLLM
+
+from compile_attn.engine.serving.streams import (Delta, EngineStoppedError, RequestStream, StreamState,
+                                                 merge_fields)
 from compile_attn.engine.requests.errors import MessageTooLargeError
 from compile_attn.engine.requests.sampling_params import SamplingParams
 from compile_attn.engine.serving.channel import Channel, ChannelAddress, open_channel
@@ -63,7 +65,7 @@ class PipeBridge:
     def __init__(self, engine: AsyncLLM) -> None:
         self.engine = engine
         self._channel, self.address = open_channel(gauges=engine.gauges())
-        self._streams: dict[int, _Stream] = {}
+        self._streams: dict[int, StreamState] = {}
         self._held: list[list] = []  # [key, item] waiting for the client, in order
         self._held_tokens: dict[int, int] = {}  # key -> index in _held of its last item when that is a token tuple
         self._unacked = 0
@@ -108,7 +110,7 @@ class PipeBridge:
         self.closed = True
 
     # ------------------------------------------------------------------ the loop's sink
-    def deliver(self, items: list[tuple[_Stream, Any]]) -> None:
+    def deliver(self, items: list[tuple[StreamState, Any]]) -> None:
         """Called on the loop thread: the items of one step (or one admission), sent as one message with any that
         waited before them, or kept (merged per request) while the client lags."""
         held, tokens = self._held, self._held_tokens
@@ -150,7 +152,7 @@ class PipeBridge:
             self._unacked = max(0, self._unacked - msg[1])
         elif kind == "add":
             _, key, prompt, params = msg
-            stream = _Stream(self, key=key)
+            stream = StreamState(self, key=key)
             self._streams[key] = stream
             self.engine.add_stream(prompt, params, stream)
         elif kind == "abort":

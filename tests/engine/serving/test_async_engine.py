@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from compile_attn.engine import LLM, InvalidRequestError, SamplingParams
-from compile_attn.engine.serving.async_engine import AsyncLLM, EngineOverloadedError, EngineStoppedError
+from compile_attn.engine.serving.async_engine import AsyncLLM
+from compile_attn.engine.serving.streams import EngineOverloadedError, EngineStoppedError
 from compile_attn.models import ToyDecoder, ToyDecoderConfig
 from compile_attn.engine.serving.loop_stats import LoopStats, StepCounts
 

@@ -12,7 +12,8 @@ import time
 import pytest
 
 from compile_attn.engine import InvalidRequestError, SamplingParams
-from compile_attn.engine.serving.async_engine import AsyncLLM, EngineOverloadedError, EngineStoppedError
+from compile_attn.engine.serving.async_engine import AsyncLLM
+from compile_attn.engine.serving.streams import EngineOverloadedError, EngineStoppedError
 from compile_attn.engine.serving.engine_pipe import EngineClient, PipeBridge
 from tests.engine.serving.test_async_engine import PROMPTS, run, toy_llm, wait_idle
 
@@ -123,7 +124,7 @@ def test_cancelled_while_waiting_for_admission_is_dropped(piped) -> None:
 def test_delta_fields_round_trip() -> None:
     """What the pipe carries (``Delta.fields()``, built by the engine's loop for a pipe's streams) gives the Delta
     back with the client's text."""
-    from compile_attn.engine.serving.async_engine import Delta
+    from compile_attn.engine.serving.streams import Delta
 
     d = Delta([5, 6], "ab", True, "stop", 3, 9, [{5: -0.1}, {6: -0.2}], "xxab")
     assert Delta.from_fields(d.fields(), "ab") == d
@@ -134,7 +135,7 @@ def test_a_client_that_reads_nothing_never_stalls_the_steps() -> None:
     """A client that sends its requests and then reads nothing: once ``max_unacked`` messages are unacknowledged
     the engine holds each step's tokens (merged per request) and finishes every request regardless; the client then
     reads each request's tokens whole and in order, in far fewer items than tokens."""
-    from compile_attn.engine.serving.async_engine import merge_fields
+    from compile_attn.engine.serving.streams import merge_fields
 
     eng = AsyncLLM(toy_llm(), max_pending=8)
     eng.fresh_kv_tokens = eng.llm.kv_cache.available_tokens
@@ -175,15 +176,15 @@ def test_a_client_that_reads_nothing_never_stalls_the_steps() -> None:
 def test_merged_deltas_carry_both_tokens_and_the_later_state() -> None:
     """What a lagging consumer gets for two Deltas in a row (the bridge's merged fields, a stream's merged Deltas),
     written out by hand."""
-    from compile_attn.engine.serving.async_engine import Delta, _merge, merge_fields
+    from compile_attn.engine.serving.streams import Delta, merge_deltas, merge_fields
 
     a = Delta([1], "a", False, None, 3, 1, None, None)
     b = Delta([2, 3], "bc", True, "stop", 3, 3, [{2: -0.5}, {3: -0.1}], "xyz")
     expected = Delta([1, 2, 3], "abc", True, "stop", 3, 3, [{2: -0.5}, {3: -0.1}], "xyz")
-    assert _merge(a, b) == expected
+    assert merge_deltas(a, b) == expected
     assert merge_fields(a.fields(), b.fields()) == expected.fields()
     c = Delta([4], "", False, None, 3, 2, [{4: -1.0}], None)  # logprobs on one side only
-    assert _merge(a, c) == Delta([1, 4], "a", False, None, 3, 2, [{4: -1.0}], None)
+    assert merge_deltas(a, c) == Delta([1, 4], "a", False, None, 3, 2, [{4: -1.0}], None)
 
 
 def test_a_message_far_larger_than_a_pipe_buffer_goes_whole_and_later_requests_are_answered(piped) -> None:
