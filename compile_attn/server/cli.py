@@ -94,22 +94,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # SIGTERM (a process manager's stop) and Ctrl-C drain the server: no new connections, the open requests run on
     # for --shutdown-timeout seconds, then are ended; a second signal ends them at once
     stopping = threading.Event()
-    fronts: list = []
-
-    def on_signal(signum: int, _frame: object) -> None:
-        logger.warning("%s: shutting down (open requests may run for %.0f s; again to end them now)",
-                       signal.Signals(signum).name, args.shutdown_timeout)
-        stopping.set()
-        for front in fronts:
-            front.request_stop()
-
     code = 0
     try:
         with serving(engine, args.served_model_name or args.model, args.frontend, server_options(args),
                      host=args.host, port=args.port,
                      log_level="info" if args.verbose else "warning",
                      shutdown_timeout=args.shutdown_timeout) as front:
-            fronts.append(front)
+
+            def on_signal(signum: int, _frame: object) -> None:
+                logger.warning("%s: shutting down (open requests may run for %.0f s; again to end them now)",
+                               signal.Signals(signum).name, args.shutdown_timeout)
+                stopping.set()
+                front.request_stop()
+
             signal.signal(signal.SIGTERM, on_signal)
             signal.signal(signal.SIGINT, on_signal)
             logger.info("serving %s on %s (front end: %s)", args.model, front.url, args.frontend)

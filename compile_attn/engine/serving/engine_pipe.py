@@ -90,8 +90,9 @@ class PipeBridge:
     def on_idle(self) -> None:
         """On the loop thread when it has no work: send what waits, whatever the client's backlog, or else the
         gauges if they changed since the client last had them."""
-        if self._held or self.engine.gauges() != self._sent_gauges:
-            self._send_held()
+        gauges = self.engine.gauges()
+        if self._held or gauges != self._sent_gauges:
+            self._send_held(gauges)
 
     def on_close(self) -> None:
         """On the loop thread once the client is gone or the bridge detached: abort its requests, close the
@@ -135,8 +136,8 @@ class PipeBridge:
             return
         self._send_held()
 
-    def _send_held(self) -> None:
-        gauges = self.engine.gauges()
+    def _send_held(self, gauges: dict[str, float] | None = None) -> None:
+        gauges = self.engine.gauges() if gauges is None else gauges
         out = [(key, item) for key, item in self._held]
         if self._channel.send(("out", out, gauges)):
             self._held.clear()
