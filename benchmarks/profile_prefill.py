@@ -77,7 +77,7 @@ def main() -> None:
     model = bench._hf_model(bench.BenchConfig(shape=shape, device="cuda"), "sdpa", torch.bfloat16)
     llm = LLM(model, attn_backend=args.backend, max_batch_size=args.requests, max_num_tokens=tokens,
               kv_cache_tokens=tokens + 1024, max_context=args.prompt_len + 64, device="cuda", dtype=torch.bfloat16,
-              compile_options={"cache_dir": None, "prefill_token_sizes": (tokens,), "decode_batch_sizes": (1,)})
+              compile_options={"cache_dir": None, "extend_token_sizes": (tokens,), "decode_batch_sizes": (1,)})
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, shape["vocab_size"], (args.requests, args.prompt_len), generator=gen).tolist()
     params = SamplingParams(max_new_tokens=1, ignore_eos=True)

@@ -15,7 +15,7 @@ from compile_attn import env
 from compile_attn.graph_mode import GraphMode
 
 DEFAULT_DECODE_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, *range(16, 257, 8))
-DEFAULT_PREFILL_TOKEN_SIZES: tuple[int, ...] = tuple(2**i for i in range(4, 14))  # 16 .. 8192
+DEFAULT_EXTEND_TOKEN_SIZES: tuple[int, ...] = tuple(2**i for i in range(4, 14))  # 16 .. 8192
 COMPILERS = ("inductor", "eager")
 AUTO_GPU_COMPILE_SIZES: tuple[int, ...] = (1,)  # GraphConfig.compile_sizes=None on a GPU: bs-1 decode
 
@@ -47,12 +47,16 @@ def _check_inductor_options(patches: Mapping[str, Any], field_name: str = "induc
                          f"(e.g. 'combo_kernels', 'triton.max_tiles')")
 
 
+# Options under an older name: refused with the new one (one name per concept; see docs/graph_runner.md).
+_RENAMED_OPTIONS = {"prefill_token_sizes": "extend_token_sizes"}
+
+
 @dataclass(frozen=True)
 class GraphConfig:
     """Options of the compile backend and the graph runner.
 
     mode: which graphs run (see GraphMode). decode_batch_sizes: the graph runner's decode buckets (requests).
-    prefill_token_sizes: its extend buckets (tokens). The compile backend reads neither: its piecewise wrappers
+    extend_token_sizes: its extend buckets (tokens). The compile backend reads neither: its piecewise wrappers
     capture the bucket the runner's step names (docs/graph_runner.md). compiler: "inductor" or "eager" for the pieces
     between split ops. cache_dir: persistent compile cache (None disables it). debug_dir: where the
     decompiled code and each piece's graph are written; default ``$COMPILE_ATTN_DEBUG_DIR``, and an explicit
@@ -86,7 +90,7 @@ class GraphConfig:
 
     mode: GraphMode = GraphMode.FULL_AND_PIECEWISE
     decode_batch_sizes: tuple[int, ...] = DEFAULT_DECODE_BATCH_SIZES
-    prefill_token_sizes: tuple[int, ...] = DEFAULT_PREFILL_TOKEN_SIZES
+    extend_token_sizes: tuple[int, ...] = DEFAULT_EXTEND_TOKEN_SIZES
     compiler: str = "inductor"
     cache_dir: str | None = field(default_factory=env.cache_dir)
     debug_dir: str | None = field(default_factory=env.debug_dir)
@@ -100,7 +104,7 @@ class GraphConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", GraphMode.parse(self.mode))
-        for name in ("decode_batch_sizes", "prefill_token_sizes", "compile_sizes"):
+        for name in ("decode_batch_sizes", "extend_token_sizes", "compile_sizes"):
             value = getattr(self, name)
             if value is None and name == "compile_sizes":  # left to the device (static_compile_sizes)
                 continue
@@ -128,6 +132,10 @@ class GraphConfig:
         options = dict(options or {})
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(options) - known)
+        renamed = {old: new for old, new in _RENAMED_OPTIONS.items() if old in unknown}
+        if renamed:
+            raise ValueError("compile_attn option(s) renamed: " + ", ".join(f"{o!r} is now {n!r}"
+                                                                             for o, n in renamed.items()))
         if unknown:
             raise ValueError(f"unknown compile_attn option(s) {unknown}; known options: {sorted(known)}")
         return cls(**options)

@@ -17,6 +17,7 @@ ONE_LAUNCH_ENV = "COMPILE_ATTN_DECODE_ONE_LAUNCH"  # 0: the triton backend's dec
 CASCADE_ENV = "COMPILE_ATTN_CASCADE_DECODE"  # 1 / true / on / yes: shared-prefix decode on where not set otherwise
 SAMPLER_COMPILE_ENV = "COMPILE_ATTN_SAMPLER_COMPILE"  # 1 / 0: compile the portable sampler or not (default: CUDA)
 START_PROFILE_ENV = "COMPILE_ATTN_START_PROFILE"  # a file prefix: `compile-attn bench --engine` profiles each start
+API_KEY_ENV = "COMPILE_ATTN_API_KEY"  # the server's key when --api-key is not given (a key on the command line shows)
 
 
 def switched_off(name: str) -> bool:
@@ -58,7 +59,7 @@ def one_launch_decode() -> bool:
 
 
 def cascade_decode() -> bool:
-    """The default of the ``cascade_decode`` options: on when ``COMPILE_ATTN_CASCADE_DECODE`` says so, else off."""
+    """The default of ``EngineConfig.cascade_decode`` (the one switch): on when ``COMPILE_ATTN_CASCADE_DECODE`` says so, else off."""
     return os.environ.get(CASCADE_ENV, "0").strip().lower() in ("1", "true", "on", "yes")
 
 
@@ -78,3 +79,9 @@ def start_profile_prefix() -> str | None:
     """``$COMPILE_ATTN_START_PROFILE``: the file prefix where ``compile-attn bench --engine`` writes each start's
     cProfile, or None."""
     return os.environ.get(START_PROFILE_ENV) or None
+
+
+def api_key() -> str | None:
+    """The server's API key where ``--api-key`` is not given: ``COMPILE_ATTN_API_KEY``, or None (no key) if unset or
+    empty."""
+    return os.environ.get(API_KEY_ENV) or None

@@ -28,7 +28,7 @@ class GraphMode(enum.Enum):
     forward with eager breaks at every split op, no torch.compile needed. Full: one graph with attention inside
     (decode only: no backend captures mixed batches whole).
 
-    ``decode_mode()`` and ``mixed_mode()`` split a mode into what runs for each batch kind; those are single-routine
+    ``decode_mode()`` and ``extend_mode()`` split a mode into what runs for each batch kind; those are single-routine
     modes (NONE, PIECEWISE, FULL, BREAKABLE), which is also what a step runs under. As a backend's declaration,
     NONE means attention cannot live in or between graphs, PIECEWISE that it runs eagerly between captured pieces,
     FULL_AND_PIECEWISE that decode attention can also be captured inside a full graph.
@@ -56,7 +56,7 @@ class GraphMode(enum.Enum):
         """What runs for decode batches: NONE, PIECEWISE, FULL or BREAKABLE."""
         return GraphMode.FULL if self is GraphMode.FULL_AND_PIECEWISE else self
 
-    def mixed_mode(self) -> GraphMode:
+    def extend_mode(self) -> GraphMode:
         """What runs for extend and mixed batches: NONE, PIECEWISE or BREAKABLE."""
         if self is GraphMode.FULL:
             return GraphMode.NONE

@@ -36,7 +36,7 @@ def main() -> None:
                             hf_baselines=[], device=args.device)
     adapter = HFModelAdapter(bench._hf_model(cfg, "sdpa", dtype))
     setup = bench.DecodeSetup(adapter, cfg, args.backend, dtype)
-    sizes = {"decode_batch_sizes": (1,), "prefill_token_sizes": (1,), "cache_dir": None}
+    sizes = {"decode_batch_sizes": (1,), "extend_token_sizes": (1,), "cache_dir": None}
     model = compile_model(adapter, {"mode": "piecewise", **sizes})
     runners = {
         direct: GraphRunner(model, setup.backend, GraphConfig(mode="piecewise", direct_calls=direct, **sizes),

@@ -197,7 +197,7 @@ def make_runner(adapter: torch.nn.Module, setup: DecodeSetup, cfg: BenchConfig, 
     # the compile backend's piecewise wrappers capture the bucket each of the runner's steps names
     options = {"cache_dir": None, **cfg.compile_options()}
     model = adapter if mode in ("none", "breakable") else compile_model(adapter, options)
-    config = GraphConfig(mode=mode, decode_batch_sizes=sizes, prefill_token_sizes=sizes, cache_dir=None)
+    config = GraphConfig(mode=mode, decode_batch_sizes=sizes, extend_token_sizes=sizes, cache_dir=None)
     runner = GraphRunner(model, setup.backend, config, max_batch_size=sizes[-1], max_num_tokens=sizes[-1])
     return runner, model, runner.capture()
 

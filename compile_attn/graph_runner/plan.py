@@ -72,7 +72,7 @@ def plan_modes(mode: GraphMode, graph_support: GraphMode, *, compiled: bool, bac
             decode = GraphMode.PIECEWISE
         if decode is GraphMode.PIECEWISE:
             decode = _piecewise_kind(compiled, notes)
-        extend = _piecewise_kind(compiled, notes) if mode.mixed_mode() is GraphMode.PIECEWISE else GraphMode.NONE
+        extend = _piecewise_kind(compiled, notes) if mode.extend_mode() is GraphMode.PIECEWISE else GraphMode.NONE
 
     for note in dict.fromkeys(notes):  # one line per distinct reason
         logger.info("graph mode %s: %s", mode.value, note)

@@ -81,7 +81,7 @@ class GraphRunner:
             else ()
         )
         self.extend_buckets: tuple[int, ...] = (
-            tuple(s for s in config.prefill_token_sizes if s <= max_num_tokens)
+            tuple(s for s in config.extend_token_sizes if s <= max_num_tokens)
             if self.plan.extend is not GraphMode.NONE
             else ()
         )

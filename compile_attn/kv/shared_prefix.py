@@ -1,11 +1,11 @@
 """Which requests of a decode batch share a cached prefix: the description a shared-prefix (cascade) decode reads.
 
 A group is batch indices whose request rows hold the same KV pages for their first ``prefix_len`` positions (the
-prefix cache lends one set of tree pages to every row that matched them). ``ForwardBatch.shared_prefix`` carries the
-groups when whoever builds the batch knows them; otherwise ``find_shared_prefixes`` finds them from the KV cache's
-host page lists (identical leading page ids); ``SharedPrefixFinder`` picks between the two for a backend's
-``cascade_decode`` option; ``engine_prefix_finder`` is the engine's hook (``EngineConfig.cascade_decode``), which
-sets the groups of its decode batches so that the graph runner can route them to the backend's shared-prefix path.
+prefix cache lends one set of tree pages to every row that matched them). Whoever builds a decode batch sets
+``ForwardBatch.shared_prefix``; backends only read it. ``find_shared_prefixes`` finds the groups from the KV cache's
+host page lists (identical leading page ids), ``SharedPrefixFinder`` remembers them while a batch keeps its rows,
+and ``engine_prefix_finder`` is the one switch (``EngineConfig.cascade_decode``): the engine sets the groups of its
+decode batches so that the graph runner routes them to the backend's shared-prefix path.
 Only whole shared pages count, and each member keeps at least one position of its own (the step's new token). Reads
 the cache's host page lists only (``KVCache.row_pages``); knows no backend.
 """
@@ -68,21 +68,17 @@ def find_shared_prefixes(
 
 
 class SharedPrefixFinder:
-    """The shared-prefix groups of decode batches: the groups a batch carries (``fb.shared_prefix``), else, with
-    ``detect``, those ``find_shared_prefixes`` finds (at least ``min_requests`` requests sharing ``min_tokens``
-    tokens), remembered while the batch keeps the same rows: a row's shared pages never change while it holds them,
-    and freeing or truncating a row changes the cache's generation."""
+    """The shared-prefix groups of decode batches that ``find_shared_prefixes`` finds (at least ``min_requests``
+    requests sharing ``min_tokens`` tokens), remembered while the batch keeps the same rows: a row's shared pages
+    never change while it holds them, and freeing or truncating a row changes the cache's generation."""
 
-    def __init__(self, kv: KVCache, *, detect: bool, min_requests: int = MIN_REQUESTS,
-                 min_tokens: int = MIN_TOKENS) -> None:
-        self.kv, self.detect = kv, detect
+    def __init__(self, kv: KVCache, *, min_requests: int = MIN_REQUESTS, min_tokens: int = MIN_TOKENS) -> None:
+        self.kv = kv
         self.min_requests, self.min_tokens = min_requests, min_tokens
         self._memo: tuple[tuple, tuple[SharedPrefixGroup, ...]] | None = None
 
     def groups_for(self, fb: ForwardBatch) -> tuple[SharedPrefixGroup, ...]:
-        if fb.shared_prefix is not None:
-            return tuple(fb.shared_prefix)
-        if not self.detect or fb.req_pool_indices_cpu is None:
+        if fb.req_pool_indices_cpu is None:
             return ()
         key = (self.kv.generation, tuple(fb.req_pool_indices_cpu))
         if self._memo is None or self._memo[0] != key:
@@ -105,4 +101,4 @@ def engine_prefix_finder(option: bool | None, kv: KVCache, backend_name: str,
         logger.info("cascade_decode: off, %s", "the prefix cache is off" if kv.prefix_cache is None else
                     f"attention backend {backend_name!r} has no shared-prefix decode path for this model")
         return None
-    return SharedPrefixFinder(kv, detect=True)
+    return SharedPrefixFinder(kv)

@@ -5,17 +5,16 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import threading
 from pathlib import Path
 
+from compile_attn import env
 from compile_attn.cli_options import add_engine_options, check_engine_options, engine_config
 from compile_attn.server.frontend import DEFAULT_SHUTDOWN_TIMEOUT_S, FRONTENDS
 from compile_attn.server.options import DEFAULT_MAX_REQUEST_BYTES, ServerOptions, parse_origins
 
 logger = logging.getLogger(__name__)
-API_KEY_ENV = "COMPILE_ATTN_API_KEY"  # read when --api-key is not given (a key on the command line shows in ps)
 
 
 def add_parser(sub: argparse._SubParsersAction, formatter_class: type[argparse.HelpFormatter]) -> None:
@@ -47,7 +46,7 @@ def add_parser(sub: argparse._SubParsersAction, formatter_class: type[argparse.H
                         "any (default: none, CORS off)")
     p.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on /v1/* (401 otherwise; /health and /metrics stay "
-                        f"open); default: ${API_KEY_ENV} if set, else no key")
+                        f"open); default: ${env.API_KEY_ENV} if set, else no key")
     p.set_defaults(func=cmd_serve, prepare=prepare, subparser=p)
 
 
@@ -65,7 +64,7 @@ def prepare(args: argparse.Namespace) -> None:
     args.allowed_origins = parse_origins(args.allowed_origins or "") if not isinstance(args.allowed_origins, tuple) \
         else args.allowed_origins
     if args.api_key is None:
-        args.api_key = os.environ.get(API_KEY_ENV) or None
+        args.api_key = env.api_key()
     server_options(args)  # its own checks, before the model loads
     try:
         import fastapi  # noqa: F401

@@ -164,10 +164,12 @@ def test_inductor_config_patches_reach_the_piece_compiler(monkeypatch):
 
 def test_options_and_config_object():
     assert resolve_config({"compiler": "eager"}).compiler == "eager"
-    config = GraphConfig(compiler="eager", prefill_token_sizes=(8, 16))
+    config = GraphConfig(compiler="eager", extend_token_sizes=(8, 16))
     assert resolve_config({"config": config, "cache_dir": None}) == config.replace(cache_dir=None)
     with pytest.raises(ValueError, match="known options"):
         resolve_config({"capture_sizes": (8,)})
+    with pytest.raises(ValueError, match="'prefill_token_sizes' is now 'extend_token_sizes'"):
+        resolve_config({"prefill_token_sizes": (8,)})
     with pytest.raises(ValueError, match="compiler"):
         resolve_config({"compiler": "tvm"})
     with pytest.raises(TypeError, match="GraphConfig"):

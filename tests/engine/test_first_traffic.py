@@ -16,7 +16,7 @@ from compile_attn.models import ToyDecoder, ToyDecoderConfig
 
 CFG = ToyDecoderConfig(vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
                        intermediate_size=64, sliding_window=11)
-OPTIONS = {"decode_batch_sizes": (1, 2, 4), "prefill_token_sizes": (8, 16, 32)}
+OPTIONS = {"decode_batch_sizes": (1, 2, 4), "extend_token_sizes": (8, 16, 32)}
 
 
 @pytest.fixture(autouse=True)

@@ -29,7 +29,7 @@ def test_first_generate_builds_nothing(graph_mode: str, tmp_path) -> None:
     llm = LLM(_llama(), attn_backend="triton", graph_mode=graph_mode, max_batch_size=12, max_num_tokens=96,
               kv_cache_tokens=12 * 400, max_context=400,
               compile_options={"cache_dir": str(tmp_path), "decode_batch_sizes": (1, 2, 4, 8),
-                               "prefill_token_sizes": (16, 32, 64)})
+                               "extend_token_sizes": (16, 32, 64)})
     traffic = every_path_traffic(1024, longest_prompt=300, num_requests=20)
     _, builds, log = generate_recorded(llm, traffic)
     assert_every_path_taken(llm, log)

@@ -70,7 +70,7 @@ def test_data_dependent_shape_is_refused_at_replay() -> None:
 def test_toy_decoder_breaks_once_per_attention_layer() -> None:
     model = make_model()
     twin = Twin()
-    config = GraphConfig(mode="breakable", decode_batch_sizes=(2,), prefill_token_sizes=(16,), cache_dir=None)
+    config = GraphConfig(mode="breakable", decode_batch_sizes=(2,), extend_token_sizes=(16,), cache_dir=None)
     runner = GraphRunner(
         model,
         TorchNativeBackend(twin.caches[0], model.attention_layers()),

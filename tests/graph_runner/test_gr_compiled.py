@@ -25,7 +25,7 @@ def test_compiled_model_matches_eager(mode: str) -> None:
     layers = model.attention_layers()
     backend = CountingBackend(twin.caches[0], layers)
     config = GraphConfig(
-        mode=mode, decode_batch_sizes=(1, 2, 4), prefill_token_sizes=(16, 32), cache_dir=None
+        mode=mode, decode_batch_sizes=(1, 2, 4), extend_token_sizes=(16, 32), cache_dir=None
     )
     runner = GraphRunner(compiled, backend, config, max_batch_size=4, max_num_tokens=32)
     assert runner.plan.extend is GraphMode.PIECEWISE
@@ -63,7 +63,7 @@ def test_piecewise_steps_skip_dynamo_guards_and_fall_back_to_guards_on_a_recompi
     layers = model.attention_layers()
     backend = CountingBackend(twin.caches[0], layers)
     ref_backend = CountingBackend(twin.caches[1], layers)
-    config = GraphConfig(mode="piecewise", decode_batch_sizes=(1, 2, 4), prefill_token_sizes=(16, 32), cache_dir=None)
+    config = GraphConfig(mode="piecewise", decode_batch_sizes=(1, 2, 4), extend_token_sizes=(16, 32), cache_dir=None)
     runner = GraphRunner(compiled, backend, config, max_batch_size=4, max_num_tokens=32)
     runner.capture()
     run_scenario(runner, model, ref_backend, twin, [("extend", 20), ("decode", 3), ("extend", 9), ("decode", 4)])
@@ -92,7 +92,7 @@ def test_piecewise_steps_skip_dynamo_guards_and_fall_back_to_guards_on_a_recompi
 def test_verify_keeps_dynamo_guards() -> None:
     model = make_model()
     twin = Twin(seed=6)
-    config = GraphConfig(mode="piecewise", prefill_token_sizes=(16,), cache_dir=None, verify=True)
+    config = GraphConfig(mode="piecewise", extend_token_sizes=(16,), cache_dir=None, verify=True)
     runner = GraphRunner(torch.compile(model, backend="eager", dynamic=True),
                          CountingBackend(twin.caches[0], model.attention_layers()), config, max_batch_size=4,
                          max_num_tokens=16)
@@ -108,11 +108,11 @@ def test_piecewise_steps_call_the_compiled_graph_directly_after_a_buckets_first_
     tokens, new requests and the same buckets again, matches eager."""
     torch._dynamo.reset()
     model = make_model()
-    options = {"compiler": "eager", "cache_dir": None, "prefill_token_sizes": (16, 32), "decode_batch_sizes": (1, 2, 4)}
+    options = {"compiler": "eager", "cache_dir": None, "extend_token_sizes": (16, 32), "decode_batch_sizes": (1, 2, 4)}
     compiled = torch.compile(model, backend="compile_attn", dynamic=True, options=options)
     twin = Twin(seed=8)
     layers = model.attention_layers()
-    config = GraphConfig(mode="piecewise", decode_batch_sizes=(1, 2, 4), prefill_token_sizes=(16, 32), cache_dir=None,
+    config = GraphConfig(mode="piecewise", decode_batch_sizes=(1, 2, 4), extend_token_sizes=(16, 32), cache_dir=None,
                          direct_calls=direct_calls)
     runner = GraphRunner(compiled, CountingBackend(twin.caches[0], layers), config, max_batch_size=4,
                          max_num_tokens=32)

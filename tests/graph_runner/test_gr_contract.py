@@ -14,7 +14,7 @@ LAYERS = SMALL.num_layers
 def _runner(mode: str, twin: Twin, decode=(1, 2, 4), extend=(16, 32)):
     model = make_model()
     backend = CountingBackend(twin.caches[0], model.attention_layers())
-    config = GraphConfig(mode=mode, decode_batch_sizes=decode, prefill_token_sizes=extend, cache_dir=None)
+    config = GraphConfig(mode=mode, decode_batch_sizes=decode, extend_token_sizes=extend, cache_dir=None)
     return GraphRunner(model, backend, config, max_batch_size=8, max_num_tokens=64), backend
 
 

@@ -45,7 +45,7 @@ def _setup(mode: str, dtype: torch.dtype, seed: int, verify: bool = True):
     twin = Twin(CFG, "cuda", dtype, seed=seed, max_batch_size=48, max_context=320, kv_cache_tokens=16384)
     layers = model.attention_layers()
     config = GraphConfig(
-        mode=mode, decode_batch_sizes=DECODE, prefill_token_sizes=EXTEND, cache_dir=None, verify=verify
+        mode=mode, decode_batch_sizes=DECODE, extend_token_sizes=EXTEND, cache_dir=None, verify=verify
     )
     runner = GraphRunner(
         model, CountingBackend(twin.caches[0], layers), config, max_batch_size=32, max_num_tokens=256

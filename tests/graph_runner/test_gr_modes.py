@@ -34,7 +34,7 @@ def _build(mode: str, twin: Twin, model, **config):
     runner_backend = CountingBackend(twin.caches[0], layers)
     ref_backend = CountingBackend(twin.caches[1], layers)
     config = GraphConfig(
-        mode=mode, decode_batch_sizes=DECODE, prefill_token_sizes=EXTEND, cache_dir=None, **config
+        mode=mode, decode_batch_sizes=DECODE, extend_token_sizes=EXTEND, cache_dir=None, **config
     )
     runner = GraphRunner(model, runner_backend, config, max_batch_size=8, max_num_tokens=64)
     runner.capture()
@@ -133,7 +133,7 @@ def test_verify_keeps_one_token_extends_on_the_extend_route() -> None:
     model = make_model()
     twin = Twin()
     config = GraphConfig(
-        mode="full_and_piecewise", decode_batch_sizes=(1, 2), prefill_token_sizes=(1, 2), cache_dir=None
+        mode="full_and_piecewise", decode_batch_sizes=(1, 2), extend_token_sizes=(1, 2), cache_dir=None
     )
     runner = GraphRunner(
         model,

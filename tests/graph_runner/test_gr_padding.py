@@ -108,7 +108,7 @@ def test_padded_tokens_never_touch_live_kv_slots(mode: str) -> None:
     twin = Twin(seed=7)
     kv = twin.caches[0]
     config = GraphConfig(
-        mode=mode, decode_batch_sizes=(1, 2, 4, 8), prefill_token_sizes=(16, 32, 64), cache_dir=None
+        mode=mode, decode_batch_sizes=(1, 2, 4, 8), extend_token_sizes=(16, 32, 64), cache_dir=None
     )
     runner = GraphRunner(
         model, CountingBackend(kv, model.attention_layers()), config, max_batch_size=8, max_num_tokens=64

@@ -69,7 +69,7 @@ def test_piecewise_only_backend_runs_decode_breakable_with_correct_results() -> 
     twin = Twin(seed=11)
     layers = model.attention_layers()
     config = GraphConfig(
-        mode="full", decode_batch_sizes=(1, 2, 4, 8), prefill_token_sizes=(16,), cache_dir=None
+        mode="full", decode_batch_sizes=(1, 2, 4, 8), extend_token_sizes=(16,), cache_dir=None
     )
     runner = GraphRunner(
         model, PiecewiseOnlyBackend(twin.caches[0], layers), config, max_batch_size=8, max_num_tokens=64
@@ -116,7 +116,7 @@ def test_one_mode_splits_into_what_runs_for_decode_and_for_mixed_batches() -> No
     """GraphMode's table (docs/graph_runner.md): each requested mode's decode and mixed routine."""
     table = {"none": ("none", "none"), "piecewise": ("piecewise", "piecewise"), "full": ("full", "none"),
              "full_and_piecewise": ("full", "piecewise"), "breakable": ("breakable", "breakable")}
-    assert {m.value: (m.decode_mode().value, m.mixed_mode().value) for m in GraphMode} == table
+    assert {m.value: (m.decode_mode().value, m.extend_mode().value) for m in GraphMode} == table
     assert GraphMode.parse("FULL_AND_PIECEWISE") is GraphMode.FULL_AND_PIECEWISE
     with pytest.raises(ValueError, match="choose one of none, piecewise, full, full_and_piecewise, breakable"):
         GraphMode.parse("fast")

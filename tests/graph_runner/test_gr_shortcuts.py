@@ -30,7 +30,7 @@ def test_switched_off_every_layer_takes_the_plain_path_with_the_same_results(
                              options={"compiler": "eager", "cache_dir": None})
     twin = Twin(seed=3)
     layers = model.attention_layers()
-    config = GraphConfig(mode="piecewise", decode_batch_sizes=(1, 2, 4), prefill_token_sizes=(16, 32), cache_dir=None)
+    config = GraphConfig(mode="piecewise", decode_batch_sizes=(1, 2, 4), extend_token_sizes=(16, 32), cache_dir=None)
     runner = GraphRunner(compiled, CountingBackend(twin.caches[0], layers), config, max_batch_size=4,
                          max_num_tokens=32)
     assert runner.model_calls.skip_guards is on and runner.model_calls.direct_calls is on

@@ -21,7 +21,7 @@ def test_warm_up_reaches_every_route_and_writes_only_the_scratch_slot() -> None:
     twin = Twin()
     model = make_model()
     backend = CountingBackend(twin.caches[0], model.attention_layers())
-    config = GraphConfig(mode="breakable", decode_batch_sizes=(1, 2, 4), prefill_token_sizes=(16, 32), cache_dir=None)
+    config = GraphConfig(mode="breakable", decode_batch_sizes=(1, 2, 4), extend_token_sizes=(16, 32), cache_dir=None)
     runner = GraphRunner(model, backend, config, max_batch_size=8, max_num_tokens=48)
     runner.capture(warm_up=False)
     pool = twin.caches[0].pool

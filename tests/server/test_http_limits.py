@@ -337,7 +337,8 @@ def test_server_options_check_and_pickle() -> None:
 
 def test_serve_flags_build_the_options(monkeypatch: pytest.MonkeyPatch) -> None:
     from compile_attn.cli import build_parser
-    from compile_attn.server.cli import API_KEY_ENV, server_options
+    from compile_attn.env import API_KEY_ENV
+    from compile_attn.server.cli import server_options
 
     monkeypatch.setenv(API_KEY_ENV, "from-env")
     args = build_parser().parse_args(["serve", "m", "--max-request-bytes", "4096", "--allowed-origins",

@@ -7,7 +7,7 @@ Decode runs the batch-decode wrappers (per bucket with ``use_cuda_graph=True`` o
 the batch is a graph runner's view). Extend/mixed batches run ragged attention over the new K/V when
 no request has a cached prefix, otherwise paged attention over the pool, or (``extend_prefix_path=
 "cascade"``) ragged over the new tokens merged with paged over the prefix by FlashInfer's base-2 LSE.
-An eager decode batch with shared-prefix groups (``fb.shared_prefix``, or found with ``cascade_decode=True``) runs
+An eager decode batch that carries shared-prefix groups (``fb.shared_prefix``, set by whoever builds it) runs
 FlashInfer's two-level cascade wrapper instead (``flashinfer/cascade.py``): each shared prefix is read once.
 """
 
@@ -36,14 +36,12 @@ from compile_attn.attention.flashinfer.wrappers import (
     plan_ragged,
     run_into,
 )
-from compile_attn import env
 from compile_attn.attention.registry import register_backend
 from compile_attn.batch import ForwardBatch
 from compile_attn.errors import UnsupportedConfigError
 from compile_attn.graph_mode import GraphMode
 from compile_attn.kv.cache import KVCache
 from compile_attn.layer import AttentionLayer
-from compile_attn.kv.shared_prefix import SharedPrefixFinder
 
 logger = logging.getLogger(__name__)
 
@@ -85,15 +83,12 @@ class FlashInferBackend(AttentionBackend):
         q_dtype: torch.dtype | None = None,
         graph_max_context: int | None = None,
         fast_decode_plan: bool = True,
-        cascade_decode: bool | None = None,
     ) -> None:
         """Options: ``decode_use_tensor_cores`` (None: for GQA groups >= 4 or fp8 KV), ``extend_prefix_path``
         ("paged" or "cascade"), ``prefill_backend`` (flashinfer's "fa2", "fa3" or "auto"; fa2 shares its
         JIT module with tensor-core decode), ``q_dtype`` (default: the KV dtype, bf16 for fp8 KV),
         ``graph_max_context`` (longest sequence a decode graph serves; default the cache's max_context),
-        ``fast_decode_plan`` (re-plan graph buckets with flashinfer's fast_decode_plan), ``cascade_decode`` (find
-        shared-prefix groups in eager decode batches, as the triton backend's option; default off unless
-        ``COMPILE_ATTN_CASCADE_DECODE=1``)."""
+        ``fast_decode_plan`` (re-plan graph buckets with flashinfer's fast_decode_plan))."""
         self._fi = load_flashinfer()
         load_triton_ops()  # the page-id gather is a Triton kernel: fail here, with the install command
         super().__init__(kv_cache, layers)
@@ -108,9 +103,6 @@ class FlashInferBackend(AttentionBackend):
         self.prefill_backend = prefill_backend
         self.graph_max_context = graph_max_context or kv_cache.max_context
         self.fast_decode_plan = fast_decode_plan
-        if cascade_decode is None:
-            cascade_decode = env.cascade_decode()
-        self.shared_prefix = SharedPrefixFinder(kv_cache, detect=cascade_decode)
         self._cascade: list[FlashInferCascadeDecode] | None = None
         self.cascade_steps = 0  # eager decode steps run through the cascade wrappers (tests, debugging)
         kv_dtype = pool.dtype
@@ -212,7 +204,7 @@ class FlashInferBackend(AttentionBackend):
     def _plan_cascade(self, fb: ForwardBatch) -> _StepPlan | None:
         """Plan the cascade wrappers for an eager decode batch with shared-prefix groups that end on page boundaries
         (FlashInfer reads whole pages) in a model without sliding windows; None otherwise."""
-        groups = self.shared_prefix.groups_for(fb)
+        groups = tuple(fb.shared_prefix or ())
         if not groups or any(g.uses_window for g in self.groups) or any(
                 p.prefix_len % self.page_size for p in groups):
             return None

@@ -10,8 +10,8 @@ A decode layer run eagerly over graph-bound metadata (between piecewise graphs, 
 break) keeps its launch after the first step (``DecodePlan``): while its q/k/v/out/slot tensors are the same
 (address, shape, strides, dtype), later steps relaunch it without the argument checks and launch keys.
 
-An eager decode batch whose requests share a cached prefix (``fb.shared_prefix``, or found in the KV cache with
-``cascade_decode=True``) runs the shared-prefix (cascade) kernels instead, and so does a decode batch the graph
+An eager decode batch whose requests share a cached prefix (``fb.shared_prefix``, set by whoever builds the batch)
+runs the shared-prefix (cascade) kernels instead, and so does a decode batch the graph
 runner routes to its piecewise graphs because it carries groups: see ``triton/cascade.py``.
 """
 
@@ -82,7 +82,6 @@ class TritonBackend(AttentionBackend):
         split_size: int | None = None,
         graph_max_context: int | None = None,
         one_launch_decode: bool | None = None,
-        cascade_decode: bool | None = None,
     ) -> None:
         """Options: ``max_kv_splits`` (most KV splits per decode request; default kernels.DEFAULT_MAX_KV_SPLITS),
         ``deterministic`` (fixed ``split_size``-token splits and one KV tile size for every batch size, so a
@@ -90,10 +89,8 @@ class TritonBackend(AttentionBackend):
         kernels.DEFAULT_SPLIT_SIZE; the shortest split otherwise), ``graph_max_context`` (longest sequence a
         decode graph serves; default the cache's max_context), ``one_launch_decode`` (the split kernel merges the
         splits itself, one launch per decode layer; False: a separate merge kernel, two launches; default on
-        unless the environment sets ``COMPILE_ATTN_DECODE_ONE_LAUNCH=0``, for A/B runs), ``cascade_decode`` (eager
-        decode batches whose requests share cached prefix pages read each shared prefix once: ``triton/cascade.py``;
-        batches that carry ``shared_prefix`` groups take that path whatever this says; default off unless the
-        environment sets ``COMPILE_ATTN_CASCADE_DECODE=1``)."""
+        unless the environment sets ``COMPILE_ATTN_DECODE_ONE_LAUNCH=0``, for A/B runs)). Decode batches that carry
+        ``shared_prefix`` groups read each shared prefix once (``triton/cascade.py``)."""
         self._ops = load_triton_ops()
         self._check_device(kv_cache.device)
         super().__init__(kv_cache, layers)
@@ -118,10 +115,7 @@ class TritonBackend(AttentionBackend):
         self._eager_scratch: dict[tuple[int, int], SplitScratch] = {}
         self._step: DecodeStep | ExtendStep | CascadeStep | None = None
         # Shared-prefix decode needs every layer to see the whole sequence (no sliding window).
-        if cascade_decode is None:
-            cascade_decode = env.cascade_decode()
-        self.cascade = (CascadePlanner(kv_cache, self._ops, detect=cascade_decode) if self.windows == [None]
-                        else None)
+        self.cascade = CascadePlanner(kv_cache, self._ops) if self.windows == [None] else None
         # Graph-bound decode layers' launches, per (layer, batch size, save_kv_cache): see forward_decode.
         self._decode_plans: dict[tuple[int, int, bool], DecodePlan] = {}
         self.bound_decode_launches = 0  # decode layers launched through a DecodePlan (tests, debugging)
@@ -203,11 +197,10 @@ class TritonBackend(AttentionBackend):
         if fb.forward_mode.is_idle() or fb.batch_size == 0:
             self._step = None
         elif fb.forward_mode.is_decode():
-            # A graph view takes the cascade only with the groups the runner passed it (a piecewise route, where
-            # attention runs eagerly); a full-graph decode view carries none and keeps the split-K kernel.
+            # A graph view carries groups only where the runner passed them on (a piecewise route, where attention
+            # runs eagerly); a full-graph decode view carries none and keeps the split-K kernel.
             eager = fb.graph_bucket is None
-            cascade = (self.cascade.prepare(fb) if self.cascade is not None and (eager or fb.shared_prefix)
-                       else None)
+            cascade = self.cascade.prepare(fb) if self.cascade is not None and fb.shared_prefix else None
             if cascade is not None:
                 self._step = cascade
             else:

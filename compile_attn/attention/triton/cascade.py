@@ -1,11 +1,10 @@
 """Shared-prefix (cascade) decode for the triton backend: which batches take it, their metadata, and the layer call.
 
-A decode batch takes the cascade path when the model has no sliding-window layers and the batch has shared-prefix
-groups: run eagerly, ``ForwardBatch.shared_prefix`` when the batch carries them, else (with the backend's
-``cascade_decode`` option) the groups ``shared_prefix.find_shared_prefixes`` finds in the KV cache's page lists
-(``SharedPrefixFinder``); as a graph runner view, only the groups the runner passed on, which it does for the decode
-batches it runs through piecewise graphs (attention eager between captured pieces; the view's padding tokens belong
-to no request). Full decode graphs keep the plain split-K kernel: the cascade kernels' grid follows the groups,
+A decode batch takes the cascade path when the model has no sliding-window layers and the batch carries
+shared-prefix groups (``ForwardBatch.shared_prefix``, set by whoever builds the batch: the engine with
+``EngineConfig.cascade_decode``): run eagerly, or as a graph runner view that the runner passed them on to, which it
+does for the decode batches it runs through piecewise graphs (attention eager between captured pieces; the view's
+padding tokens belong to no request). Full decode graphs keep the plain split-K kernel: the cascade kernels' grid follows the groups,
 which a captured graph would freeze. (Capturing a second full decode graph per bucket with the cascade kernels at
 their largest grid, index buffers at capacity, would save the piecewise step's host overhead; it is not built.)
 """
@@ -22,7 +21,6 @@ from compile_attn.attention.kernels.cascade_index import CascadeIndex, build_cas
 from compile_attn.batch import ForwardBatch
 from compile_attn.kv.cache import KVCache
 from compile_attn.layer import AttentionLayer
-from compile_attn.kv.shared_prefix import SharedPrefixFinder
 from compile_attn.batch import SharedPrefixGroup
 
 
@@ -36,17 +34,16 @@ class CascadeStep:
 
 
 class CascadePlanner:
-    """Builds the ``CascadeStep`` of decode batches with shared-prefix groups (``finder``: where the groups come
-    from) and runs their layers. ``steps`` counts the decode steps that took the cascade path (tests, debugging)."""
+    """Builds the ``CascadeStep`` of decode batches that carry shared-prefix groups and runs their layers.
+    ``steps`` counts the decode steps that took the cascade path (tests, debugging)."""
 
-    def __init__(self, kv_cache: KVCache, ops: ModuleType, *, detect: bool) -> None:
+    def __init__(self, kv_cache: KVCache, ops: ModuleType) -> None:
         self.kv_cache, self.ops = kv_cache, ops
-        self.finder = SharedPrefixFinder(kv_cache, detect=detect)
         self.steps = 0
 
     def prepare(self, fb: ForwardBatch) -> CascadeStep | None:
-        """The cascade metadata of eager decode batch ``fb``, or None when it has no shared-prefix group."""
-        groups = self.finder.groups_for(fb)
+        """The cascade metadata of decode batch ``fb``, or None when it carries no shared-prefix group."""
+        groups = tuple(fb.shared_prefix or ())
         if not groups:
             return None
         rows = fb.req_pool_indices_cpu if fb.req_pool_indices_cpu is not None else fb.req_pool_indices.tolist()

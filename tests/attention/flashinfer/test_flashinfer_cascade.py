@@ -13,6 +13,7 @@ from tests.attention.triton.test_cascade_backend import D, HKV, HQ, decode_step,
 
 from compile_attn.attention.flashinfer.cascade import cascade_pages
 from compile_attn.attention.flashinfer.library import flashinfer_installed
+from compile_attn.kv.shared_prefix import SharedPrefixFinder
 
 
 def slots_of(pages: torch.Tensor, last_page_len: int, page_size: int) -> list[int]:
@@ -79,10 +80,10 @@ def test_flashinfer_backend_decodes_shared_prefixes_through_the_cascade(page_siz
     kv, rows, lens, borrowed = shared_cache(page_size, 200, [3, 1, 6, 2, 30], gen, device=DEVICE, dtype=torch.bfloat16)
     assert borrowed[1:] == [200 // page_size * page_size] * 4
     layers = [AttentionLayer(layer_id=i, num_heads=HQ, num_kv_heads=HKV, head_dim=D) for i in range(2)]
-    backend = FlashInferBackend(kv, layers, cascade_decode=True)
-    backend.shared_prefix.min_requests, backend.shared_prefix.min_tokens = 2, 8
+    backend = FlashInferBackend(kv, layers)
     reference_backend = TorchNativeBackend(kv, layers)
     fb = decode_step(kv, rows, lens)
+    fb.shared_prefix = SharedPrefixFinder(kv, min_requests=2, min_tokens=8).groups_for(fb)
     backend.init_forward_metadata(fb)
     assert backend.cascade_steps == 1
     n = len(rows)

@@ -185,7 +185,7 @@ def test_toy_decoder_through_graph_runner_matches_eager_torch_native() -> None:
     model = make_model(cfg, "cuda", BF16, seed=0)
     twin = Twin(cfg, "cuda", BF16, seed=0, max_batch_size=40, max_context=320, kv_cache_tokens=16384)
     layers = model.attention_layers()
-    config = GraphConfig(mode="full_and_piecewise", decode_batch_sizes=decode, prefill_token_sizes=extend,
+    config = GraphConfig(mode="full_and_piecewise", decode_batch_sizes=decode, extend_token_sizes=extend,
                          cache_dir=None)
     runner = GraphRunner(model, make_backend(twin.caches[0], layers), config, max_batch_size=16,
                          max_num_tokens=128)

@@ -14,7 +14,7 @@ from compile_attn.attention.torch_native.backend import TorchNativeBackend
 from compile_attn.attention.triton.backend import TritonBackend
 from compile_attn.layer import AttentionLayer
 from compile_attn.batch import SharedPrefixGroup
-from compile_attn.kv.shared_prefix import find_shared_prefixes
+from compile_attn.kv.shared_prefix import SharedPrefixFinder, find_shared_prefixes
 
 HQ, HKV, D = 4, 2, 64
 
@@ -66,12 +66,14 @@ def test_cascade_decode_matches_torch_native(page_size, prefix):
     shared = prefix // page_size * page_size  # the tree holds whole pages only
     assert borrowed[1:] == [shared] * 3
     layers = [AttentionLayer(layer_id=i, num_heads=HQ, num_kv_heads=HKV, head_dim=D) for i in range(2)]
-    backend = TritonBackend(kv, layers, cascade_decode=True)
-    backend.cascade.finder.min_requests, backend.cascade.finder.min_tokens = 2, 8
+    backend = TritonBackend(kv, layers)
     reference = TorchNativeBackend(kv, layers)
     fb = decode_step(kv, rows, lens)
     n = len(rows)
-    assert find_shared_prefixes(kv, rows, [x + 1 for x in lens], min_requests=2, min_tokens=8) == (
+    backend.init_forward_metadata(fb)
+    assert backend.cascade.steps == 0  # a batch without groups: the plain decode kernel
+    fb.shared_prefix = SharedPrefixFinder(kv, min_requests=2, min_tokens=8).groups_for(fb)
+    assert fb.shared_prefix == find_shared_prefixes(kv, rows, [x + 1 for x in lens], min_requests=2, min_tokens=8) == (
         SharedPrefixGroup((0, 1, 2, 3), shared),)
     backend.init_forward_metadata(fb)
     assert backend.cascade.steps == 1
@@ -85,14 +87,16 @@ def test_cascade_decode_matches_torch_native(page_size, prefix):
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
-def test_groups_carried_by_the_batch_are_used_and_small_groups_are_not_detected():
+def test_groups_carried_by_the_batch_are_used_and_small_groups_are_not_found():
     gen = torch.Generator().manual_seed(3)
     kv, rows, lens, _ = shared_cache(1, 40, [2, 2, 2], gen)
     layers = [AttentionLayer(layer_id=0, num_heads=HQ, num_kv_heads=HKV, head_dim=D)]
-    backend = TritonBackend(kv, layers, cascade_decode=True)  # default thresholds: 3 requests sharing 40 tokens
+    backend = TritonBackend(kv, layers)
     fb = decode_step(kv, rows, lens)
+    fb.shared_prefix = SharedPrefixFinder(kv).groups_for(fb)  # default thresholds: 3 requests sharing 40 tokens
+    assert fb.shared_prefix == ()
     backend.init_forward_metadata(fb)
-    assert backend.cascade.steps == 0  # too small a group to detect: the plain decode kernel
+    assert backend.cascade.steps == 0  # too small a group to find: the plain decode kernel
     fb.shared_prefix = (SharedPrefixGroup((2, 0), 17),)  # any shared positions work, even mid-page
     backend.init_forward_metadata(fb)
     assert backend.cascade.steps == 1

@@ -87,7 +87,7 @@ def run_engine(model: torch.nn.Module, backend: str, compile: bool, cascade: boo
     shared-prefix batches: one request count, with and without a request outside the group, on the CPU) are
     checked, then the counters ``calls`` and ``backend.cascade.steps`` start again from 0."""
     calls[0] = 0
-    options = {"compiler": "eager", "decode_batch_sizes": (2, 8), "prefill_token_sizes": (8, 64)}  # few captures
+    options = {"compiler": "eager", "decode_batch_sizes": (2, 8), "extend_token_sizes": (8, 64)}  # few captures
     llm = LLM(model, attn_backend=backend, compile=compile, compile_options=options, max_batch_size=8,
               max_num_tokens=64, max_context=64, page_size=PAGE, device="cpu", cascade_decode=cascade)
     assert llm.step_runner.graph_mode is GraphMode.FULL_AND_PIECEWISE

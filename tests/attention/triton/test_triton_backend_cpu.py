@@ -229,7 +229,7 @@ def test_toy_decoder_through_graph_runner_matches_eager_torch_native() -> None:
     padded decode views and padded extend tokens through the triton backend's three-method contract."""
     cfg = ToyDecoderConfig(vocab_size=97, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64,
                            intermediate_size=64, sliding_window=6)
-    config = GraphConfig(mode="full_and_piecewise", decode_batch_sizes=(1, 2, 4), prefill_token_sizes=(16, 32),
+    config = GraphConfig(mode="full_and_piecewise", decode_batch_sizes=(1, 2, 4), extend_token_sizes=(16, 32),
                          cache_dir=None)
     model, runner, twin, ref = make_runner(cfg, "cpu", F32, config, max_batch_size=4, max_num_tokens=32,
                                            max_context=40, max_kv_splits=4)

@@ -144,7 +144,7 @@ def test_toy_decoder_through_graph_runner_matches_eager_torch_native(mode: str, 
     in between) against the same step run eagerly with torch_native on a twin KV cache."""
     cfg = ToyDecoderConfig(vocab_size=512, hidden_size=256, num_layers=2, num_heads=8, num_kv_heads=2, head_dim=64,
                            intermediate_size=512, sliding_window=window)
-    config = GraphConfig(mode=mode, decode_batch_sizes=(1, 2, 4, 8), prefill_token_sizes=(16, 32, 64), cache_dir=None)
+    config = GraphConfig(mode=mode, decode_batch_sizes=(1, 2, 4, 8), extend_token_sizes=(16, 32, 64), cache_dir=None)
     with exact_fp32_matmuls():
         model, runner, twin, ref = make_runner(cfg, "cuda", dtype, config, max_batch_size=8, max_num_tokens=64,
                                                max_context=128)
