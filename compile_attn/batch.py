@@ -60,12 +60,18 @@ class ForwardMode(enum.IntEnum):
     DECODE = 2  # every request adds exactly one token to an existing sequence
     MIXED = 3  # prefill requests and decode requests in one step
     IDLE = 4  # no requests (keeps collective ops in step in multi-rank setups)
+    # Speculative verification: each request adds its last accepted token and its draft tokens; without
+    # ``ForwardBatch.draft_parents`` they form a chain (causal, as an extend), with it a tree.
+    TARGET_VERIFY = 5
 
     def is_decode(self) -> bool:
         return self is ForwardMode.DECODE
 
     def is_idle(self) -> bool:
         return self is ForwardMode.IDLE
+
+    def is_verify(self) -> bool:
+        return self is ForwardMode.TARGET_VERIFY
 
 
 @dataclass
