@@ -22,6 +22,8 @@ from compile_attn.engine.execution.in_flight import InFlightStep, has_placeholde
 from compile_attn.engine.execution.memory_profile import check_memory_after_capture, size_kv_cache
 from compile_attn.engine.execution.model_loading import LoadedModel, load_for_engine
 from compile_attn.engine.execution.sampling import sampler
+from compile_attn.engine.execution.speculative.acceptance import accept_chain
+from compile_attn.engine.execution.speculative.speculator import SampleRows, Speculator
 from compile_attn.engine.execution.sampling.logprobs import unpack as unpack_logprobs
 from compile_attn.engine.execution.sampling.penalties import PenaltyState
 from compile_attn.engine.execution.sampling.step import forward_and_sample
@@ -35,6 +37,7 @@ from compile_attn.engine.requests.request import Request, RequestOutput, Request
 from compile_attn.engine.requests.sampling_params import SamplingParams
 from compile_attn.engine.requests.scheduler import ScheduledStep, Scheduler
 from compile_attn.engine.requests.stop_strings import StopStringMatcher, backend_tokenizer
+from compile_attn.engine.requests.token_writer import TokenWriter, sample_seed
 from compile_attn.graph_runner import step_kernels
 from compile_attn.graph_runner.step_kernels import TokenFeed
 from compile_attn.kv.cache import KVCache
@@ -63,7 +66,7 @@ class LLM:
                  **options: Any) -> None:
         self.config = config = EngineConfig.from_options(config, **options)
         loaded: LoadedModel = load_for_engine(model, tokenizer=tokenizer, dtype=config.dtype, device=config.device)
-        self.model, self.tokenizer, self.eos_token_ids = loaded.model, loaded.tokenizer, loaded.eos_token_ids
+        self.model, self.tokenizer = loaded.model, loaded.tokenizer
         self.device, self.dtype = device, dtype = config.device, config.dtype
         layers = self.model.attention_layers()
         max_context = config.max_context or loaded.max_context or 4096
@@ -93,17 +96,30 @@ class LLM:
             if sized:
                 check_memory_after_capture(device, config.gpu_memory_utilization)
         self.vocab_size = find_vocab_size(self.model)  # None: prompts' token ids are only checked to be >= 0
+        self.writer = TokenWriter(loaded.eos_token_ids, self.vocab_size, max_context)  # finish checks
         if config.capture and device.type == "cuda" and self.vocab_size:  # the sampler's kernels, before traffic
             sampler.warmup(device, self.vocab_size, config.max_batch_size, dtype=dtype)
         if config.capture:  # the step's own kernels (the feed of in-flight tokens), before traffic
             step_kernels.warm_up(device, self.vocab_size)
-        self.overlap = config.overlap
+        spec = config.speculative_config
+        self.speculator = Speculator(spec, max_context) if spec is not None else None
+        # A verify step's drafts follow the tokens of the step before it: those are read first (see docs/speculative.md).
+        self.overlap = config.overlap and self.speculator is None
         self.penalties: PenaltyState | None = None  # made when the first request with penalties arrives
         self._in_flight: deque[InFlightStep] = deque()  # launched steps whose tokens are not read yet (<= 1)
         self._lock = threading.Lock()  # held by each public call: one call at a time (see _exclusive)
         self._next_id = 0
         self.num_steps = 0
         self.steps_by_mode: Counter[ForwardMode] = Counter()
+
+    @property
+    def eos_token_ids(self) -> Any:
+        """The token ids that end a request (unless ``ignore_eos``); assignable."""
+        return self.writer.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids: Any) -> None:
+        self.writer.eos_token_ids = ids
 
     # ------------------------------------------------------------------ public API
     def generate(
@@ -278,14 +294,21 @@ class LLM:
         if it raises, the scheduler and every request are as they were (see ``step``)."""
         state = self.scheduler.snapshot()
         step: ScheduledStep | None = None
+        rows = None  # with speculative decoding: which rows sample (several per request verifying drafts)
         try:
+            if self.speculator is not None:
+                self.speculator.propose(self.scheduler.running)
             step = self.scheduler.schedule()
             if step is None:
                 return None
+            if self.speculator is not None:
+                rows = self.speculator.sample_rows(step)
+            verify = rows is not None and rows.verifies and all(r.is_decoding for r in step.requests)
             fb = ForwardBatch.build(
                 req_pool_indices=[r.row for r in step.requests], prefix_lens=step.prefix_lens,
                 extend_lens=step.extend_lens, out_cache_loc=step.out_cache_loc,
                 input_ids=step.input_ids(), device=self.device, table_write_pending=step.table_write_pending,
+                forward_mode=ForwardMode.TARGET_VERIFY if verify else None,
             )
             if self.prefix_groups is not None and fb.forward_mode.is_decode():
                 fb.shared_prefix = self.prefix_groups.groups_for(fb)
@@ -295,11 +318,12 @@ class LLM:
                 feed = TokenFeed(in_flight, self.vocab_size)
             sampled = [i for i, (r, p, n) in enumerate(zip(step.requests, step.prefix_lens, step.extend_lens))
                        if p + n == len(r.token_ids)]
-            reqs = [step.requests[i] for i in sampled]
+            reqs = [step.requests[i] for i in sampled] if rows is None else rows.reqs
             if self.penalties is not None:
                 start_penalty_rows(reqs, self.penalties, in_flight, self.vocab_size, self.device)
             extras = StepExtras.for_step(reqs, self.penalties, self.device)
-            tokens, logprobs = forward_and_sample(self.step_runner, fb, reqs, sampled, self.device, extras, feed)
+            tokens, logprobs = forward_and_sample(self.step_runner, fb, reqs, sampled, self.device, extras, feed,
+                                                  rows=rows and rows.rows, positions=rows and rows.positions)
         except BaseException:
             for r in step.requests if step is not None else ():
                 r.penalty_row = None  # its statistics may hold part of this step: count them again
@@ -310,10 +334,11 @@ class LLM:
             raise
         for r, n in zip(step.requests, step.extend_lens):
             r.num_cached += n
-        launched = InFlightStep.launch(reqs, tokens, logprobs, extras.logprob_at if extras else None)
+        launched = InFlightStep.launch(reqs, tokens, logprobs, extras.logprob_at if extras else None, rows)
         self._in_flight.append(launched)
         # A request at its length limit finishes with this token whatever it is: out of the next schedule now.
-        self.scheduler.retire([r for r in reqs if self._at_length_limit(r, len(r.token_ids))])
+        if rows is None:
+            self.scheduler.retire([r for r in reqs if self.writer.at_length_limit(r, len(r.token_ids))])
         self.num_steps += 1
         self.steps_by_mode[fb.forward_mode] += 1
         return launched
@@ -328,64 +353,46 @@ class LLM:
             rows = [launched.requests[i] for i in launched.logprob_at]
             entries = unpack_logprobs(launched.logprobs_host.tolist(), [r.params.logprobs for r in rows])
             logprobs = dict(zip(launched.logprob_at, entries))
-        vocab = self.vocab_size
+        if launched.verify is not None:
+            return self._resolve_verify(launched.verify, tokens, logprobs)
         done = []
         for i, (r, at, tok) in enumerate(zip(launched.requests, launched.at, tokens)):
             if r.status is RequestStatus.FINISHED:  # aborted, or stopped by an earlier token: nothing to write
                 continue
-            r.unresolved -= 1
-            if vocab is not None and not 0 <= tok < vocab:  # this request's fault: it alone finishes
-                logger.warning("request %d: the model sampled token %d, outside the vocabulary [0, %d); finishing "
-                               "it with reason 'error'", r.request_id, tok, vocab)
-                del r.token_ids[at:]  # the bad token and any later step's placeholder
-                r.unresolved = 0
-                done.append((r, "error"))
-                continue
-            r.token_ids[at] = tok
-            if i in logprobs:
-                r.logprobs.append(logprobs[i])
-            try:
-                reason = self._stop_reason(r, tok, at + 1)
-            except Exception:  # e.g. detokenising its stop strings: this request alone finishes, the step resolves
-                logger.exception("request %d: the stop check failed; finishing it with reason 'error'", r.request_id)
-                del r.token_ids[at + 1:]  # a later step's placeholders
-                r.unresolved = 0
-                done.append((r, "error"))
-                continue
+            reason = self.writer.write(r, at, tok, logprobs.get(i))
             if reason:
-                r.drop_unresolved()
                 done.append((r, reason))
         self.scheduler.finish_all(done)
         return [r for r, _ in done]
 
-    def _at_length_limit(self, r: Request, length: int) -> bool:
-        """Whether ``r`` with ``length`` tokens (prompt included) has reached max_new_tokens or max_context."""
-        return length - len(r.prompt_ids) >= r.params.max_new_tokens or length >= self.kv_cache.max_context
-
-    def _stop_reason(self, r: Request, tok: int, length: int) -> str | None:
-        """Why ``r`` stops at its token ``tok``, the ``length``-th of its tokens (None: it goes on). Tokens past
-        ``length`` (a later step's, in flight) are not looked at."""
-        if tok in r.params.stop_token_ids:
-            r.stop_reason = tok
-            return "stop"
-        if not r.params.ignore_eos and tok in self.eos_token_ids:
-            return "stop"
-        if r.stop_matcher is not None:
-            later = r.token_ids[length:]
-            del r.token_ids[length:]
-            hit = r.stop_matcher.update(r.token_ids, len(r.prompt_ids))
-            r.token_ids.extend(later)
-            if hit is not None:
-                r.text, r.stop_reason = hit
-                return "stop"
-        return "length" if self._at_length_limit(r, length) else None
-
-
-def sample_seed(seed: int | None, index: int) -> int:
-    """The seed of sample ``index`` of a request: the request's own seed for sample 0, for the others distinct
-    seeds derived from it (so a seeded call with n > 1 is reproducible), random when the request has no seed."""
-    if seed is None:
-        return int(torch.randint(0, 2**31 - 1, ()).item())
-    if index == 0:
-        return seed
-    return int(np.random.SeedSequence([seed % 2**64, index]).generate_state(1, np.uint64)[0] >> 1)
+    def _resolve_verify(self, rows: SampleRows, tokens: list[int], logprobs: dict[int, Any]) -> list[Request]:
+        """Write a verify step's accepted tokens (``acceptance.accept_chain`` per request), one by one through the
+        same checks as a decode step's token, and cut each request's KV back to what the accepted tokens hold."""
+        done = []
+        for r, first, drafts in rows.spans:
+            r.draft_ids = []
+            if r.status is RequestStatus.FINISHED:
+                continue
+            base = len(r.token_ids) - 1  # tokens with KV before the step: all but the last
+            accepted = accept_chain(drafts, tokens[first : first + len(drafts) + 1])
+            assert self.speculator is not None
+            self.speculator.count(drafts, len(accepted) - 1)
+            reason, written = None, 0
+            for tok in accepted:
+                r.token_ids.append(-1)  # written by writer.write, as a decode step's placeholder is
+                r.unresolved += 1
+                reason = self.writer.write(r, len(r.token_ids) - 1, tok, logprobs.get(first + written))
+                written += 1
+                if reason:
+                    break
+            # KV holds the old last token and the drafts equal to the tokens written before the newest one: the
+            # prefix cache (on finishing) and the next step read no further.
+            r.num_cached = base + written
+            if reason:
+                done.append((r, reason))
+            elif drafts:  # the rejected drafts' slots go back
+                self.kv_cache.truncate(r.row, r.num_cached)
+        if self.speculator is not None and rows.verifies:
+            self.speculator.stats.verify_steps += 1
+        self.scheduler.finish_all(done)
+        return [r for r, _ in done]

@@ -24,7 +24,7 @@ from compile_attn.engine.serving.streams import (Delta, EngineOverloadedError, E
                                                  RequestStream)
 from compile_attn.engine.serving.engine_pipe import EngineClient
 from compile_attn.engine.requests.errors import InvalidRequestError, MessageTooLargeError
-from compile_attn.engine.llm import sample_seed
+from compile_attn.engine.requests.token_writer import sample_seed
 from compile_attn.server import logprobs_format, request_body
 from compile_attn.server.http_guards import add_guards
 from compile_attn.server.metrics import CONTENT_TYPE_LATEST, SampleTimer, ServerMetrics

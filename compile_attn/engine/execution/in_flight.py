@@ -13,6 +13,7 @@ them over the placeholders and runs the finish checks one step late.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -38,12 +39,13 @@ class InFlightStep:
     ready: torch.cuda.Event | None
     logprob_at: list[int]  # positions in ``requests`` of the rows of ``logprobs_host``
     logprobs_host: torch.Tensor | None  # their packed log-probabilities (engine/execution/step_extras.py), copied with tokens
+    verify: Any = None  # a verify step's SampleRows (engine/execution/speculative): rows per request, no placeholders
 
     @classmethod
     def launch(cls, requests: list[Request], tokens: torch.Tensor, logprobs: torch.Tensor | None = None,
-               logprob_at: list[int] | None = None) -> InFlightStep:
+               logprob_at: list[int] | None = None, verify: Any = None) -> InFlightStep:
         """Start copying ``tokens`` (and ``logprobs``) to the host and put a placeholder at the end of each
-        request's ``token_ids``."""
+        request's ``token_ids``; a verify step's rows (``verify``) get none: it is read before the next step."""
         ready = None
         host, logprobs_host = tokens, logprobs
         if tokens.is_cuda:
@@ -52,11 +54,11 @@ class InFlightStep:
             ready = torch.cuda.Event()
             ready.record()
         at = []
-        for i, r in enumerate(requests):  # hundreds of requests per step: placeholder(i) inlined
+        for i, r in enumerate(() if verify is not None else requests):  # hundreds per step: placeholder(i) inlined
             at.append(len(r.token_ids))
             r.token_ids.append(-1 - i)
             r.unresolved += 1
-        return cls(requests, at, tokens, host, ready, logprob_at or [], logprobs_host)
+        return cls(requests, at, tokens, host, ready, logprob_at or [], logprobs_host, verify)
 
     def read(self) -> list[int]:
         """The sampled tokens on the host; waits for this step's device work (and only for it)."""

@@ -19,6 +19,7 @@ import torch
 from compile_attn.attention.registry import check_backend_name
 from compile_attn.config import GraphConfig
 from compile_attn.engine.requests.errors import EngineOptionError, UnknownEngineOptionError
+from compile_attn.engine.requests.speculative_config import SpeculativeConfig
 from compile_attn.errors import InvalidConfigError
 from compile_attn.graph_mode import GraphMode
 
@@ -48,6 +49,8 @@ class EngineConfig:
     ``shared_prefix.MIN_REQUESTS`` or more sharing ``MIN_TOKENS`` tokens or more), so that a backend with a
     shared-prefix decode path (triton) reads each shared prefix once; such batches run through the piecewise graphs
     instead of a full decode graph. None: on when ``COMPILE_ATTN_CASCADE_DECODE=1``, else off.
+    speculative_config: speculative decoding in vLLM's form, e.g. ``{"method": "ngram", "num_speculative_tokens":
+    4}`` (a dict, its JSON text or a SpeculativeConfig; None: off). See engine/requests/speculative_config.py.
     """
 
     attn_backend: str = "auto"
@@ -66,6 +69,7 @@ class EngineConfig:
     overlap: bool = True
     enable_prefix_cache: bool = True
     cascade_decode: bool | None = None
+    speculative_config: SpeculativeConfig | Mapping[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         check_backend_name(self.attn_backend)  # a misspelt name or mode fails here, not after the model has loaded
@@ -73,6 +77,7 @@ class EngineConfig:
         check_memory_utilization(self.gpu_memory_utilization)
         check_sizes(max_batch_size=self.max_batch_size, max_num_tokens=self.max_num_tokens, page_size=self.page_size,
                     max_context=self.max_context, kv_cache_tokens=self.kv_cache_tokens)
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         device = check_device(self.device)
         object.__setattr__(self, "device", device)
         object.__setattr__(self, "dtype", check_dtype(self.dtype, device))

@@ -48,6 +48,9 @@ class Request:
     unresolved: int = 0  # trailing placeholders in token_ids: tokens sampled by a step whose output is not read yet
     logprobs: list | None = None  # per output token, a dict[int, Logprob] (when params.logprobs is set)
     penalty_row: int | None = None  # the KV row whose penalty statistics describe this request (see step_extras)
+    # Speculative decoding: tokens proposed to follow token_ids, verified by the next step beside the last token
+    # (never in token_ids, so never counted, cached or returned before the target model accepts them).
+    draft_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not isinstance(self.prompt_ids, array.array):

@@ -51,12 +51,15 @@ class ScheduledStep:
 
     def input_ids(self) -> array.array:
         """The step's tokens, request after request: one memory copy per request (a prefill has thousands); a
-        decode step (one token each) reads each request's token at its prefix length in one comprehension."""
+        decode step (one token each) reads each request's token at its prefix length in one comprehension. A
+        request verifying drafts runs its last token and then its ``draft_ids``."""
         if self.extend_lens.count(1) == len(self.extend_lens):
             return array.array("q", [r.token_ids[p] for r, p in zip(self.requests, self.prefix_lens)])
         ids = array.array("q")
         for r, p, n in zip(self.requests, self.prefix_lens, self.extend_lens):
             ids.extend(r.token_ids[p : p + n])
+            if p + n > len(r.token_ids):
+                ids.extend(r.draft_ids)
         return ids
 
 
@@ -154,13 +157,19 @@ class Scheduler:
 
         preempted: set[int] = set()
         decoding = [r for r in self.running if r.is_decoding]
-        if decoding and len(decoding) <= min(self.max_batch_size, budget):
-            need = self.kv.decode_pages_needed([r.row for r in decoding])
+        # A decoding request with drafts (speculative decoding) runs its last token and its drafts: 1 + len(drafts).
+        drafting = any(r.draft_ids for r in decoding)
+        tokens = sum(1 + len(r.draft_ids) for r in decoding) if drafting else len(decoding)
+        if decoding and len(decoding) <= self.max_batch_size and tokens <= budget:
+            need = (sum(self.kv.pages_needed(r.row, 1 + len(r.draft_ids)) for r in decoding) if drafting
+                    else self.kv.decode_pages_needed([r.row for r in decoding]))
             if need <= free_pages():  # every decoding request fits: take them all, no preemption to consider
-                reserved, budget = need, budget - len(decoding)
-                chosen = [(r, 1) for r in decoding]
+                reserved, budget = need, budget - tokens
+                chosen = [(r, 1 + len(r.draft_ids)) for r in decoding]
                 chosen_ids = {id(r) for r in decoding}
                 decoding = []
+        for r in decoding if drafting else ():  # not all fit with their drafts: plain decode first, drafts later
+            r.draft_ids = []
         for req in decoding:
             if len(chosen) >= self.max_batch_size or budget == 0:
                 break

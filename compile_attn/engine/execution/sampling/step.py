@@ -22,13 +22,18 @@ from compile_attn.graph_runner.step_kernels import TokenFeed
 
 def forward_and_sample(runner: StepRunner, fb: ForwardBatch, reqs: list[Request], sampled: list[int],
                        device: torch.device, extras: StepExtras | None = None, feed: TokenFeed | None = None,
+                       *, rows: list[int] | None = None, positions: list[int] | None = None,
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """int64 device tensor of the next token of each request ``reqs[i]`` (row ``sampled[i]`` of the batch: the
     request whose last token the step computes), after running ``fb`` through ``runner``; and, when ``extras``
     asks for them, the packed log-probabilities of the rows that want them (else None). ``extras`` also applies
-    the penalties before sampling. ``feed``: what the placeholders among ``fb``'s input ids stand for."""
+    the penalties before sampling. ``feed``: what the placeholders among ``fb``'s input ids stand for.
+
+    A verify step samples several rows per request: ``rows`` then names the batch's token row of each ``reqs[i]``
+    (``sampled`` is not read) and ``positions`` the index in its request's tokens that each sampled token takes
+    (default ``len(token_ids)``: a seeded request's noise follows it)."""
     ends = list(accumulate(fb.extend_seq_lens_cpu))
-    keep = [ends[i] - 1 for i in sampled]
+    keep = rows if rows is not None else [ends[i] - 1 for i in sampled]
     every_row = len(keep) == fb.num_tokens  # the LM head runs on every row (a decode step): no index tensor
     temps = [r.params.temperature for r in reqs]
     if all(t <= 0 for t in temps):  # all greedy: no noise kernels and no parameter uploads
@@ -46,7 +51,7 @@ def forward_and_sample(runner: StepRunner, fb: ForwardBatch, reqs: list[Request]
     # not uploaded (a batch without filters sends temperatures, seeds and positions only). A request's position
     # counts its tokens so far, the one being computed by the step still in flight included, so a seeded
     # request draws the same noise whether or not steps overlap.
-    ints = [[r.seed for r in reqs], [len(r.token_ids) for r in reqs]]
+    ints = [[r.seed for r in reqs], positions if positions is not None else [len(r.token_ids) for r in reqs]]
     ints += ([top_ks] if plan.max_top_k else []) + ([] if every_row else [keep])
     on_device = to_device(ints, torch.int64, device)
     seeds, positions = on_device[0], on_device[1]

@@ -1,0 +1,91 @@
+"""SpeculativeConfig: the ``speculative_config`` option of ``LLM(...)`` / ``--speculative-config``, in vLLM's names.
+
+``{"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": a, "prompt_lookup_max": b}`` proposes up to
+K tokens per decoding request by prompt lookup (the tokens that followed the latest earlier occurrence of the
+request's last ``a`` .. ``b`` tokens; no second model). ``"topk"`` (default 1: a chain) and ``"num_draft_tokens"``
+describe trees. Checked here, once, before a model loads; a bad key or value is refused by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from compile_attn.engine.requests.errors import EngineOptionError
+
+METHODS = ("ngram",)
+# vLLM's defaults: with neither bound given, both are 5; with one given, the other takes its value.
+DEFAULT_PROMPT_LOOKUP = 5
+MAX_SPECULATIVE_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """method: how drafts are proposed ("ngram"). num_speculative_tokens: draft tokens per request and step (K).
+    prompt_lookup_min / prompt_lookup_max: the n-gram lengths "ngram" matches, longest first.
+    topk: drafts per tree node (1: a chain). num_draft_tokens: a tree's draft tokens at most (default: K)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP
+    prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP
+    topk: int = 1
+    num_draft_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise EngineOptionError(f"speculative_config: method {self.method!r} is not one of {METHODS}; "
+                                    f"e.g. {{'method': 'ngram', 'num_speculative_tokens': 4}}")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "topk"):
+            _check_positive(name, getattr(self, name))
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise EngineOptionError(f"speculative_config: num_speculative_tokens={self.num_speculative_tokens} is "
+                                    f"more than {MAX_SPECULATIVE_TOKENS}; a verify step that long wastes compute")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise EngineOptionError(f"speculative_config: prompt_lookup_min={self.prompt_lookup_min} is larger than "
+                                    f"prompt_lookup_max={self.prompt_lookup_max}")
+        if self.num_draft_tokens is not None:
+            _check_positive("num_draft_tokens", self.num_draft_tokens)
+        if self.topk > 1:
+            raise EngineOptionError(f"speculative_config: topk={self.topk} (a tree of drafts) is not served by the "
+                                    f"engine yet; use topk=1 (a chain of num_speculative_tokens drafts)")
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | Mapping[str, Any] | str | None) -> SpeculativeConfig | None:
+        """From a SpeculativeConfig, a dict of vLLM's keys, or its JSON text (the command line's form); None stays
+        None. Unknown keys are refused with the known ones; prompt lookup bounds default as in vLLM."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise EngineOptionError(f"speculative_config is not valid JSON ({exc}); e.g. "
+                                        f"'{{\"method\": \"ngram\", \"num_speculative_tokens\": 4}}'") from None
+        if not isinstance(value, Mapping):
+            raise EngineOptionError(f"speculative_config must be a dict (or its JSON text), got "
+                                    f"{type(value).__name__}")
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(value) - set(known))
+        if unknown:
+            raise EngineOptionError(f"speculative_config: unknown key(s) {unknown}; the keys are {known}")
+        options = dict(value)
+        if "method" not in options or "num_speculative_tokens" not in options:
+            raise EngineOptionError("speculative_config needs 'method' and 'num_speculative_tokens', e.g. "
+                                    "{'method': 'ngram', 'num_speculative_tokens': 4}")
+        lo, hi = options.get("prompt_lookup_min"), options.get("prompt_lookup_max")
+        options["prompt_lookup_min"] = lo if lo is not None else (hi if hi is not None else DEFAULT_PROMPT_LOOKUP)
+        options["prompt_lookup_max"] = hi if hi is not None else options["prompt_lookup_min"]
+        return cls(**options)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The options as vLLM's dict (what ``/v1/models`` and the benchmarks report)."""
+        return dataclasses.asdict(self)
+
+
+def _check_positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise EngineOptionError(f"speculative_config: {name} must be a positive int, got {value!r}")
