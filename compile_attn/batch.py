@@ -18,10 +18,12 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Protocol
 
 import torch
 
+from compile_attn.draft_tree import check_draft_parents, tree_positions
 from compile_attn.errors import InvalidBatchError
 from compile_attn.host_tensors import int_list, int_tensor, num_entries, ragged_arange, short_list, to_device_groups
 
@@ -61,7 +63,7 @@ class ForwardMode(enum.IntEnum):
     MIXED = 3  # prefill requests and decode requests in one step
     IDLE = 4  # no requests (keeps collective ops in step in multi-rank setups)
     # Speculative verification: each request adds its last accepted token and its draft tokens; without
-    # ``ForwardBatch.draft_parents`` they form a chain (causal, as an extend), with it a tree.
+    # ``ForwardBatch.draft_parents`` they form a chain (causal, as an extend), with it a tree (draft_tree.py).
     TARGET_VERIFY = 5
 
     def is_decode(self) -> bool:
@@ -105,6 +107,9 @@ class ForwardBatch:
     # Decode requests that share a cached prefix (SharedPrefixGroup); None: not known, a backend may
     # find them itself. Read by the triton backend's shared-prefix (cascade) decode.
     shared_prefix: tuple[SharedPrefixGroup, ...] | None = None
+    # TARGET_VERIFY: per request, the parent (index among its new tokens) of each new token, -1 for token 0; new
+    # token i sees the cached prefix, its ancestors and itself (compile_attn/draft_tree.py). None: chains.
+    draft_parents: tuple[tuple[int, ...], ...] | None = None
     # The request table does not hold this batch's new slots yet (one new token per request: token b is request
     # b's): whoever runs the batch writes req_to_token[req_pool_indices[b], positions[b]] = out_cache_loc[b] on the
     # device before the forward reads the table (write_pending_table; a decode graph's input copy does it on the
@@ -137,6 +142,7 @@ class ForwardBatch:
         forward_mode: ForwardMode | None = None,
         device: torch.device | str = "cpu",
         table_write_pending: bool = False,
+        draft_parents: Sequence[Sequence[int]] | None = None,
     ) -> ForwardBatch:
         """Build a batch from host lists.
 
@@ -152,6 +158,9 @@ class ForwardBatch:
         ``table_write_pending``: ``out_cache_loc`` came from ``kv.alloc_extend(..., defer_table_write=True)`` (a
         host tensor, uploaded here with the other fields), and the batch's step writes it into the request table
         (see the field); needs one new token per request.
+
+        ``draft_parents`` (forward_mode TARGET_VERIFY only): the draft tree, checked by ``draft_tree.
+        check_draft_parents``; ``positions`` then default to ``draft_tree.tree_positions`` (prefix + depth).
         """
         device = torch.device(device)
         prefix_lens = int_list("prefix_lens", prefix_lens)
@@ -169,6 +178,10 @@ class ForwardBatch:
                 f"request {b}: prefix_len, extend_len and req_pool_index must be >= 0, got prefix_len="
                 f"{prefix_lens[b]}, extend_len={extend_lens[b]}, req_pool_index={req_idx[b]}"
             )
+        if draft_parents is not None:
+            verify = forward_mode is not None and ForwardMode(forward_mode).is_verify()
+            draft_parents = check_draft_parents(draft_parents, extend_lens, verify=verify)
+            positions = tree_positions(prefix_lens, draft_parents) if positions is None else positions
         seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
         num_tokens = sum(extend_lens)
         for name, value in (("out_cache_loc", out_cache_loc), ("input_ids", input_ids), ("positions", positions)):
@@ -200,13 +213,7 @@ class ForwardBatch:
                 )
             if forward_mode.is_idle() and bs:
                 raise InvalidBatchError(f"forward_mode IDLE needs an empty batch, got {bs} requests")
-        if one_each:
-            start_loc = list(range(bs))
-        else:
-            start_loc, acc = [], 0
-            for e in extend_lens:
-                start_loc.append(acc)
-                acc += e
+        start_loc = list(range(bs)) if one_each else [0, *accumulate(extend_lens)][:bs]
         if input_ids is None:
             input_ids = torch.zeros(num_tokens, dtype=torch.int64)
         # Host values go to the device in one copy (both dtypes); default positions are expanded on the host.
@@ -225,22 +232,12 @@ class ForwardBatch:
         except (TypeError, OverflowError) as exc:  # e.g. a float in a list, a value past int64
             raise InvalidBatchError(f"input_ids, positions and out_cache_loc must hold int64 values: {exc}") from None
         fb = cls(
-            forward_mode=forward_mode,
-            batch_size=bs,
-            input_ids=longs[0],
-            positions=longs[1],
-            req_pool_indices=longs[2],
-            seq_lens=ints[0],
-            seq_lens_cpu=int_tensor(seq_lens),
-            out_cache_loc=out_cache_loc if keep_loc else longs[3],
-            seq_lens_sum=sum(seq_lens),
-            extend_prefix_lens=ints[1],
-            extend_seq_lens=ints[2],
-            extend_start_loc=ints[3],
-            extend_prefix_lens_cpu=prefix_lens,
-            extend_seq_lens_cpu=extend_lens,
-            req_pool_indices_cpu=req_idx,
-            table_write_pending=table_write_pending,
+            forward_mode=forward_mode, batch_size=bs, input_ids=longs[0], positions=longs[1],
+            req_pool_indices=longs[2], seq_lens=ints[0], seq_lens_cpu=int_tensor(seq_lens),
+            out_cache_loc=out_cache_loc if keep_loc else longs[3], seq_lens_sum=sum(seq_lens),
+            extend_prefix_lens=ints[1], extend_seq_lens=ints[2], extend_start_loc=ints[3],
+            extend_prefix_lens_cpu=prefix_lens, extend_seq_lens_cpu=extend_lens, req_pool_indices_cpu=req_idx,
+            table_write_pending=table_write_pending, draft_parents=draft_parents,
         )
         fb._built = True
         fb._given_loc = out_cache_loc if isinstance(out_cache_loc, torch.Tensor) else None
@@ -296,18 +293,9 @@ class ForwardBatch:
         allocated and used once, ``prefix + extend`` within the row's allocated tokens, each token's slot the one
         the row holds for its position. Reads device tensors, so it syncs: tests and debug mode only."""
         bs = self.batch_size
-        per_request = {
-            "req_pool_indices": len(self.req_pool_indices),
-            "seq_lens": len(self.seq_lens),
-            "seq_lens_cpu": len(self.seq_lens_cpu),
-            "extend_prefix_lens": len(self.extend_prefix_lens),
-            "extend_seq_lens": len(self.extend_seq_lens),
-            "extend_start_loc": len(self.extend_start_loc),
-            "extend_prefix_lens_cpu": len(self.extend_prefix_lens_cpu),
-            "extend_seq_lens_cpu": len(self.extend_seq_lens_cpu),
-        }
-        for name, n in per_request.items():
-            if n != bs:
+        for name in ("req_pool_indices", "seq_lens", "seq_lens_cpu", "extend_prefix_lens", "extend_seq_lens",
+                     "extend_start_loc", "extend_prefix_lens_cpu", "extend_seq_lens_cpu"):
+            if (n := len(getattr(self, name))) != bs:
                 raise InvalidBatchError(f"ForwardBatch.{name} has {n} entries but batch_size is {bs}")
         t = self.num_tokens
         for name in ("input_ids", "positions"):
@@ -358,6 +346,8 @@ class ForwardBatch:
             raise InvalidBatchError(f"forward_mode IDLE needs an empty batch, got batch_size {bs}")
         if self.forward_mode.is_decode() and any(e != 1 for e in extend):
             raise InvalidBatchError(f"forward_mode DECODE needs extend_len 1 for every request, got {extend}")
+        if self.draft_parents is not None:
+            check_draft_parents(self.draft_parents, extend, verify=self.forward_mode.is_verify())
         if kv_cache is not None:
             kv_cache.check_batch_bounds(self, seq)
 
