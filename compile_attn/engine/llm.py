@@ -83,8 +83,11 @@ class LLM:
         # Shared-prefix groups of decode batches (None: not looked for); see EngineConfig.cascade_decode.
         self.prefix_groups = engine_prefix_finder(config.cascade_decode, self.kv_cache, self.backend.name,
                                                   self.backend.takes_shared_prefix_decode())
+        # A verify step runs each request's tokens as rows of a decode graph: graphs of up to (1 + K) rows each.
+        spec = config.speculative_config
+        rows = config.max_batch_size * (1 + (spec.num_speculative_tokens if spec is not None else 0))
         self.step_runner = StepRunner(self.model, self.backend, graph_mode=config.graph_mode, compile=config.compile,
-                                      compile_options=config.compile_options, max_batch_size=config.max_batch_size,
+                                      compile_options=config.compile_options, max_batch_size=rows,
                                       max_num_tokens=config.max_num_tokens)
         logger.info(
             "LLM ready: device %s, dtype %s, backend %s, graph mode %s, KV cache %d tokens (%.1f MiB), page size %d",
@@ -101,7 +104,6 @@ class LLM:
             sampler.warmup(device, self.vocab_size, config.max_batch_size, dtype=dtype)
         if config.capture:  # the step's own kernels (the feed of in-flight tokens), before traffic
             step_kernels.warm_up(device, self.vocab_size)
-        spec = config.speculative_config
         self.speculator = Speculator(spec, max_context) if spec is not None else None
         # A verify step's drafts follow the tokens of the step before it: those are read first (see docs/speculative.md).
         self.overlap = config.overlap and self.speculator is None

@@ -7,8 +7,9 @@ outputs sliced to the real token count. It sets the forward context's ``graph_mo
 backend's piecewise wrappers capture and replay only on piecewise steps, at the bucket the runner names (the
 runner owns the buckets). A decode batch carrying shared-prefix groups that the backend runs through its
 shared-prefix (cascade) kernels goes to the piecewise graphs of its token count instead of a full decode graph
-(``shared_prefix_route``): the kernels' grid follows the groups, so attention must run eagerly between pieces. See
-docs/graph_runner.md.
+(``shared_prefix_route``): the kernels' grid follows the groups, so attention must run eagerly between pieces. A
+chain verify batch (speculative decoding) replays the full decode graph of its token count, its tokens as decode
+rows (``verify_unroll.py``). See docs/graph_runner.md.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from compile_attn.graph_runner.shortcuts import ModelCalls
 from compile_attn.graph_runner.static_buffers import StaticBuffers
 from compile_attn.graph_runner.stats import GraphRunnerStats
 from compile_attn.graph_runner.verify import verify_runner
+from compile_attn.graph_runner.verify_unroll import is_chain_verify, unroll_chain_verify
 from compile_attn.graph_runner.warmup import warm_up
 from compile_attn.graph_runner.step_kernels import TokenFeed
 
@@ -127,6 +129,9 @@ class GraphRunner:
             return None
         if fb.forward_mode.is_decode():
             mode, bucket = self.plan.decode, next_bucket(self.decode_buckets, fb.batch_size)
+        elif self.plan.decode is GraphMode.FULL and is_chain_verify(fb) and (
+                bucket := next_bucket(self.decode_buckets, fb.num_tokens)) is not None:
+            return GraphMode.FULL, bucket  # its tokens as decode rows (verify_unroll.py)
         else:
             mode, bucket = self.plan.extend, next_bucket(self.extend_buckets, fb.num_tokens)
             if fb.batch_size > self.buffers.max_batch_size:
@@ -270,7 +275,8 @@ class GraphRunner:
         shared = route is not None
         if not shared:
             route = self.route(fb)
-        decode_copy = route is not None and not shared and fb.forward_mode.is_decode()  # into a decode graph
+        # Into a decode graph: a decode batch, or a chain verify batch's tokens as decode rows (verify_unroll.py).
+        decode_copy = route is not None and not shared and (fb.forward_mode.is_decode() or route[0] is _FULL)
         if feed is not None and not decode_copy:
             feed.apply(fb.input_ids)
             feed = None
@@ -290,7 +296,8 @@ class GraphRunner:
             view.shared_prefix, view.req_pool_indices_cpu = fb.shared_prefix, fb.req_pool_indices_cpu
             self.stats.shared_prefix_runs += 1
         elif decode_copy:
-            view = self.views.decode_view(fb, bucket, feed, kv.req_to_token if fb.table_write_pending else None)
+            rows = fb if fb.forward_mode.is_decode() else unroll_chain_verify(fb)
+            view = self.views.decode_view(rows, bucket, feed, kv.req_to_token if fb.table_write_pending else None)
             fb.table_write_pending = False
         else:
             view = self.views.extend_view(fb, bucket)
