@@ -1,0 +1,185 @@
+"""Speculative decoding on one GPU: the verify step against the decode step, and output tokens/s with speculation
+against without, in one run.
+
+* Step times (``--step-batch-sizes``): a chain verify step of B requests x (1 + K) tokens against the decode step of
+  B requests, both replayed from the engine's full decode graphs on the same KV cache (``context`` cached tokens per
+  request), CUDA-event medians.
+* Output tokens/s (``--batch-sizes``): B random prompts, greedy, ``--max-new-tokens`` each, through ``LLM.generate``:
+  no speculation (overlap on, the default a user gets), speculation with a proposer that is always right (it
+  replays the greedy continuation the first run produced: the mechanism's ceiling, test-only), and prompt lookup
+  ("ngram"). Every run's tokens must equal the first run's.
+
+Random bf16 weights of the Llama-3.2-1B shape unless ``--tiny`` (a CPU smoke run). Prints a markdown table; ``--out``
+writes the JSON.
+
+    python benchmarks/bench_speculative.py --out benchmarks/results/speculative/h100.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from compile_attn import ForwardBatch, ForwardMode  # noqa: E402
+from compile_attn.bench import decode_step as bench  # noqa: E402
+from compile_attn.bench.run_info import run_info  # noqa: E402
+from compile_attn.engine import LLM, SamplingParams  # noqa: E402
+
+
+class ReplayProposer:
+    """Test-only: proposes the known greedy continuation of each prompt (always right)."""
+
+    def __init__(self, sequences: list[list[int]], k: int, key_len: int) -> None:
+        self.k, self.key_len = k, key_len
+        self.by_key = {tuple(s[:key_len]): s for s in sequences}
+
+    def propose(self, token_ids, max_tokens: int | None = None) -> list[int]:  # noqa: ANN001
+        full = self.by_key[tuple(token_ids[: self.key_len])]
+        n = self.k if max_tokens is None else min(self.k, max_tokens)
+        return list(full[len(token_ids) : len(token_ids) + n])
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def median_ms(fn, device: str, iters: int, warmup: int = 5) -> float:  # noqa: ANN001
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(iters):
+        if device.startswith("cuda"):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def step_times(llm: LLM, batch_sizes: list[int], k: int, context: int, iters: int, device: str,
+               vocab: int) -> list[dict]:
+    """Decode step (B rows) and chain verify step (B x (1 + K) rows) through ``llm``'s graph runner."""
+    kv, runner, out = llm.kv_cache, llm.step_runner, []
+    for bs in batch_sizes:
+        rows = [kv.alloc_request() for _ in range(bs)]
+        kv.alloc_extend(rows, [context] * bs)
+        ids = torch.randint(0, vocab, (bs * (k + 1),)).tolist()
+        before = dict(runner.runner.stats.runs)
+        decode = ForwardBatch.build(req_pool_indices=rows, prefix_lens=[context] * bs, extend_lens=[1] * bs,
+                                    out_cache_loc=kv.alloc_extend(rows, [1] * bs), input_ids=ids[:bs], device=device)
+        decode_ms = median_ms(lambda: runner.run(decode, None), device, iters)
+        for r in rows:
+            kv.truncate(r, context)
+        verify = ForwardBatch.build(req_pool_indices=rows, prefix_lens=[context] * bs, extend_lens=[k + 1] * bs,
+                                    out_cache_loc=kv.alloc_extend(rows, [k + 1] * bs), input_ids=ids, device=device,
+                                    forward_mode=ForwardMode.TARGET_VERIFY)
+        verify_ms = median_ms(lambda: runner.run(verify, None), device, iters)
+        full = runner.runner.stats.runs.get("full", 0) - before.get("full", 0)
+        kv.free_requests(rows)
+        out.append(dict(batch_size=bs, k=k, context=context, decode_ms=decode_ms, verify_ms=verify_ms,
+                        ratio=verify_ms / decode_ms, full_graph_runs=full, runs=2 * (iters + 5)))
+    return out
+
+
+def throughput(llm: LLM, prompts: list[list[int]], new: int, device: str) -> tuple[float, list[list[int]], int]:
+    llm.generate(prompts[:1], SamplingParams(max_new_tokens=4, ignore_eos=True), use_tqdm=False)  # warm
+    sync(device)
+    steps = llm.num_steps
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=new, ignore_eos=True), use_tqdm=False)
+    sync(device)
+    seconds = time.perf_counter() - t0
+    return sum(len(o.token_ids) for o in outs) / seconds, [o.token_ids for o in outs], llm.num_steps - steps
+
+
+def release(*objs) -> None:  # noqa: ANN002
+    del objs
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch-sizes", default="1,64")
+    ap.add_argument("--step-batch-sizes", default="1,64")
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--backend", default="triton")
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU (smoke run)")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    device = "cpu" if args.tiny else "cuda"
+    shape = bench.TINY if args.tiny else bench.LLAMA_1B
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    model = bench._hf_model(bench.BenchConfig(shape=dict(shape), device=device), "sdpa", dtype)
+    sizes = [int(x) for x in args.batch_sizes.split(",")]
+    step_sizes = [int(x) for x in args.step_batch_sizes.split(",")]
+    base = dict(attn_backend=args.backend if not args.tiny else "torch_native", device=device, dtype=dtype,
+                max_batch_size=max(sizes + step_sizes), max_num_tokens=max(2048, max(sizes) * (args.k + 1)),
+                max_context=max(args.context, args.prompt_len + args.max_new_tokens) + args.k + 8,
+                kv_cache_tokens=max(sizes + step_sizes) * (max(args.context, args.prompt_len + args.max_new_tokens)
+                                                           + 2 * args.k + 16) + 4096,
+                compile_options={"cache_dir": None})
+    if args.tiny:
+        base.update(graph_mode="full", compile=False)
+    gen = torch.Generator().manual_seed(0)
+    result = dict(run_info=run_info(sys.argv), args=vars(args), steps=[], throughput=[])
+    plain = LLM(model, **base)
+    ngram = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    for bs in sizes:
+        prompts = [torch.randint(0, shape["vocab_size"], (args.prompt_len,), generator=gen).tolist() for _ in range(bs)]
+        tps, ref, steps = throughput(plain, prompts, args.max_new_tokens, device)
+        result["throughput"].append(dict(batch_size=bs, system="no speculation (overlap)", tok_s=tps, steps=steps))
+        sequences = [p + r for p, r in zip(prompts, ref)]
+        spec = LLM(model, speculative_config=ngram, **base)
+        if bs == sizes[0]:
+            result["steps"] = step_times(spec, step_sizes, args.k, args.context, args.iters, device,
+                                         shape["vocab_size"])
+        lookup = spec.speculator.proposer
+        for name, proposer in (("always-right proposer", ReplayProposer(sequences, args.k, 32)),
+                               ("ngram (prompt lookup)", lookup)):
+            spec.speculator.proposer = proposer
+            before = spec.speculator.stats.as_dict()
+            tps_s, got, steps_s = throughput(spec, prompts, args.max_new_tokens, device)
+            after = spec.speculator.stats.as_dict()
+            assert got == ref, f"{name}: tokens differ from the run without speculation"
+            verified = after["verified_requests"] - before["verified_requests"]
+            accepted = after["accepted_tokens"] - before["accepted_tokens"]
+            result["throughput"].append(dict(batch_size=bs, system=f"K={args.k}, {name}", tok_s=tps_s, steps=steps_s,
+                                             speedup=tps_s / tps, mean_accepted_length=1 + accepted / max(verified, 1)))
+        release(spec)
+    print("| B | verify B x (1+K) ms | decode B ms | ratio |\n|---|---|---|---|")
+    for s in result["steps"]:
+        print(f"| {s['batch_size']} | {s['verify_ms']:.3f} | {s['decode_ms']:.3f} | {s['ratio']:.2f} |")
+    print("\n| B | system | output tok/s | steps | speedup | accepted length |\n|---|---|---|---|---|---|")
+    for t in result["throughput"]:
+        print(f"| {t['batch_size']} | {t['system']} | {t['tok_s']:.0f} | {t['steps']} | {t.get('speedup', 1):.2f}x "
+              f"| {t.get('mean_accepted_length', 1):.2f} |")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
