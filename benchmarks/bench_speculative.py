@@ -147,16 +147,14 @@ def main() -> None:
     result = dict(run_info=run_info(sys.argv), args=vars(args), steps=[], throughput=[])
     plain = LLM(model, **base)
     ngram = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    spec = LLM(model, speculative_config=ngram, **base)
+    result["steps"] = step_times(spec, step_sizes, args.k, args.context, args.iters, device, shape["vocab_size"])
+    lookup = spec.speculator.proposer
     for bs in sizes:
         prompts = [torch.randint(0, shape["vocab_size"], (args.prompt_len,), generator=gen).tolist() for _ in range(bs)]
         tps, ref, steps = throughput(plain, prompts, args.max_new_tokens, device)
         result["throughput"].append(dict(batch_size=bs, system="no speculation (overlap)", tok_s=tps, steps=steps))
         sequences = [p + r for p, r in zip(prompts, ref)]
-        spec = LLM(model, speculative_config=ngram, **base)
-        if bs == sizes[0]:
-            result["steps"] = step_times(spec, step_sizes, args.k, args.context, args.iters, device,
-                                         shape["vocab_size"])
-        lookup = spec.speculator.proposer
         for name, proposer in (("always-right proposer", ReplayProposer(sequences, args.k, 32)),
                                ("ngram (prompt lookup)", lookup)):
             spec.speculator.proposer = proposer
@@ -168,7 +166,7 @@ def main() -> None:
             accepted = after["accepted_tokens"] - before["accepted_tokens"]
             result["throughput"].append(dict(batch_size=bs, system=f"K={args.k}, {name}", tok_s=tps_s, steps=steps_s,
                                              speedup=tps_s / tps, mean_accepted_length=1 + accepted / max(verified, 1)))
-        release(spec)
+    release(spec, plain)
     print("| B | verify B x (1+K) ms | decode B ms | ratio |\n|---|---|---|---|")
     for s in result["steps"]:
         print(f"| {s['batch_size']} | {s['verify_ms']:.3f} | {s['decode_ms']:.3f} | {s['ratio']:.2f} |")
