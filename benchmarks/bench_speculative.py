@@ -6,8 +6,10 @@ against without, in one run.
   request), CUDA-event medians.
 * Output tokens/s (``--batch-sizes``): B random prompts, greedy, ``--max-new-tokens`` each, through ``LLM.generate``:
   no speculation (overlap on, the default a user gets), speculation with a proposer that is always right (it
-  replays the greedy continuation the first run produced: the mechanism's ceiling, test-only), and prompt lookup
-  ("ngram"). Every run's tokens must equal the first run's.
+  replays the greedy continuation of the run before: the mechanism's ceiling, test-only), and prompt lookup
+  ("ngram"). The share of requests whose tokens equal the plain run's is reported: in bf16 a verify step's other
+  GEMM shapes round differently, which can flip a near-tie of random weights' logits (fp32 runs are identical:
+  tests/engine/execution/speculative).
 
 Random bf16 weights of the Llama-3.2-1B shape unless ``--tiny`` (a CPU smoke run). Prints a markdown table; ``--out``
 writes the JSON.
@@ -132,7 +134,6 @@ def main() -> None:
     device = "cpu" if args.tiny else "cuda"
     shape = bench.TINY if args.tiny else bench.LLAMA_1B
     dtype = torch.float32 if args.tiny else torch.bfloat16
-    model = bench._hf_model(bench.BenchConfig(shape=dict(shape), device=device), "sdpa", dtype)
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     step_sizes = [int(x) for x in args.step_batch_sizes.split(",")]
     base = dict(attn_backend=args.backend if not args.tiny else "torch_native", device=device, dtype=dtype,
@@ -145,35 +146,43 @@ def main() -> None:
         base.update(graph_mode="full", compile=False)
     gen = torch.Generator().manual_seed(0)
     result = dict(run_info=run_info(sys.argv), args=vars(args), steps=[], throughput=[])
-    plain = LLM(model, **base)
+    make = lambda: bench._hf_model(bench.BenchConfig(shape=dict(shape), device=device), "sdpa", dtype)  # noqa: E731
+    plain = LLM(make(), **base)  # each engine its own model instance (same seed, same weights)
     ngram = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-    spec = LLM(model, speculative_config=ngram, **base)
+    spec = LLM(make(), speculative_config=ngram, **base)
     result["steps"] = step_times(spec, step_sizes, args.k, args.context, args.iters, device, shape["vocab_size"])
+    print("| B | verify B x (1+K) ms | decode B ms | ratio |\n|---|---|---|---|")
+    for s in result["steps"]:
+        print(f"| {s['batch_size']} | {s['verify_ms']:.3f} | {s['decode_ms']:.3f} | {s['ratio']:.2f} |", flush=True)
     lookup = spec.speculator.proposer
     for bs in sizes:
         prompts = [torch.randint(0, shape["vocab_size"], (args.prompt_len,), generator=gen).tolist() for _ in range(bs)]
         tps, ref, steps = throughput(plain, prompts, args.max_new_tokens, device)
         result["throughput"].append(dict(batch_size=bs, system="no speculation (overlap)", tok_s=tps, steps=steps))
-        sequences = [p + r for p, r in zip(prompts, ref)]
-        for name, proposer in (("always-right proposer", ReplayProposer(sequences, args.k, 32)),
-                               ("ngram (prompt lookup)", lookup)):
-            spec.speculator.proposer = proposer
-            before = spec.speculator.stats.as_dict()
-            tps_s, got, steps_s = throughput(spec, prompts, args.max_new_tokens, device)
-            after = spec.speculator.stats.as_dict()
-            assert got == ref, f"{name}: tokens differ from the run without speculation"
+        # The always-right proposer replays a continuation; in bf16 a verify step's rounding (other GEMM shapes) can
+        # flip a near-tie, so it replays the previous speculative run's own tokens (a second pass is measured).
+        known = ref
+        for name, passes in (("always-right proposer", 2), ("ngram (prompt lookup)", 1)):
+            for _ in range(passes):
+                spec.speculator.proposer = (ReplayProposer([p + r for p, r in zip(prompts, known)], args.k, 32)
+                                            if passes == 2 else lookup)
+                before = spec.speculator.stats.as_dict()
+                tps_s, got, steps_s = throughput(spec, prompts, args.max_new_tokens, device)
+                after = spec.speculator.stats.as_dict()
+                known = got
+            same = sum(g == r for g, r in zip(got, ref)) / len(ref)
             verified = after["verified_requests"] - before["verified_requests"]
             accepted = after["accepted_tokens"] - before["accepted_tokens"]
-            result["throughput"].append(dict(batch_size=bs, system=f"K={args.k}, {name}", tok_s=tps_s, steps=steps_s,
-                                             speedup=tps_s / tps, mean_accepted_length=1 + accepted / max(verified, 1)))
+            row = dict(batch_size=bs, system=f"K={args.k}, {name}", tok_s=tps_s, steps=steps_s, speedup=tps_s / tps,
+                       mean_accepted_length=1 + accepted / max(verified, 1), same_tokens_as_plain=same)
+            result["throughput"].append(row)
+            print(row, flush=True)
     release(spec, plain)
-    print("| B | verify B x (1+K) ms | decode B ms | ratio |\n|---|---|---|---|")
-    for s in result["steps"]:
-        print(f"| {s['batch_size']} | {s['verify_ms']:.3f} | {s['decode_ms']:.3f} | {s['ratio']:.2f} |")
-    print("\n| B | system | output tok/s | steps | speedup | accepted length |\n|---|---|---|---|---|---|")
+    print("\n| B | system | output tok/s | steps | speedup | accepted length | outputs = plain |")
+    print("|---|---|---|---|---|---|---|")
     for t in result["throughput"]:
         print(f"| {t['batch_size']} | {t['system']} | {t['tok_s']:.0f} | {t['steps']} | {t.get('speedup', 1):.2f}x "
-              f"| {t.get('mean_accepted_length', 1):.2f} |")
+              f"| {t.get('mean_accepted_length', 1):.2f} | {100 * t.get('same_tokens_as_plain', 1):.0f}% |")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1))
