@@ -4,7 +4,9 @@ One program handles ``BLOCK_M`` new tokens of one request and one query head. It
 request's cached prefix through ``kv_indices`` from the paged cache, then the request's new K/V
 straight from the ``k``/``v`` inputs, with one online softmax over both. Masks are built from
 absolute positions (prefix length + offset): causal, HF-style sliding window, or a per-request
-custom mask (tree verification) that replaces the causal rule.
+custom mask (tree verification) that replaces the causal rule. A draft tree's mask may cover the new keys only
+(every cached key is visible), and the new tokens' own positions (a tree's ``prefix + depth``) may be given for
+the sliding window.
 The grid depends on the host-known ``max_len_extend``: extend runs outside CUDA graphs.
 """
 
@@ -88,6 +90,7 @@ def _extend_kernel(
     Kv_Indices,
     Mask,
     Mask_Indptr,
+    Positions,
     sm_scale,
     logit_cap,
     sliding_window,
@@ -108,6 +111,8 @@ def _extend_kernel(
     HAS_WINDOW: tl.constexpr,
     HAS_CAP: tl.constexpr,
     HAS_MASK: tl.constexpr,
+    MASK_NEW_ONLY: tl.constexpr,
+    HAS_POS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -124,9 +129,11 @@ def _extend_kernel(
     kv_head = head // GROUP
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     PAD_DV: tl.constexpr = BLOCK_DV != V_HEAD_DIM
-    # Window and custom masks decide per position, so every tile is masked; otherwise only the last
-    # partial tile of each part and (causal) the tiles on the diagonal are.
-    ALL_MASKED: tl.constexpr = HAS_WINDOW or HAS_MASK
+    # Window and custom masks decide per position, so every tile of the part they reach is masked; otherwise
+    # only the last partial tile of each part and (causal) the tiles on the diagonal are. A mask over the new keys
+    # only (MASK_NEW_ONLY: a draft tree's) leaves every cached key visible.
+    PREFIX_MASKED: tl.constexpr = HAS_WINDOW or (HAS_MASK and not MASK_NEW_ONLY)
+    NEW_MASKED: tl.constexpr = HAS_WINDOW or HAS_MASK
 
     q_lo = tl.load(Qo_Indptr + b).to(tl.int64)
     ext_len = tl.load(Qo_Indptr + b + 1) - q_lo
@@ -142,9 +149,20 @@ def _extend_kernel(
     mask_d = offs_d < HEAD_DIM
     offs_dv = tl.arange(0, BLOCK_DV)
     mask_dv = offs_dv < V_HEAD_DIM
-    q_pos = prefix_len + offs_m
+    if HAS_POS:  # the window's positions of the new tokens (a draft tree's prefix + depth)
+        q_pos = tl.load(Positions + q_lo + offs_m, mask=mask_m, other=0).to(tl.int32)
+    else:
+        q_pos = prefix_len + offs_m
     if HAS_MASK:
-        mask_row = Mask + tl.load(Mask_Indptr + b).to(tl.int64) + offs_m.to(tl.int64) * (prefix_len + ext_len)
+        # Row i of request b's mask: [prefix_len + ext_len] columns (cached keys, then new keys), or [ext_len]
+        # columns (new keys only).
+        if MASK_NEW_ONLY:
+            mask_cols = ext_len
+            mask_key0 = 0
+        else:
+            mask_cols = prefix_len + ext_len
+            mask_key0 = prefix_len
+        mask_row = Mask + tl.load(Mask_Indptr + b).to(tl.int64) + offs_m.to(tl.int64) * mask_cols
 
     q = tl.load(
         Q + (q_lo + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
@@ -158,9 +176,13 @@ def _extend_kernel(
     # Cached prefix: every prefix position precedes every new token, so only window / custom mask apply.
     pre_lo = 0
     if HAS_WINDOW:
-        pre_lo = tl.maximum(prefix_len + row_lo - sliding_window + 1, 0) // BLOCK_N * BLOCK_N
+        if HAS_POS:  # the block's earliest position opens the earliest window
+            q_first = tl.min(tl.where(mask_m, q_pos, prefix_len + ext_len), axis=0)
+            pre_lo = tl.maximum(q_first - sliding_window + 1, 0) // BLOCK_N * BLOCK_N
+        else:
+            pre_lo = tl.maximum(prefix_len + row_lo - sliding_window + 1, 0) // BLOCK_N * BLOCK_N
     pre_hi = tl.where(live, prefix_len, 0)
-    if ALL_MASKED:
+    if PREFIX_MASKED:
         pre_full = pre_lo
     else:
         pre_full = pre_hi // BLOCK_N * BLOCK_N
@@ -186,7 +208,7 @@ def _extend_kernel(
             allowed = mask_m[:, None] & mask_n[None, :]
             if HAS_WINDOW:
                 allowed &= offs_n[None, :] > q_pos[:, None] - sliding_window
-            if HAS_MASK:
+            if HAS_MASK and not MASK_NEW_ONLY:
                 custom = tl.load(mask_row[:, None] + offs_n[None, :], mask=allowed, other=0)
                 allowed &= custom != 0
             m_i, l_i, acc = _attend_tile(
@@ -195,13 +217,13 @@ def _extend_kernel(
 
     # New tokens, read from k/v directly.
     ext_start = 0
-    if HAS_WINDOW:
+    if HAS_WINDOW and not HAS_POS:  # (given positions need not grow with the token index)
         ext_start = tl.maximum(row_lo - sliding_window + 1, 0) // BLOCK_N * BLOCK_N
     ext_hi = ext_len
     if IS_CAUSAL:
         ext_hi = tl.minimum(ext_len, row_lo + BLOCK_M)
     ext_hi = tl.where(live, ext_hi, 0)
-    if ALL_MASKED:
+    if NEW_MASKED:
         ext_full = ext_start
     elif IS_CAUSAL:
         ext_full = tl.where(live, row_lo, 0)  # keys below this block's first row: visible to all its rows
@@ -225,9 +247,13 @@ def _extend_kernel(
             if IS_CAUSAL:
                 allowed &= offs_n[None, :] <= offs_m[:, None]
             if HAS_WINDOW:
-                allowed &= (prefix_len + offs_n)[None, :] > q_pos[:, None] - sliding_window
+                if HAS_POS:
+                    k_pos = tl.load(Positions + q_lo + offs_n, mask=mask_n, other=0).to(tl.int32)
+                else:
+                    k_pos = prefix_len + offs_n
+                allowed &= k_pos[None, :] > q_pos[:, None] - sliding_window
             if HAS_MASK:
-                custom = tl.load(mask_row[:, None] + (prefix_len + offs_n)[None, :], mask=allowed, other=0)
+                custom = tl.load(mask_row[:, None] + (mask_key0 + offs_n)[None, :], mask=allowed, other=0)
                 allowed &= custom != 0
             m_i, l_i, acc = _attend_tile(
                 q, k, v, allowed, m_i, l_i, acc, sm_scale, logit_cap, phase == 1, HAS_CAP, DOT_PRECISION
@@ -281,6 +307,8 @@ def extend_attention_fwd(
     logit_cap: float = 0.0,
     custom_mask: torch.Tensor | None = None,
     mask_indptr: torch.Tensor | None = None,
+    mask_new_keys_only: bool = False,
+    positions: torch.Tensor | None = None,
 ) -> None:
     """Attention of new tokens ``q[T, Hq, D]`` over their request's cached prefix and themselves.
 
@@ -290,9 +318,13 @@ def extend_attention_fwd(
     ``sliding_window > 0``: a query at position p sees keys j with ``p - sliding_window < j <= p``.
     ``custom_mask`` (bool/uint8, flattened ``[extend_len, prefix_len + extend_len]`` per request at
     ``mask_indptr[b]``; derived from the indptrs when ``mask_indptr`` is None) replaces the causal
-    rule; a sliding window still applies on top of it.
+    rule; a sliding window still applies on top of it. ``mask_new_keys_only``: the mask is ``[extend_len,
+    extend_len]`` per request (new keys only; every cached key is visible); ``mask_indptr`` is then required.
+    ``positions`` (``[T]`` ints): the new tokens' positions for the sliding window (a draft tree's ``prefix +
+    depth``) instead of ``prefix_len + i``; a cached key's position is its index.
     """
-    check_device(_extend_kernel, q, k, v, out, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices)
+    check_device(_extend_kernel, q, k, v, out, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, custom_mask,
+                 mask_indptr, positions)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     v_head_dim = v.shape[-1]
@@ -325,7 +357,12 @@ def extend_attention_fwd(
         if custom_mask.dtype == torch.bool:
             custom_mask = custom_mask.view(torch.uint8)
         if mask_indptr is None:
+            if mask_new_keys_only:
+                raise ValueError("mask_new_keys_only needs mask_indptr (the offsets of each request's [n, n] mask)")
             mask_indptr = build_mask_indptr(qo_indptr, kv_indptr)
+    has_pos = positions is not None and sliding_window > 0
+    if has_pos and tuple(positions.shape) != (num_tokens,):
+        raise ValueError(f"positions has shape {tuple(positions.shape)}, expected ({num_tokens},): one per token")
     block_d, block_dv = next_pow2(head_dim), next_pow2(v_head_dim)
     cfg = _extend_config(block_d, block_dv)
     grid = (num_q_heads, triton.cdiv(max_len_extend, cfg["BLOCK_M"]), bs)
@@ -342,6 +379,7 @@ def extend_attention_fwd(
         kv_indices,
         custom_mask if has_mask else qo_indptr,
         mask_indptr if has_mask else qo_indptr,
+        positions if has_pos else qo_indptr,
         float(sm_scale),
         float(logit_cap),
         int(sliding_window),
@@ -362,6 +400,8 @@ def extend_attention_fwd(
         HAS_WINDOW=sliding_window > 0,
         HAS_CAP=logit_cap > 0,
         HAS_MASK=has_mask,
+        MASK_NEW_ONLY=has_mask and mask_new_keys_only,
+        HAS_POS=has_pos,
         BLOCK_D=block_d,
         BLOCK_DV=block_dv,
         HEAD_DIM=head_dim,

@@ -101,11 +101,14 @@ def record_launches() -> list[tuple[object, tuple, dict, str]]:
             torch.arange(2 * ctx, dtype=torch.int32), torch.full((bs,), 2, dtype=torch.int32), splits,
             torch.empty(bs, hq, splits, dv), torch.empty(bs, hq, splits), 1 / math.sqrt(d), cap, **new,
             semaphores=torch.zeros(bs, hq, dtype=torch.int32) if fused == "store" else None)  # one launch
-    # (q heads, kv heads, head dim, dtype, causal, window, softcap, custom mask)
+    # (q heads, kv heads, head dim, dtype, causal, window, softcap, custom mask: False, True or "tree" (over the new
+    # keys only, with the new tokens' positions for the window))
     extend_cases = [
         (32, 8, 64, torch.bfloat16, True, -1, 0.0, False),
         (16, 4, 128, torch.float32, True, 9, 30.0, False),
         (8, 8, 64, torch.float16, False, -1, 0.0, True),
+        (16, 4, 128, torch.bfloat16, True, 9, 30.0, "tree"),
+        (16, 4, 64, torch.bfloat16, True, -1, 0.0, "tree"),
     ]
     for hq, hkv, d, dtype, causal, window, cap, masked in extend_cases:
         label[0] = f"extend Hq{hq} Hkv{hkv} D{d} {dtype} causal{causal} window{window} cap{cap} mask{masked}"
@@ -113,13 +116,18 @@ def record_launches() -> list[tuple[object, tuple, dict, str]]:
         kv = torch.tensor([0, 7, 10], dtype=torch.int32)
         t = int(qo[-1])
         mask = None
-        if masked:
+        tree = {}
+        if masked == "tree":
+            mask = torch.ones(5 * 5 + 7 * 7, dtype=torch.uint8)
+            tree = dict(mask_indptr=torch.tensor([0, 25, 74]), mask_new_keys_only=True,
+                        positions=torch.tensor([7, 8, 8, 9, 9, 3, 4, 4, 5, 5, 5, 6], dtype=torch.int32))
+        elif masked:
             mask = torch.ones(int(extend_attention.build_mask_indptr(qo, kv)[-1]), dtype=torch.uint8)
         triton_ops.extend_attention_fwd(
             torch.randn(t, hq, d).to(dtype), torch.randn(t, hkv, d).to(dtype), torch.randn(t, hkv, d).to(dtype),
             torch.empty(t, hq, d, dtype=dtype), torch.randn(slots, hkv, d).to(dtype),
             torch.randn(slots, hkv, d).to(dtype), qo, kv, torch.arange(10, dtype=torch.int32), 7,
-            1 / math.sqrt(d), is_causal=causal, sliding_window=window, logit_cap=cap, custom_mask=mask)
+            1 / math.sqrt(d), is_causal=causal, sliding_window=window, logit_cap=cap, custom_mask=mask, **tree)
     label[0] = "store_kv bf16"
     triton_ops.store_kv(torch.zeros(slots, 8, 64, dtype=torch.bfloat16), torch.zeros(slots, 8, 64, dtype=torch.bfloat16),
                         torch.arange(3), torch.randn(3, 8, 64).to(torch.bfloat16), torch.randn(3, 8, 64))

@@ -154,3 +154,38 @@ def test_extend_every_head_dim(head_dim):
     out = run_extend(cache, q, k, v, prefix, extend, head_dim**-0.5)
     ref = reference_extend(cache, q, k, v, prefix, extend, head_dim**-0.5)
     assert rel_err(out, ref) <= TOLERANCE[torch.bfloat16]
+
+
+@settings(max_examples=8 if DEVICE == "cpu" else 20, deadline=None)
+@given(
+    prefix=st.lists(st.integers(0, 40), min_size=1, max_size=3),
+    seed=st.integers(0, 2**31 - 1),
+    sliding_window=st.sampled_from([-1, 1, 6, 25]),
+    logit_cap=st.sampled_from([0.0, 2.0]),
+)
+def test_extend_mask_over_new_keys_with_positions(prefix, seed, sliding_window, logit_cap):
+    """A draft-tree style call: the mask covers the new keys only ([n, n] per request, every cached key visible) and
+    the new tokens carry their own positions for the window (not prefix + index)."""
+    gen = torch.Generator().manual_seed(seed)
+    extend = [int(torch.randint(1, 20, (), generator=gen)) for _ in prefix]
+    cache, q, k, v = make_extend_batch(prefix, extend, 2, 4, 64, 64, 4, torch.float32, gen)
+    q = q * 3
+    masks = [torch.rand(e, e, generator=gen) < 0.5 for e in extend]
+    for m in masks:
+        m.fill_diagonal_(True)
+    # positions from the prefix length up, not increasing with the token index (as a tree's prefix + depth)
+    positions = [p + torch.randint(0, e, (e,), generator=gen) for p, e in zip(prefix, extend)]
+    sizes = torch.tensor([0] + [e * e for e in extend]).cumsum(0).to(DEVICE)
+    out = run_extend(cache, q, k, v, prefix, extend, 0.125, sliding_window=sliding_window, logit_cap=logit_cap,
+                     custom_mask=torch.cat([m.flatten() for m in masks]).to(DEVICE), mask_indptr=sizes,
+                     mask_new_keys_only=True, positions=torch.cat(positions).to(torch.int32).to(DEVICE))
+    full = []  # the same rule written out over [cached | new] keys
+    for p, e, m, pos in zip(prefix, extend, masks, positions):
+        k_pos = torch.cat([torch.arange(p), pos])
+        allowed = torch.cat([torch.ones(e, p, dtype=torch.bool), m], dim=1)
+        if sliding_window > 0:
+            allowed &= k_pos[None, :] > pos[:, None] - sliding_window
+        full.append(allowed.to(DEVICE))
+    ref = reference_extend(cache, q, k, v, prefix, extend, 0.125, logit_cap=logit_cap, masks=full)
+    assert not out.isnan().any()
+    assert rel_err(out, ref) <= TOLERANCE[torch.float32]
