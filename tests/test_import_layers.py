@@ -170,9 +170,16 @@ def test_no_layer_imports_a_layer_above_it() -> None:
     edges = import_edges()
     rank = layer_ranks(edges)
     assert rank[f"{PACKAGE}.config"] == 0 and rank[f"{PACKAGE}.context"] == 0
+    assert rank[f"{PACKAGE}.batch"] == 0 and rank[f"{PACKAGE}.draft_tree"] == 0
     upward = sorted(_witness(edges, src, dst) for src, targets in _layer_edges(edges).items() if src in rank
                     for dst in targets if dst in rank and rank[dst] > rank[src])
     assert not upward, "imports of a higher layer: " + "; ".join(upward)
+
+
+def test_draft_tree_builds_on_errors_only() -> None:
+    """``draft_tree`` (a verification step's trees, which ``batch`` checks) imports nothing of compile_attn but its
+    errors: the batch's own layer stays a leaf."""
+    assert import_edges()[f"{PACKAGE}.draft_tree"] <= {f"{PACKAGE}.errors"}
 
 
 def test_no_backend_imports_another() -> None:

@@ -3,7 +3,7 @@
 Backends with optional dependencies (triton, flashinfer, fa3) are imported only when created.
 """
 
-from compile_attn.attention.base import AttentionBackend
+from compile_attn.attention.base import TREE_VERIFY_BACKENDS, AttentionBackend
 from compile_attn.attention.registry import (
     available_backends,
     check_backend_name,
@@ -16,6 +16,7 @@ from compile_attn.attention.registry import (
 from compile_attn.attention.torch_native import backend as _torch_native  # noqa: F401  (registers "torch_native")
 
 __all__ = [
+    "TREE_VERIFY_BACKENDS",
     "AttentionBackend",
     "available_backends",
     "check_backend_name",

@@ -16,6 +16,9 @@ q/k/v/out against the layer, the batch and the KV pool, before anything is writt
 
 ``fb.graph_bucket`` is set when ``fb`` is a graph runner's padded view of its static buffers
 (capture or replay); backends then use the buffers from ``init_cuda_graph_state``.
+
+Verification steps (``ForwardMode.TARGET_VERIFY``) take the extend path. Chains of draft tokens are causal extends
+in every backend; draft trees (``fb.draft_parents`` that are not chains) run where ``supports_tree_verify()``.
 """
 
 from __future__ import annotations
@@ -27,10 +30,15 @@ from typing import ClassVar
 import torch
 
 from compile_attn.batch import ForwardBatch
+from compile_attn.draft_tree import is_chain
 from compile_attn.errors import InvalidBatchError, InvalidConfigError, UnsupportedConfigError
 from compile_attn.graph_mode import GraphMode
 from compile_attn.kv.cache import KVCache
 from compile_attn.layer import AttentionLayer
+
+
+# The backends that verify draft trees (their supports_tree_verify() is True); tests check it against the classes.
+TREE_VERIFY_BACKENDS = ("triton", "flashinfer", "torch_native")
 
 
 class AttentionBackend(ABC):
@@ -41,6 +49,8 @@ class AttentionBackend(ABC):
     # between captured pieces) or FULL_AND_PIECEWISE (decode attention can also be captured in a full graph).
     # Declared per class and never assigned on an instance; see supported_graph_mode.
     graph_support: ClassVar[GraphMode] = GraphMode.PIECEWISE
+    # Whether TARGET_VERIFY batches with draft trees run here (see supports_tree_verify).
+    tree_verify: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -61,6 +71,24 @@ class AttentionBackend(ABC):
         """What this backend runs in: the class's ``graph_support``, narrowed by backends whose instances can do
         less (interpreted Triton kernels, a hybrid whose decode part has no full graphs)."""
         return self.graph_support
+
+    def supports_tree_verify(self) -> bool:
+        """Whether verification steps whose draft tokens form trees (``fb.draft_parents`` that are not chains) run
+        here; chains run in every backend, as causal extends. Default: the class's ``tree_verify``."""
+        return self.tree_verify
+
+    def check_tree_verify(self, fb: ForwardBatch) -> None:
+        """UnsupportedConfigError, naming the backends that can, if ``fb`` verifies a draft tree and this backend
+        does not verify trees. Host lists only; backends without tree support call it in ``out_graph``."""
+        if fb.draft_parents is None or self.supports_tree_verify():
+            return
+        tree = next((b for b, parents in enumerate(fb.draft_parents) if not is_chain(parents)), None)
+        if tree is not None:
+            raise UnsupportedConfigError(
+                f"the {self.name} attention backend cannot verify draft trees (request {tree}'s draft_parents "
+                f"{fb.draft_parents[tree]} are not a chain); backends that can: {', '.join(TREE_VERIFY_BACKENDS)}; "
+                f"or verify chains of drafts (speculative topk=1)"
+            )
 
     # ------------------------------------------------------------------ configuration checks
     def check_layer(self, layer: AttentionLayer) -> None:
@@ -205,4 +233,5 @@ class AttentionBackend(ABC):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
         fb: ForwardBatch, out: torch.Tensor, save_kv_cache: bool,
     ) -> None:
-        """Variable-length new tokens per request, with or without a cached prefix (EXTEND and MIXED)."""
+        """Variable-length new tokens per request, with or without a cached prefix (EXTEND, MIXED and
+        TARGET_VERIFY)."""

@@ -3,7 +3,8 @@
 ``HybridBackend(kv, layers, prefill="fa3", decode="flashinfer")``, or by name: ``create_backend("fa3+flashinfer",
 ...)`` / ``LLM(model, attn_backend="fa3+flashinfer")`` (prefill first, then decode). Both parts read and write
 the same paged pool, so a request prefilled by one is decoded by the other. Every contract call is routed by
-the batch's forward mode; mixed batches (prefill and decode requests together) go to the prefill backend.
+the batch's forward mode; mixed batches (prefill and decode requests together) and verification steps (chains or
+draft trees of drafts) go to the prefill backend, which decides whether the pair verifies trees.
 
 Graphs: decode graphs are captured through the decode backend, so its graph support decides whether decode
 runs as one full graph; extend runs piecewise (attention eager between pieces) through the prefill backend.
@@ -82,8 +83,13 @@ class HybridBackend(AttentionBackend):
             )
         return create_backend(spec, self.kv_cache, self.layers, **dict(options or {}))
 
+    def supports_tree_verify(self) -> bool:
+        """Verification steps run on the prefill part: the pair verifies draft trees where it does."""
+        return self.prefill.supports_tree_verify()
+
     def part_for(self, fb: ForwardBatch) -> AttentionBackend:
-        """The backend that serves ``fb``: decode for DECODE batches, prefill otherwise (EXTEND, MIXED)."""
+        """The backend that serves ``fb``: decode for DECODE batches, prefill otherwise (EXTEND, MIXED,
+        TARGET_VERIFY)."""
         return self.decode if fb.forward_mode.is_decode() else self.prefill
 
     # ------------------------------------------------------------------ metadata contract

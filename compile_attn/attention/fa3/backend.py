@@ -5,6 +5,8 @@ a ``page_table [B, pages]`` gathered from ``req_to_token`` and int32 ``cache_seq
 capturable: ``init_cuda_graph_state`` allocates a static page table and seq-len buffer, and
 ``init_forward_metadata_in_graph`` refills them on the device (static shapes). Extend/mixed batches pass
 varlen queries (``cu_seqlens_q``) over the same paged pool and run eagerly between captured pieces.
+Verification steps whose drafts form chains run as these causal extends; FA3 takes no custom mask, so draft trees
+are refused by name (``AttentionBackend.check_tree_verify``).
 """
 
 from __future__ import annotations
@@ -179,6 +181,7 @@ class FA3Backend(AttentionBackend):
         elif fb.forward_mode.is_decode():
             self._step = self._bind_graph_decode(fb) if fb.graph_bucket is not None else self._alloc_eager_decode(fb)
         else:
+            self.check_tree_verify(fb)
             self._step = self._prepare_extend(fb)
 
     def init_forward_metadata_in_graph(self, fb: ForwardBatch) -> None:

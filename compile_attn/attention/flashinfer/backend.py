@@ -9,6 +9,8 @@ no request has a cached prefix, otherwise paged attention over the pool, or (``e
 "cascade"``) ragged over the new tokens merged with paged over the prefix by FlashInfer's base-2 LSE.
 An eager decode batch that carries shared-prefix groups (``fb.shared_prefix``, set by whoever builds it) runs
 FlashInfer's two-level cascade wrapper instead (``flashinfer/cascade.py``): each shared prefix is read once.
+Verification steps run as extends; draft trees (``fb.draft_parents``) run paged attention with a custom mask
+(ancestors, and the sliding window on rotary positions) on FlashInfer's fa2 prefill (``plan_tree_prefill``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from compile_attn.attention.base import AttentionBackend
@@ -34,11 +37,14 @@ from compile_attn.attention.flashinfer.wrappers import (
     plan_decode,
     plan_paged_prefill,
     plan_ragged,
+    plan_tree_prefill,
     run_into,
 )
 from compile_attn.attention.registry import register_backend
 from compile_attn.batch import ForwardBatch
+from compile_attn.draft_tree import has_tree, verify_mask
 from compile_attn.errors import UnsupportedConfigError
+from compile_attn.host_tensors import to_device, upload
 from compile_attn.graph_mode import GraphMode
 from compile_attn.kv.cache import KVCache
 from compile_attn.layer import AttentionLayer
@@ -59,7 +65,7 @@ class _StepPlan:
     batch_size: int
     num_tokens: int  # tokens that belong to a request (padding tokens come after them)
     decode: list[Any] | None = None  # per group: the planned decode wrapper
-    extend_paths: list[str] | None = None  # per group: "ragged", "paged" or "cascade"
+    extend_paths: list[str] | None = None  # per group: "ragged", "paged", "cascade" or "tree"
     graph_bound: bool = False  # a graph bucket's decode: the page ids are gathered by in_graph
     filled: bool = True  # False until in_graph has gathered a graph-bound step's page ids
     cascade: list[FlashInferCascadeDecode] | None = None  # per group: a shared-prefix decode's planned wrapper
@@ -70,6 +76,7 @@ class FlashInferBackend(AttentionBackend):
     """FlashInfer attention over the paged KV pool (NHD pages are views of the pool's slot buffers)."""
 
     graph_support = GraphMode.FULL_AND_PIECEWISE
+    tree_verify = True
 
     def __init__(
         self,
@@ -224,6 +231,8 @@ class FlashInferBackend(AttentionBackend):
         ext, prefix = fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu
         qo_indptr = torch.zeros(len(ext) + 1, dtype=torch.int32)
         torch.cumsum(torch.tensor(ext, dtype=torch.int32), dim=0, out=qo_indptr[1:])
+        if has_tree(fb.draft_parents):
+            return self._plan_tree(fb, qo_indptr)
         has_prefix = any(p > 0 for p in prefix)
         paths = [
             "ragged" if not has_prefix
@@ -244,6 +253,21 @@ class FlashInferBackend(AttentionBackend):
             elif path == "cascade":  # the prefix lies wholly before every new token: no causal mask
                 self._plan_paged(g, qo_indptr, prefix_kv, causal=False)
         return _StepPlan(is_decode=False, batch_size=fb.batch_size, num_tokens=int(qo_indptr[-1]), extend_paths=paths)
+
+    def _plan_tree(self, fb: ForwardBatch, qo_indptr: torch.Tensor) -> _StepPlan:
+        """A verification step with draft trees: every group runs paged attention over the whole sequence (the new
+        K/V are stored first) with the trees' custom mask, one mask per sliding window, uploaded in one copy."""
+        kv = build_paged_kv(self.kv_cache.req_to_token, fb.req_pool_indices, fb.seq_lens_cpu, self.page_size)
+        indptrs = tuple(to_device([qo_indptr, kv.indptr_cpu, kv.last_page_len_cpu], torch.int32, self.device))
+        windows = list(dict.fromkeys(g.window_left + 1 if g.uses_window else None for g in self.groups))
+        masks = [verify_mask(fb.extend_prefix_lens_cpu, fb.draft_parents, w) for w in windows]
+        on_device = upload(torch.from_numpy(np.concatenate(masks)), self.device).split([m.size for m in masks])
+        mask_of = dict(zip(windows, on_device))
+        for group, wrapper in zip(self.groups, self._eager.tree):
+            plan_tree_prefill(wrapper, group, indptrs, kv.indices, self.page_size, self.dtypes,
+                              mask_of[group.window_left + 1 if group.uses_window else None])
+        return _StepPlan(is_decode=False, batch_size=fb.batch_size, num_tokens=int(qo_indptr[-1]),
+                         extend_paths=["tree"] * len(self.groups))
 
     def _plan_paged(self, g: int, qo_indptr: torch.Tensor, kv: PagedKV | None, causal: bool) -> None:
         assert kv is not None
@@ -307,6 +331,11 @@ class FlashInferBackend(AttentionBackend):
         assert step.extend_paths is not None
         g = self.layer_group[layer.layer_id]
         path = step.extend_paths[g]
+        if path == "tree" and not save_kv_cache:
+            raise UnsupportedConfigError(
+                "the flashinfer backend verifies draft trees over the pool (the new K/V included), so it needs "
+                "save_kv_cache=True"
+            )
         if path == "paged" and not save_kv_cache:
             raise UnsupportedConfigError(
                 "the paged extend path reads the new K/V from the pool, so it needs save_kv_cache=True; "
@@ -323,6 +352,9 @@ class FlashInferBackend(AttentionBackend):
                 run_into(out[:n], lambda o: ragged.run(qn, kn, vn, out=o), qn.dtype)
             elif path == "paged":
                 run_into(out[:n], lambda o: paged.run(qn, pages, out=o), qn.dtype)
+            elif path == "tree":
+                tree = self._eager.tree[g]
+                run_into(out[:n], lambda o: tree.run(qn, pages, out=o), qn.dtype)
             else:
 
                 def cascade(o: torch.Tensor) -> None:

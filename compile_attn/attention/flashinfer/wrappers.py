@@ -76,6 +76,30 @@ def plan_paged_prefill(
     )
 
 
+def plan_tree_prefill(
+    wrapper: Any,
+    group: PlanGroup,
+    indptrs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    kv_indices: torch.Tensor,
+    page_size: int,
+    dtypes: PlanDTypes,
+    custom_mask: torch.Tensor,
+) -> None:
+    """Queries over the paged KV with a custom mask (a verification step's draft trees): ``indptrs`` are the
+    device ``(qo_indptr, paged_kv_indptr, last_page_len)``, ``custom_mask`` the device bool mask, flattened
+    ``[q_len, kv_len]`` per request. The window is in the mask (``window_left`` -1): FlashInfer's window counts
+    table positions, a tree's counts rotary ones. FlashInfer 0.5.3 packs the mask on the device with the indptrs
+    beside it (its ``segment_packbits`` refuses host indptrs), and plan() reads the indptrs back to the host: a
+    device sync."""
+    qo_indptr, kv_indptr, last_page_len = indptrs
+    wrapper.plan(
+        qo_indptr, kv_indptr, kv_indices, last_page_len,
+        group.num_qo_heads, group.num_kv_heads, group.head_dim, page_size,
+        head_dim_vo=group.head_dim, custom_mask=custom_mask, q_data_type=dtypes.q, kv_data_type=dtypes.kv,
+        **{**_common_kwargs(group), "window_left": -1},
+    )
+
+
 def plan_ragged(
     wrapper: Any, group: PlanGroup, qo_indptr_cpu: torch.Tensor, kv_indptr_cpu: torch.Tensor, q_dtype: torch.dtype
 ) -> None:
@@ -88,7 +112,8 @@ def plan_ragged(
 
 
 class EagerWrappers:
-    """Per plan group: a decode wrapper, a paged-prefill wrapper and a ragged-prefill wrapper."""
+    """Per plan group: a decode wrapper, a paged-prefill wrapper and a ragged-prefill wrapper; and, made on first
+    use, a paged-prefill wrapper on FlashInfer's fa2 backend (the one with custom masks) for draft trees."""
 
     def __init__(
         self,
@@ -107,6 +132,16 @@ class EagerWrappers:
         self.ragged = [
             fi.BatchPrefillWithRaggedKVCacheWrapper(float_workspace, "NHD", backend=prefill_backend) for _ in groups
         ]
+        self._fi, self._workspace, self._num_groups = fi, float_workspace, len(groups)
+        self._tree: list[Any] | None = None
+
+    @property
+    def tree(self) -> list[Any]:
+        """Per plan group: the paged-prefill wrapper that verifies draft trees (fa2: custom masks)."""
+        if self._tree is None:
+            self._tree = [self._fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD", backend="fa2")
+                          for _ in range(self._num_groups)]
+        return self._tree
 
 
 def run_into(out: torch.Tensor, fn: Callable[[torch.Tensor], object], dtype: torch.dtype) -> None:

@@ -5,7 +5,8 @@ pool. Decode is batched and graph-capturable: the slot table of every request is
 fixed width into a static buffer and masked by sequence length, so a full decode CUDA graph can be
 tested with this backend before the fast ones. Masked positions are replaced (``torch.where``) before any
 product, so whatever unused slots hold never reaches the output. Scores are computed in float32. Slow by
-design.
+design. Verification steps run as extends; a draft tree (``fb.draft_parents``) masks each request's new tokens
+with its ancestor mask, and the sliding window uses rotary positions (``prefix + depth``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from compile_attn.attention.base import AttentionBackend
 from compile_attn.attention.registry import register_backend
 from compile_attn.batch import ForwardBatch
+from compile_attn.draft_tree import ancestor_mask, depths, has_tree
 from compile_attn.graph_mode import GraphMode
 from compile_attn.kv.cache import KVCache
 from compile_attn.layer import AttentionLayer
@@ -27,6 +29,20 @@ from compile_attn.layer import AttentionLayer
 class _DecodeMetadata:
     table: torch.Tensor  # [bs, width] slots of positions 0..width-1 of each request
     seq_lens: torch.Tensor  # [bs]
+
+
+@dataclass
+class _TreeMetadata:
+    """A verification step's draft trees, per request: new tokens' depths [n] and ancestor masks [n, n]."""
+
+    draft_parents: tuple[tuple[int, ...], ...]  # what they were built from (the batch's own tuple)
+    depths: list[torch.Tensor]
+    ancestors: list[torch.Tensor]
+
+    @classmethod
+    def build(cls, draft_parents: tuple[tuple[int, ...], ...], device: torch.device) -> _TreeMetadata:
+        return cls(draft_parents, [torch.tensor(depths(p), dtype=torch.long, device=device) for p in draft_parents],
+                   [ancestor_mask(p).to(device) for p in draft_parents])
 
 
 def _masked_attention(
@@ -67,6 +83,7 @@ class TorchNativeBackend(AttentionBackend):
     """Plain-torch attention; decode full-graph capturable through static, padded slot tables."""
 
     graph_support = GraphMode.FULL_AND_PIECEWISE
+    tree_verify = True
 
     def __init__(
         self,
@@ -78,6 +95,7 @@ class TorchNativeBackend(AttentionBackend):
         super().__init__(kv_cache, layers)
         self.graph_max_context = graph_max_context or kv_cache.max_context
         self._decode: _DecodeMetadata | None = None
+        self._tree: _TreeMetadata | None = None
         self._cg_table: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ metadata contract
@@ -87,6 +105,7 @@ class TorchNativeBackend(AttentionBackend):
     def init_forward_metadata_out_graph(self, fb: ForwardBatch, in_capture: bool = False) -> None:
         if not fb.forward_mode.is_decode():
             self._decode = None  # extend reads host lengths at call time
+            self._tree = _TreeMetadata.build(fb.draft_parents, self.device) if has_tree(fb.draft_parents) else None
             return
         if fb.graph_bucket is not None:
             allocated = None if self._cg_table is None else self._cg_table.shape[0]
@@ -136,6 +155,7 @@ class TorchNativeBackend(AttentionBackend):
             self.save_kv(layer, fb, k, v)
         k_buf, v_buf = self.kv_cache.pool.get_kv(layer.layer_id)
         req_to_token = self.kv_cache.req_to_token
+        tree = self._tree_of(fb)
         start = 0
         for b, (prefix, ext) in enumerate(zip(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu)):
             if ext == 0:
@@ -145,10 +165,26 @@ class TorchNativeBackend(AttentionBackend):
             v_all = torch.cat([v_buf[prefix_slots].float(), v[start : start + ext].float()])[None]
             k_pos = torch.arange(prefix + ext, device=q.device)[None]
             q_pos = torch.arange(prefix, prefix + ext, device=q.device)[None]
+            if tree is not None:  # rotary positions: prefix + depth; a token sees its ancestors and itself
+                q_pos = prefix + tree.depths[b][None]
+                k_pos = torch.cat([k_pos[:, :prefix], q_pos], dim=1)
             allowed = _visibility(q_pos, k_pos, torch.ones_like(k_pos, dtype=torch.bool), layer)
+            if tree is not None:
+                allowed[:, :, prefix:] &= tree.ancestors[b]
             qh = q[start : start + ext].float().view(1, ext, layer.num_kv_heads, layer.group_size, layer.head_dim)
             o = _masked_attention(qh, k_all, v_all, allowed, layer)
             out[start : start + ext].copy_(o.reshape(ext, layer.num_heads, layer.v_head_dim))
             start += ext
         if start < out.shape[0]:
             out[start:].zero_()  # padding tokens of a graph bucket
+
+    def _tree_of(self, fb: ForwardBatch) -> _TreeMetadata | None:
+        """The draft trees of ``fb`` (None for chains): those ``out_graph`` prepared, or built now for a batch that
+        came without it."""
+        parents = fb.draft_parents
+        if parents is None or (self._tree is not None and self._tree.draft_parents is parents):
+            return None if parents is None else self._tree
+        if not has_tree(parents):
+            return None
+        self._tree = _TreeMetadata.build(parents, self.device)
+        return self._tree

@@ -13,6 +13,10 @@ break) keeps its launch after the first step (``DecodePlan``): while its q/k/v/o
 An eager decode batch whose requests share a cached prefix (``fb.shared_prefix``, set by whoever builds the batch)
 runs the shared-prefix (cascade) kernels instead, and so does a decode batch the graph
 runner routes to its piecewise graphs because it carries groups: see ``triton/cascade.py``.
+
+Verification steps run as extends. Draft trees (``fb.draft_parents``) add, prepared on the host in out_graph and
+uploaded with the extend offsets, each request's ancestor mask over its new keys and the new tokens' positions
+(``prefix + depth``, so a sliding window counts along the token's path, as a chain of that path would).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from itertools import accumulate
 from typing import Any
 
+import numpy as np
 import torch
 
 from compile_attn.attention.base import AttentionBackend
@@ -35,10 +40,12 @@ from compile_attn.attention.triton.metadata import (
     DecodeStep,
     ExtendStep,
     SplitScratch,
+    TreeMask,
     decode_inputs,
 )
 from compile_attn.batch import ForwardBatch
 from compile_attn import env
+from compile_attn.draft_tree import ancestor_masks, has_tree, tree_positions
 from compile_attn.errors import BackendUnavailableError, InvalidBatchError, UnsupportedConfigError
 from compile_attn.graph_mode import GraphMode
 from compile_attn.host_tensors import to_device
@@ -71,6 +78,7 @@ class TritonBackend(AttentionBackend):
     """Split-K paged decode and paged extend with compile_attn's Triton kernels; decode is full-graph capturable."""
 
     graph_support = GraphMode.FULL_AND_PIECEWISE
+    tree_verify = True
 
     def __init__(
         self,
@@ -250,7 +258,16 @@ class TritonBackend(AttentionBackend):
     def _prepare_extend(self, fb: ForwardBatch) -> ExtendStep:
         ext, prefix = fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu
         qo_cpu, kv_cpu = _exclusive_cumsum(ext), _exclusive_cumsum(prefix)
-        qo_indptr, kv_indptr = to_device([qo_cpu, kv_cpu], torch.int32, self.device)  # one copy
+        tree = None
+        if has_tree(fb.draft_parents):  # the trees' masks and positions ride in the offsets' copy
+            mask, mask_offsets = ancestor_masks(fb.draft_parents)
+            words = np.frombuffer(mask.tobytes() + bytes(-mask.size % 4), dtype=np.int32)  # uint8 as int32 words
+            qo_indptr, kv_indptr, mask_indptr, positions, mask_words = to_device(
+                [qo_cpu, kv_cpu, mask_offsets, tree_positions(prefix, fb.draft_parents), words], torch.int32,
+                self.device)
+            tree = TreeMask(mask_words.view(torch.uint8)[: mask.size], mask_indptr, positions)
+        else:
+            qo_indptr, kv_indptr = to_device([qo_cpu, kv_cpu], torch.int32, self.device)  # one copy
         total_prefix = kv_cpu[-1]
         kv_indices = torch.empty(max(total_prefix, 1), dtype=torch.int32, device=self.device)
         if total_prefix:
@@ -259,7 +276,7 @@ class TritonBackend(AttentionBackend):
             )
         return ExtendStep(
             num_tokens=qo_cpu[-1], qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices,
-            max_len_extend=max(ext, default=0),
+            max_len_extend=max(ext, default=0), draft_parents=fb.draft_parents, tree=tree,
         )
 
     def _require_step(self, decode: bool, fb: ForwardBatch) -> DecodeStep | ExtendStep:
@@ -272,11 +289,13 @@ class TritonBackend(AttentionBackend):
         # The kernels' grids and index buffers were sized for the batch the metadata was prepared for.
         prepared, given = ((step.batch_size, fb.batch_size) if isinstance(step, DecodeStep)
                            else (step.num_tokens, fb.num_request_tokens))
-        if prepared != given:
+        if prepared != given or (not decode and step.draft_parents is not fb.draft_parents):
+            what = (f"{prepared} {'requests' if decode else 'tokens'}" if prepared != given
+                    else "other draft trees (draft_parents)")
             raise InvalidBatchError(
-                f"the triton backend's metadata was prepared for a batch of {prepared} "
-                f"{'requests' if decode else 'tokens'} but the forward runs one of {given}; call "
-                f"backend.init_forward_metadata(batch) with the batch the forward context holds"
+                f"the triton backend's metadata was prepared for a batch of {what} but the forward runs another "
+                f"({given} {'requests' if decode else 'tokens'}); call backend.init_forward_metadata(batch) with the "
+                f"batch the forward context holds"
             )
         return step
 
@@ -346,6 +365,7 @@ class TritonBackend(AttentionBackend):
                 qn, k[:n], v[:n], o, k_buf, v_buf, step.qo_indptr, step.kv_indptr, step.kv_indices,
                 step.max_len_extend, layer.scaling, is_causal=layer.causal,
                 sliding_window=layer.sliding_window or -1, logit_cap=layer.logit_cap,
+                **({} if step.tree is None else step.tree.kernel_args()),
             ))
         if out.shape[0] > n:
             out[n:].zero_()  # padding tokens of a graph bucket

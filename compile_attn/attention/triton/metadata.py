@@ -105,14 +105,32 @@ class DecodePlan:
 
 
 @dataclass
+class TreeMask:
+    """A verification step's draft trees as the extend kernel reads them: per request an ``[n, n]`` ancestor mask
+    over its new keys (every cached key is visible) and the new tokens' positions (``prefix + depth``), which the
+    sliding window uses."""
+
+    mask: torch.Tensor  # uint8, the requests' [n, n] masks row-major, one after another
+    mask_indptr: torch.Tensor  # [bs + 1] int32 offsets into mask
+    positions: torch.Tensor  # [num_tokens] int32
+
+    def kernel_args(self) -> dict:
+        return dict(custom_mask=self.mask, mask_indptr=self.mask_indptr, mask_new_keys_only=True,
+                    positions=self.positions)
+
+
+@dataclass
 class ExtendStep:
-    """Extend/mixed metadata: new-token offsets and the token CSR of each request's cached prefix."""
+    """Extend/mixed/verify metadata: new-token offsets, the token CSR of each request's cached prefix, and a
+    verification step's draft trees."""
 
     num_tokens: int  # tokens that belong to a request; padding tokens of a bucket come after them
     qo_indptr: torch.Tensor  # [bs + 1] int32
     kv_indptr: torch.Tensor  # [bs + 1] int32, prefix lengths
     kv_indices: torch.Tensor  # [>= total prefix] int32
     max_len_extend: int
+    draft_parents: tuple[tuple[int, ...], ...] | None = None  # the batch's, as prepared
+    tree: TreeMask | None = None  # set when some request's draft_parents are not a chain
 
 
 @dataclass
