@@ -124,14 +124,15 @@ class ReplayViews:
         )
 
     def extend_view(self, fb: ForwardBatch, bucket: int) -> ForwardBatch:
-        """``fb`` (EXTEND/MIXED, ``num_tokens <= bucket``) with trailing padding tokens up to ``bucket``."""
+        """``fb`` (EXTEND/MIXED/TARGET_VERIFY, ``num_tokens <= bucket``) with trailing padding tokens up to
+        ``bucket``; a verification step's draft trees go with it (the padding tokens belong to no request)."""
         b, bs, n = self.buffers, fb.batch_size, fb.num_tokens
         int64_targets, int32_targets = self._targets(bs, n)
         self._copy_int64_fields(fb, n, int64_targets)
         torch._foreach_copy_(int32_targets, [fb.seq_lens, fb.extend_prefix_lens, fb.extend_seq_lens, fb.extend_start_loc])
         self._requests_dirty = max(self._requests_dirty, bs)
         self._extend_dirty = max(self._extend_dirty, bs)
-        return b.view(
+        view = b.view(
             forward_mode=fb.forward_mode,
             batch_size=bs,
             num_tokens=bucket,
@@ -142,3 +143,5 @@ class ReplayViews:
             bucket=bucket,
             seq_lens_sum=fb.seq_lens_sum,
         )
+        view.draft_parents = fb.draft_parents
+        return view
