@@ -49,6 +49,10 @@ class AttentionBackend(ABC):
     # between captured pieces) or FULL_AND_PIECEWISE (decode attention can also be captured in a full graph).
     # Declared per class and never assigned on an instance; see supported_graph_mode.
     graph_support: ClassVar[GraphMode] = GraphMode.PIECEWISE
+    # Whether decode stores every row's new K/V before any row attends: then rows of one request (a chain verify
+    # step unrolled into decode rows, graph_runner/verify_unroll.py) see each other's tokens, and the full decode
+    # graphs serve verify steps. False where the decode kernel stores each row's token itself (triton).
+    decode_stores_kv_first: ClassVar[bool] = True
     # Whether TARGET_VERIFY batches with draft trees run here (see supports_tree_verify).
     tree_verify: ClassVar[bool] = False
 

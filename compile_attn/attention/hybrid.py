@@ -66,6 +66,10 @@ class HybridBackend(AttentionBackend):
     def supported_graph_mode(self) -> GraphMode:
         return hybrid_graph_support(self.prefill.supported_graph_mode(), self.decode.supported_graph_mode())
 
+    @property
+    def decode_stores_kv_first(self) -> bool:  # type: ignore[override]  # decode rows run in the decode part
+        return self.decode.decode_stores_kv_first
+
     def _part(self, role: str, spec: str | AttentionBackend, options: Mapping[str, Any] | None) -> AttentionBackend:
         if isinstance(spec, AttentionBackend):
             if spec.kv_cache is not self.kv_cache:

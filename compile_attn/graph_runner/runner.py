@@ -129,7 +129,7 @@ class GraphRunner:
             return None
         if fb.forward_mode.is_decode():
             mode, bucket = self.plan.decode, next_bucket(self.decode_buckets, fb.batch_size)
-        elif self.plan.decode is GraphMode.FULL and is_chain_verify(fb) and (
+        elif self.plan.decode is GraphMode.FULL and self.backend.decode_stores_kv_first and is_chain_verify(fb) and (
                 bucket := next_bucket(self.decode_buckets, fb.num_tokens)) is not None:
             return GraphMode.FULL, bucket  # its tokens as decode rows (verify_unroll.py)
         else:

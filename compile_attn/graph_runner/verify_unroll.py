@@ -8,7 +8,9 @@ count (``unroll_chain_verify`` gives the decode-shaped twin: request rows repeat
 same tokens, positions and slots): no graph of its own to capture, every backend with full decode graphs serves it,
 and the metadata goes through the three-method contract like any decode step's. The cost is that a request's
 prefix is read once per verified token instead of once per request (see docs/speculative.md). Trees (a mask,
-not a range) take the extend route.
+not a range) take the extend route, and so do chains on a backend whose decode kernel stores each row's new token
+itself (``AttentionBackend.decode_stores_kv_first`` False: triton), where one row could read another's slot before
+it is written.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from compile_attn.host_tensors import int_tensor
 
 def is_chain_verify(fb: ForwardBatch) -> bool:
     """Whether ``fb`` is a verify batch whose tokens form chains (no tree)."""
-    return fb.forward_mode.is_verify() and getattr(fb, "draft_parents", None) is None
+    return fb.forward_mode.is_verify() and fb.draft_parents is None
 
 
 def unroll_chain_verify(fb: ForwardBatch) -> ForwardBatch:

@@ -79,3 +79,18 @@ def test_only_verify_batches_are_chains(mode: ForwardMode) -> None:
     fb = ForwardBatch.build(req_pool_indices=[row], prefix_lens=[3], extend_lens=[1],
                             out_cache_loc=kv.alloc_extend([row], [1]), forward_mode=mode)
     assert not is_chain_verify(fb)
+
+
+def test_backends_whose_decode_kernel_stores_each_row_take_the_extend_route() -> None:
+    """The triton decode kernel stores each row's new token itself, so a row could read another row's slot of the
+    same request before it is written: chain verify steps take the extend route there (and in a hybrid decoding
+    with triton); the backends that store first replay decode graphs."""
+    from compile_attn.attention.hybrid import HybridBackend
+    from compile_attn.attention.torch_native.backend import TorchNativeBackend
+    from compile_attn.attention.triton.backend import TritonBackend
+
+    assert TorchNativeBackend.decode_stores_kv_first and not TritonBackend.decode_stores_kv_first
+    kv = KVCache(num_layers=1, num_kv_heads=HKV, head_dim=D, max_batch_size=1, max_context=8, kv_cache_tokens=16)
+    layers = [AttentionLayer(layer_id=0, num_heads=HQ, num_kv_heads=HKV, head_dim=D)]
+    assert HybridBackend(kv, layers, prefill="torch_native", decode="torch_native").decode_stores_kv_first
+    assert not HybridBackend(kv, layers, prefill="torch_native", decode="triton").decode_stores_kv_first

@@ -78,6 +78,7 @@ class TritonBackend(AttentionBackend):
     """Split-K paged decode and paged extend with compile_attn's Triton kernels; decode is full-graph capturable."""
 
     graph_support = GraphMode.FULL_AND_PIECEWISE
+    decode_stores_kv_first = False  # the decode kernel stores each row's new token itself (one launch per layer)
     tree_verify = True
 
     def __init__(
