@@ -90,7 +90,7 @@ def test_backends_whose_decode_kernel_stores_each_row_take_the_extend_route() ->
     from compile_attn.attention.triton.backend import TritonBackend
 
     assert TorchNativeBackend.decode_stores_kv_first and not TritonBackend.decode_stores_kv_first
-    kv = KVCache(num_layers=1, num_kv_heads=HKV, head_dim=D, max_batch_size=1, max_context=8, kv_cache_tokens=16)
-    layers = [AttentionLayer(layer_id=0, num_heads=HQ, num_kv_heads=HKV, head_dim=D)]
+    kv = KVCache(num_layers=1, num_kv_heads=HKV, head_dim=64, max_batch_size=1, max_context=8, kv_cache_tokens=16)
+    layers = [AttentionLayer(layer_id=0, num_heads=HQ, num_kv_heads=HKV, head_dim=64)]  # a head size triton runs
     assert HybridBackend(kv, layers, prefill="torch_native", decode="torch_native").decode_stores_kv_first
     assert not HybridBackend(kv, layers, prefill="torch_native", decode="triton").decode_stores_kv_first
