@@ -51,7 +51,8 @@ class AttentionBackend(ABC):
     graph_support: ClassVar[GraphMode] = GraphMode.PIECEWISE
     # Whether decode stores every row's new K/V before any row attends: then rows of one request (a chain verify
     # step unrolled into decode rows, graph_runner/verify_unroll.py) see each other's tokens, and the full decode
-    # graphs serve verify steps. False where the decode kernel stores each row's token itself (triton).
+    # graphs serve verify steps. Where the decode kernel stores each row's token itself (triton) it is off until
+    # ``store_decode_kv_first()`` turns it on.
     decode_stores_kv_first: ClassVar[bool] = True
     # Whether TARGET_VERIFY batches with draft trees run here (see supports_tree_verify).
     tree_verify: ClassVar[bool] = False
@@ -75,6 +76,12 @@ class AttentionBackend(ABC):
         """What this backend runs in: the class's ``graph_support``, narrowed by backends whose instances can do
         less (interpreted Triton kernels, a hybrid whose decode part has no full graphs)."""
         return self.graph_support
+
+    def store_decode_kv_first(self) -> bool:
+        """Make decode steps store every row's new K/V before any row attends (call before graphs are captured), so
+        that chain verify steps can run as decode rows (``decode_stores_kv_first``); returns whether they do now.
+        The engine calls it when speculative decoding is on. Default: nothing to change."""
+        return self.decode_stores_kv_first
 
     def supports_tree_verify(self) -> bool:
         """Whether verification steps whose draft tokens form trees (``fb.draft_parents`` that are not chains) run

@@ -70,6 +70,9 @@ class HybridBackend(AttentionBackend):
     def decode_stores_kv_first(self) -> bool:  # type: ignore[override]  # decode rows run in the decode part
         return self.decode.decode_stores_kv_first
 
+    def store_decode_kv_first(self) -> bool:
+        return self.decode.store_decode_kv_first()
+
     def _part(self, role: str, spec: str | AttentionBackend, options: Mapping[str, Any] | None) -> AttentionBackend:
         if isinstance(spec, AttentionBackend):
             if spec.kv_cache is not self.kv_cache:

@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from compile_attn.attention import create_backend
 from compile_attn.batch import ForwardBatch, ForwardMode
+from compile_attn.config import GraphConfig
 from compile_attn.engine.execution.in_flight import InFlightStep, has_placeholders
 from compile_attn.engine.execution.memory_profile import check_memory_after_capture, size_kv_cache
 from compile_attn.engine.execution.model_loading import LoadedModel, load_for_engine
@@ -77,6 +78,8 @@ class LLM:
                                            device=device)
         self.kv_cache.enable_prefix_cache(config.enable_prefix_cache)  # reuse computed prompts' KV
         self.backend = create_backend(config.attn_backend, self.kv_cache, layers)
+        if config.speculative_config is not None:  # chain verify steps then replay the full decode graphs
+            self.backend.store_decode_kv_first()
         # Decode steps' KV slots go up with the batch and the table write rides in the step (GraphRunner.run).
         self.scheduler = Scheduler(self.kv_cache, config.max_batch_size, config.max_num_tokens,
                                    defer_table_write=True)
@@ -87,7 +90,8 @@ class LLM:
         spec = config.speculative_config
         rows = config.max_batch_size * (1 + (spec.num_speculative_tokens if spec is not None else 0))
         self.step_runner = StepRunner(self.model, self.backend, graph_mode=config.graph_mode, compile=config.compile,
-                                      compile_options=config.compile_options, max_batch_size=rows,
+                                      compile_options=verify_graph_sizes(config.compile_options, rows),
+                                      max_batch_size=rows,
                                       max_num_tokens=config.max_num_tokens)
         logger.info(
             "LLM ready: device %s, dtype %s, backend %s, graph mode %s, KV cache %d tokens (%.1f MiB), page size %d",
@@ -398,3 +402,14 @@ class LLM:
             self.speculator.stats.verify_steps += 1
         self.scheduler.finish_all(done)
         return [r for r, _ in done]
+
+
+def verify_graph_sizes(options: Mapping[str, Any] | None, rows: int) -> Mapping[str, Any] | None:
+    """``options`` with decode graphs up to ``rows`` rows (the default sizes continued in steps of 8) where they
+    leave ``decode_batch_sizes`` to its default and verify steps need more rows than it reaches."""
+    options = dict(options or {})
+    default = GraphConfig.decode_batch_sizes
+    if "decode_batch_sizes" in options or rows <= default[-1]:
+        return options or None
+    options["decode_batch_sizes"] = (*default, *range(default[-1] + 8, rows + 8, 8))
+    return options

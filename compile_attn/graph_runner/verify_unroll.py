@@ -9,8 +9,8 @@ same tokens, positions and slots): no graph of its own to capture, every backend
 and the metadata goes through the three-method contract like any decode step's. The cost is that a request's
 prefix is read once per verified token instead of once per request (see docs/speculative.md). Trees (a mask,
 not a range) take the extend route, and so do chains on a backend whose decode kernel stores each row's new token
-itself (``AttentionBackend.decode_stores_kv_first`` False: triton), where one row could read another's slot before
-it is written.
+itself (``AttentionBackend.decode_stores_kv_first`` False: triton's fused store, where one row could read another's
+slot before it is written) until ``store_decode_kv_first()``, which the engine calls when speculation is on.
 """
 
 from __future__ import annotations

@@ -78,7 +78,8 @@ class TritonBackend(AttentionBackend):
     """Split-K paged decode and paged extend with compile_attn's Triton kernels; decode is full-graph capturable."""
 
     graph_support = GraphMode.FULL_AND_PIECEWISE
-    decode_stores_kv_first = False  # the decode kernel stores each row's new token itself (one launch per layer)
+    # The decode kernel stores each row's new token itself (one launch per layer) until store_decode_kv_first().
+    decode_stores_kv_first = False
     tree_verify = True
 
     def __init__(
@@ -147,6 +148,12 @@ class TritonBackend(AttentionBackend):
                 f"TRITON_INTERPRET=1 before compile_attn.attention.kernels is first imported)"
             )
         self._interpreted = interpreted
+
+    def store_decode_kv_first(self) -> bool:
+        """Decode stores the step's K/V in one launch before the attention kernel (one more launch per layer) instead
+        of in it, so that rows of one request see each other's new tokens (chain verify steps as decode rows)."""
+        self.decode_stores_kv_first = True
+        return True
 
     def supported_graph_mode(self) -> GraphMode:
         """Piecewise only with interpreted kernels: they run on the host, so no CUDA graph (or CPU op tape) can
@@ -308,6 +315,10 @@ class TritonBackend(AttentionBackend):
         step = self._require_step(decode=True, fb=fb)
         assert isinstance(step, DecodeStep)
         loc = fb.out_cache_loc if save_kv_cache else None
+        if self.decode_stores_kv_first and loc is not None:  # every row's K/V in place before any row attends
+            k_buf, v_buf = self.kv_cache.pool.get_kv(layer.layer_id)
+            self._ops.store_kv(k_buf, v_buf, loc, _last_dim_contiguous(k), _last_dim_contiguous(v))
+            loc = None  # the kernel still takes each row's own token from k/v
         bind = step.graph_bound
         if bind:
             # Between piecewise graphs a decode layer gets the same tensors every step (a graph's static outputs,
