@@ -19,8 +19,8 @@ def add_engine_options(p: argparse.ArgumentParser, *, device_help: str, max_batc
                        max_context: int | None = None,
                        max_context_help: str = "tokens per request at most (default: the model's)") -> None:
     """--device, --backend, --graph-mode, --no-compile, --max-batch-size, --max-num-tokens, --kv-cache-tokens,
-    --gpu-memory-utilization, --page-size, --max-context, --cascade-decode, --no-overlap: one flag per EngineConfig
-    field."""
+    --gpu-memory-utilization, --page-size, --max-context, --cascade-decode, --speculative-config, --no-overlap: one
+    flag per EngineConfig field."""
     p.add_argument("--device", default=None, help=device_help)
     p.add_argument("--backend", default="auto",
                    help="attention backend, or '<prefill>+<decode>' (see `compile-attn info`)")
@@ -41,6 +41,9 @@ def add_engine_options(p: argparse.ArgumentParser, *, device_help: str, max_batc
                    help="decode batches whose requests share a cached prefix read it once (the triton backend's "
                         "shared-prefix kernels, run between piecewise graphs); default: COMPILE_ATTN_CASCADE_DECODE, "
                         "else off")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="speculative decoding in vLLM's form, e.g. '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": 4}' (default: off)")
     p.add_argument("--no-overlap", action="store_true",
                    help="run each step to completion before scheduling the next (default: keep one step in flight)")
 
@@ -59,6 +62,13 @@ def check_engine_options(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if not 0 < args.gpu_memory_utilization <= 1:
         raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+    if args.speculative_config is not None:
+        from compile_attn.engine.requests.speculative_config import SpeculativeConfig
+
+        try:
+            SpeculativeConfig.parse(args.speculative_config)
+        except ValueError as exc:
+            raise ValueError(f"--speculative-config: {exc}") from None
 
 
 def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
@@ -69,7 +79,8 @@ def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
     options = dict(attn_backend=args.backend, graph_mode=args.graph_mode, compile=not args.no_compile,
                    gpu_memory_utilization=args.gpu_memory_utilization, device=args.device,
                    overlap=not args.no_overlap, enable_prefix_cache=not args.no_prefix_cache,
-                   cascade_decode=None if args.cascade_decode is None else args.cascade_decode == "on", **{name: getattr(args, name) for name in _SIZES})
+                   cascade_decode=None if args.cascade_decode is None else args.cascade_decode == "on",
+                   speculative_config=args.speculative_config, **{name: getattr(args, name) for name in _SIZES})
     return EngineConfig(**{**options, **overrides})
 
 

@@ -43,6 +43,7 @@ class ThroughputConfig:
     overlap: bool = True  # the engine keeps one step in flight
     prefix_cache: bool = True  # the prefix-cache workloads also run with it off unless this is False
     cascade_decode: bool | None = None  # EngineConfig.cascade_decode (None: COMPILE_ATTN_CASCADE_DECODE)
+    speculative_config: str | dict | None = None  # EngineConfig.speculative_config (None: off)
     max_batch_size: int = 256
     max_num_tokens: int = 8192
     kv_cache_tokens: int | None = None  # None: sized from gpu_memory_utilization
@@ -63,7 +64,7 @@ class ThroughputConfig:
                     kv_cache_tokens=self.kv_cache_tokens, gpu_memory_utilization=self.gpu_memory_utilization,
                     max_context=self.max_context or workload.longest, page_size=self.page_size, device=self.device,
                     dtype=dtype, overlap=self.overlap, enable_prefix_cache=self.prefix_cache,
-                    cascade_decode=self.cascade_decode)
+                    cascade_decode=self.cascade_decode, speculative_config=self.speculative_config)
 
 
 def run(cfg: ThroughputConfig) -> dict:
@@ -128,6 +129,8 @@ def _run_engine(model: object, workload: Workload, cfg: ThroughputConfig, dtype:
             engine["rounds"].append(engine_round(llm, workload))
             logger.info("round %d (prefix cache off): %s", len(engine["rounds"]), engine["rounds"][-1])
         llm.kv_cache.enable_prefix_cache(True)
+    if llm.speculator is not None:  # drafts proposed / accepted over every round
+        engine["speculative"] = dict(config=llm.speculator.config.to_dict(), **llm.speculator.stats.as_dict())
     busy: list | dict = []
     if cfg.device == "cuda" and cfg.profile_steps > 0:
         try:

@@ -95,7 +95,8 @@ def throughput_config(args: argparse.Namespace, device: str, **fields: object) -
         max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens, kv_cache_tokens=args.kv_cache_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization, page_size=args.page_size, max_context=args.max_context,
         overlap=not args.no_overlap, prefix_cache=not args.no_prefix_cache,
-        cascade_decode=None if args.cascade_decode is None else args.cascade_decode == "on", **fields,
+        cascade_decode=None if args.cascade_decode is None else args.cascade_decode == "on",
+        speculative_config=args.speculative_config, **fields,
     )
 
 

@@ -40,3 +40,19 @@ def test_bad_configs_are_refused_by_name(value, match: str) -> None:  # noqa: AN
 def test_llm_refuses_a_bad_config_before_loading_anything() -> None:
     with pytest.raises(EngineOptionError, match="num_speculative_tokens"):
         LLM("/nonexistent/model/dir", speculative_config={"method": "ngram", "num_speculative_tokens": -1})
+
+
+def test_the_command_line_flag_is_checked_and_reaches_the_engine_config() -> None:
+    import argparse
+
+    from compile_attn.cli_options import add_engine_options, check_engine_options, engine_config
+
+    p = argparse.ArgumentParser()
+    add_engine_options(p, device_help="", max_batch_size=4, max_num_tokens=64)
+    args = p.parse_args(["--device", "cpu", "--speculative-config",
+                         '{"method": "ngram", "num_speculative_tokens": 3}'])
+    check_engine_options(args)
+    assert engine_config(args).speculative_config == SpeculativeConfig("ngram", 3)
+    bad = p.parse_args(["--speculative-config", '{"method": "ngram"}'])
+    with pytest.raises(ValueError, match="--speculative-config: speculative_config needs 'method'"):
+        check_engine_options(bad)
