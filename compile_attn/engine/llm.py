@@ -18,13 +18,11 @@ from tqdm.auto import tqdm
 
 from compile_attn.attention import create_backend
 from compile_attn.batch import ForwardBatch, ForwardMode
-from compile_attn.config import GraphConfig
 from compile_attn.engine.execution.in_flight import InFlightStep, has_placeholders
 from compile_attn.engine.execution.memory_profile import check_memory_after_capture, size_kv_cache
 from compile_attn.engine.execution.model_loading import LoadedModel, load_for_engine
 from compile_attn.engine.execution.sampling import sampler
-from compile_attn.engine.execution.speculative.acceptance import accept_chain
-from compile_attn.engine.execution.speculative.speculator import SampleRows, Speculator
+from compile_attn.engine.execution.speculative.speculator import Speculator, verify_graph_sizes
 from compile_attn.engine.execution.sampling.logprobs import unpack as unpack_logprobs
 from compile_attn.engine.execution.sampling.penalties import PenaltyState
 from compile_attn.engine.execution.sampling.step import forward_and_sample
@@ -360,7 +358,10 @@ class LLM:
             entries = unpack_logprobs(launched.logprobs_host.tolist(), [r.params.logprobs for r in rows])
             logprobs = dict(zip(launched.logprob_at, entries))
         if launched.verify is not None:
-            return self._resolve_verify(launched.verify, tokens, logprobs)
+            assert self.speculator is not None
+            done = self.speculator.resolve(launched.verify, tokens, logprobs, self.writer, self.kv_cache)
+            self.scheduler.finish_all(done)
+            return [r for r, _ in done]
         done = []
         for i, (r, at, tok) in enumerate(zip(launched.requests, launched.at, tokens)):
             if r.status is RequestStatus.FINISHED:  # aborted, or stopped by an earlier token: nothing to write
@@ -370,46 +371,3 @@ class LLM:
                 done.append((r, reason))
         self.scheduler.finish_all(done)
         return [r for r, _ in done]
-
-    def _resolve_verify(self, rows: SampleRows, tokens: list[int], logprobs: dict[int, Any]) -> list[Request]:
-        """Write a verify step's accepted tokens (``acceptance.accept_chain`` per request), one by one through the
-        same checks as a decode step's token, and cut each request's KV back to what the accepted tokens hold."""
-        done = []
-        for r, first, drafts in rows.spans:
-            r.draft_ids = []
-            if r.status is RequestStatus.FINISHED:
-                continue
-            base = len(r.token_ids) - 1  # tokens with KV before the step: all but the last
-            accepted = accept_chain(drafts, tokens[first : first + len(drafts) + 1])
-            assert self.speculator is not None
-            self.speculator.count(drafts, len(accepted) - 1)
-            reason, written = None, 0
-            for tok in accepted:
-                r.token_ids.append(-1)  # written by writer.write, as a decode step's placeholder is
-                r.unresolved += 1
-                reason = self.writer.write(r, len(r.token_ids) - 1, tok, logprobs.get(first + written))
-                written += 1
-                if reason:
-                    break
-            # KV holds the old last token and the drafts equal to the tokens written before the newest one: the
-            # prefix cache (on finishing) and the next step read no further.
-            r.num_cached = base + written
-            if reason:
-                done.append((r, reason))
-            elif drafts:  # the rejected drafts' slots go back
-                self.kv_cache.truncate(r.row, r.num_cached)
-        if self.speculator is not None and rows.verifies:
-            self.speculator.stats.verify_steps += 1
-        self.scheduler.finish_all(done)
-        return [r for r, _ in done]
-
-
-def verify_graph_sizes(options: Mapping[str, Any] | None, rows: int) -> Mapping[str, Any] | None:
-    """``options`` with decode graphs up to ``rows`` rows (the default sizes continued in steps of 8) where they
-    leave ``decode_batch_sizes`` to its default and verify steps need more rows than it reaches."""
-    options = dict(options or {})
-    default = GraphConfig.decode_batch_sizes
-    if "decode_batch_sizes" in options or rows <= default[-1]:
-        return options or None
-    options["decode_batch_sizes"] = (*default, *range(default[-1] + 8, rows + 8, 8))
-    return options

@@ -13,10 +13,17 @@ import logging
 from dataclasses import dataclass, field
 from itertools import accumulate
 
+from collections.abc import Mapping
+from typing import Any
+
+from compile_attn.config import GraphConfig
+from compile_attn.engine.execution.speculative.acceptance import accept_chain
 from compile_attn.engine.execution.speculative.ngram import NgramProposer
-from compile_attn.engine.requests.request import Request
+from compile_attn.engine.requests.request import Request, RequestStatus
 from compile_attn.engine.requests.scheduler import ScheduledStep
 from compile_attn.engine.requests.speculative_config import SpeculativeConfig
+from compile_attn.engine.requests.token_writer import TokenWriter
+from compile_attn.kv.cache import KVCache
 
 logger = logging.getLogger(__name__)
 
@@ -109,3 +116,46 @@ class Speculator:
             self.stats.verified += 1
             self.stats.draft_tokens += len(drafts)
             self.stats.accepted_tokens += accepted
+
+    def resolve(self, rows: SampleRows, tokens: list[int], logprobs: dict[int, Any], writer: TokenWriter,
+                kv_cache: KVCache) -> list[tuple[Request, str]]:
+        """Write a verify step's accepted tokens (``accept_chain`` per request), one by one through ``writer``'s
+        checks as a decode step's token, and cut each request's KV back to what its accepted tokens hold. Returns
+        the requests that finish, with their reasons (the caller finishes them)."""
+        done = []
+        for r, first, drafts in rows.spans:
+            r.draft_ids = []
+            if r.status is RequestStatus.FINISHED:
+                continue
+            base = len(r.token_ids) - 1  # tokens with KV before the step: all but the last
+            accepted = accept_chain(drafts, tokens[first : first + len(drafts) + 1])
+            self.count(drafts, len(accepted) - 1)
+            reason, written = None, 0
+            for tok in accepted:
+                r.token_ids.append(-1)  # written by writer.write, as a decode step's placeholder is
+                r.unresolved += 1
+                reason = writer.write(r, len(r.token_ids) - 1, tok, logprobs.get(first + written))
+                written += 1
+                if reason:
+                    break
+            # KV holds the old last token and the drafts equal to the tokens written before the newest one: the
+            # prefix cache (on finishing) and the next step read no further.
+            r.num_cached = base + written
+            if reason:
+                done.append((r, reason))
+            elif drafts:  # the rejected drafts' slots go back
+                kv_cache.truncate(r.row, r.num_cached)
+        if rows.verifies:
+            self.stats.verify_steps += 1
+        return done
+
+
+def verify_graph_sizes(options: Mapping[str, Any] | None, rows: int) -> Mapping[str, Any] | None:
+    """``options`` with decode graphs up to ``rows`` rows (the default sizes continued in steps of 8) where they
+    leave ``decode_batch_sizes`` to its default and verify steps (``rows``: requests x (1 + K)) need more rows."""
+    options = dict(options or {})
+    default = GraphConfig.decode_batch_sizes
+    if "decode_batch_sizes" in options or rows <= default[-1]:
+        return options or None
+    options["decode_batch_sizes"] = (*default, *range(default[-1] + 8, rows + 8, 8))
+    return options
