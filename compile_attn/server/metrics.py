@@ -46,6 +46,12 @@ class ServerMetrics:
         gauge("num_requests_pending", "Requests submitted to the server and not finished.", "pending")
         gauge("kv_cache_usage_perc", "Fraction of the KV cache's token slots in use (0 to 1).", "kv_usage")
         gauge("kv_cache_capacity_tokens", "Token slots in the KV cache.", "kv_capacity_tokens")
+        gauge("spec_decode_num_drafts", "Speculative decoding: request-steps that verified drafts, since start.",
+              "spec_drafts")
+        gauge("spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified, since start.",
+              "spec_draft_tokens")
+        gauge("spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted, since start.",
+              "spec_accepted_tokens")
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
             return Counter(f"{PREFIX}_{name}", doc, [*labels, *extra], registry=self.registry)

@@ -155,14 +155,18 @@ class AsyncLLM:
         return self.llm.kv_cache.max_context
 
     def gauges(self) -> dict[str, float]:
-        """Requests running / waiting / pending and the KV cache's used fraction and capacity (tokens), read
-        without a lock from the loop's state (len() is atomic; a reading may be one step stale)."""
+        """Requests running / waiting / pending, the KV cache's used fraction and capacity (tokens), and with
+        speculative decoding the drafts verified and accepted since start; read without a lock from the loop's
+        state (len() is atomic; a reading may be one step stale)."""
         llm = self.llm
         kv = llm.kv_cache
         capacity = kv.allocator.num_pages * kv.page_size
+        spec = llm.speculator.stats if llm.speculator is not None else None
         return {"running": len(llm.scheduler.running), "waiting": len(llm.scheduler.waiting),
                 "pending": self._pending, "kv_usage": 1.0 - kv.available_tokens / capacity,
-                "kv_capacity_tokens": capacity}
+                "kv_capacity_tokens": capacity, "spec_drafts": spec.verified if spec else 0,
+                "spec_draft_tokens": spec.draft_tokens if spec else 0,
+                "spec_accepted_tokens": spec.accepted_tokens if spec else 0}
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the loop: unfinished requests end with finish_reason "abort" and their KV is freed."""
