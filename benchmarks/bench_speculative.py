@@ -128,6 +128,9 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--backend", default="triton")
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--compile-sizes", default=None,
+                    help="GraphConfig.compile_sizes, e.g. 1,8 (static compiles at the verify bucket too)")
+    ap.add_argument("--steps-only", action="store_true", help="the step times only")
     ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU (smoke run)")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -141,13 +144,14 @@ def main() -> None:
                 max_context=max(args.context, args.prompt_len + args.max_new_tokens) + args.k + 8,
                 kv_cache_tokens=max(sizes + step_sizes) * (max(args.context, args.prompt_len + args.max_new_tokens)
                                                            + 2 * args.k + 16) + 4096,
-                compile_options={"cache_dir": None})
+                compile_options={"cache_dir": None} if args.compile_sizes is None else
+                {"cache_dir": None, "compile_sizes": tuple(int(x) for x in args.compile_sizes.split(","))})
     if args.tiny:
         base.update(graph_mode="full", compile=False)
     gen = torch.Generator().manual_seed(0)
     result = dict(run_info=run_info(sys.argv), args=vars(args), steps=[], throughput=[])
     make = lambda: bench._hf_model(bench.BenchConfig(shape=dict(shape), device=device), "sdpa", dtype)  # noqa: E731
-    plain = LLM(make(), **base)  # each engine its own model instance (same seed, same weights)
+    plain = None if args.steps_only else LLM(make(), **base)  # each engine its own model instance (same weights)
     ngram = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
     spec = LLM(make(), speculative_config=ngram, **base)
     result["steps"] = step_times(spec, step_sizes, args.k, args.context, args.iters, device, shape["vocab_size"])
@@ -155,7 +159,7 @@ def main() -> None:
     for s in result["steps"]:
         print(f"| {s['batch_size']} | {s['verify_ms']:.3f} | {s['decode_ms']:.3f} | {s['ratio']:.2f} |", flush=True)
     lookup = spec.speculator.proposer
-    for bs in sizes:
+    for bs in [] if args.steps_only else sizes:
         prompts = [torch.randint(0, shape["vocab_size"], (args.prompt_len,), generator=gen).tolist() for _ in range(bs)]
         tps, ref, steps = throughput(plain, prompts, args.max_new_tokens, device)
         result["throughput"].append(dict(batch_size=bs, system="no speculation (overlap)", tok_s=tps, steps=steps))
