@@ -107,8 +107,7 @@ class LLM:
         if config.capture:  # the step's own kernels (the feed of in-flight tokens), before traffic
             step_kernels.warm_up(device, self.vocab_size)
         self.speculator = Speculator(spec, max_context) if spec is not None else None
-        # A verify step's drafts follow the tokens of the step before it: those are read first (see docs/speculative.md).
-        self.overlap = config.overlap and self.speculator is None
+        self.overlap = config.overlap  # with speculation, steps that verify run serially (see _step)
         self.penalties: PenaltyState | None = None  # made when the first request with penalties arrives
         self._in_flight: deque[InFlightStep] = deque()  # launched steps whose tokens are not read yet (<= 1)
         self._lock = threading.Lock()  # held by each public call: one call at a time (see _exclusive)
@@ -284,6 +283,8 @@ class LLM:
             done += self._resolve(self._in_flight[0])
         launched = self._launch()
         keep = 1 if self.overlap and launched is not None else 0
+        if keep and self.speculator is not None and (launched.verify is not None or self.speculator.probe_due()):
+            keep = 0  # the next step's drafts follow this step's tokens: read them first (docs/speculative.md)
         while len(self._in_flight) > keep:
             done += self._resolve(self._in_flight[0])
         return done
@@ -307,6 +308,8 @@ class LLM:
                 return None
             if self.speculator is not None:
                 rows = self.speculator.sample_rows(step)
+                if not rows.verifies:  # nothing proposed: a plain step, which may overlap the next
+                    rows = None
             verify = rows is not None and rows.verifies and all(r.is_decoding for r in step.requests)
             fb = ForwardBatch.build(
                 req_pool_indices=[r.row for r in step.requests], prefix_lens=step.prefix_lens,

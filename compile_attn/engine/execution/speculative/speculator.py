@@ -5,6 +5,11 @@ A request verifying K drafts runs K + 1 tokens in the step (its last token, then
 an extend) and samples all K + 1 rows; ``acceptance.accept_chain`` keeps what the target agrees with. Requests with
 presence / frequency / repetition penalties are not given drafts (their statistics would have to follow each draft
 row); neither are requests within one token of their length limit.
+
+Steps: one that verifies runs to completion before the next is scheduled (its accepted tokens decide the next
+drafts); one in which nothing was proposed is a plain step and may overlap the next as without speculation: while
+proposals keep failing, the engine reads every token first after 1, 2, 4, .. up to ``PROBE_EVERY`` plain steps
+(``probe_due``), so that proposals are looked for again.
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ from compile_attn.engine.requests.token_writer import TokenWriter
 from compile_attn.kv.cache import KVCache
 
 logger = logging.getLogger(__name__)
+
+# With nothing to propose the engine overlaps steps and looks for drafts again every this many steps.
+PROBE_EVERY = 8
 
 
 @dataclass
@@ -78,8 +86,22 @@ class Speculator:
         self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
                                       config.prompt_lookup_max)
         self.stats = SpeculativeStats()
+        self._overlapped = 0  # plain steps overlapped since the engine last read every token (see probe_due)
+        self._interval = 1  # ... and how many it lets pass before it reads them all again: 1, 2, 4, .. PROBE_EVERY
         logger.info("speculative decoding: %s, up to %d draft tokens per request and step", config.method,
                     config.num_speculative_tokens)
+
+    def probe_due(self) -> bool:
+        """Whether the engine reads every token of a plain step (nothing proposed) before the next, so that the next
+        looks for drafts; otherwise it overlaps the next step, whose requests then hold a placeholder and get none.
+        Plain steps in a row are let pass 1, 2, 4, .. ``PROBE_EVERY`` at a time; a step with drafts starts over at 1.
+        Called once per plain step launched with overlap."""
+        self._overlapped += 1
+        if self._overlapped < self._interval:
+            return False
+        self._overlapped = 0
+        self._interval = min(PROBE_EVERY, 2 * self._interval)
+        return True
 
     def room(self, r: Request) -> int:
         """Drafts ``r`` may verify now: a verify step adds up to drafts + 1 tokens, within ``max_new_tokens`` and the
@@ -88,11 +110,15 @@ class Speculator:
 
     def propose(self, running: list[Request]) -> None:
         """Set the drafts of every running request: proposals for those decoding, none for the others."""
+        found = False
         for r in running:
             if r.is_decoding and not r.unresolved and not r.params.has_penalties and (room := self.room(r)) > 0:
                 r.draft_ids = self.proposer.propose(r.token_ids, room)
+                found = found or bool(r.draft_ids)
             elif r.draft_ids:
                 r.draft_ids = []
+        if found:
+            self._interval, self._overlapped = 1, 0
 
     def sample_rows(self, step: ScheduledStep) -> SampleRows:
         """The step's sampling rows: every row of a request verifying drafts, the last row of a request whose step

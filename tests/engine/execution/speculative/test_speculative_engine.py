@@ -90,7 +90,7 @@ def test_hf_families_greedy_identical_with_speculation(family: str) -> None:
     ours, _ = build_pair(family, attn="eager")
     prompts = [[(3 * i + j) % 7 + 1 for j in range(n)] for i, n in enumerate([5, 12, 9])]
     plain = make_llm(ours, max_context=48).generate(prompts, SamplingParams(max_new_tokens=10, ignore_eos=True))
-    spec = make_llm(ours, max_context=48, speculative_config=NGRAM)
+    spec = make_llm(ours, max_context=48, speculative_config=NGRAM, overlap=False)  # looks for drafts every step
     outs = spec.generate(prompts, SamplingParams(max_new_tokens=10, ignore_eos=True))
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain], family
     assert spec.speculator.stats.verify_steps > 0
@@ -233,3 +233,22 @@ def test_sampled_outputs_follow_the_target_distribution() -> None:
     stat = ((observed - expected) ** 2 / np.maximum(expected, 1e-9)).sum()
     limit = chi2_dist.ppf(1 - 1e-4, len(expected) - 1)
     assert stat < limit, f"chi-square {stat:.1f} over {len(expected) - 1} dof (limit {limit:.1f})"
+
+
+def test_plain_steps_overlap_and_drafts_are_looked_for_again(model) -> None:  # noqa: ANN001
+    """With nothing to propose the engine overlaps steps (a placeholder in flight) and reads every token first after
+    1, 2, 4, .. 8 plain steps; a step with drafts runs serially. Tokens are the same either way."""
+    from compile_attn.engine.execution.speculative.speculator import PROBE_EVERY
+
+    llm = make_llm(model, speculative_config=NGRAM)
+    unique = [[(5 * i + 3 * j) % 97 for j in range(12)] for i in range(3)]  # no repeats: few proposals early on
+    seen_in_flight = 0
+    reqs = [llm.add_request(p, SamplingParams(max_new_tokens=40)) for p in unique]
+    while llm.has_work():
+        llm.step()
+        seen_in_flight += bool(llm._in_flight)
+    assert seen_in_flight > 0  # some plain steps overlapped the next
+    for p, r in zip(unique, reqs):
+        assert r.output_ids == greedy_by_recompute(model, p, 40)
+    s = llm.speculator
+    assert [s.probe_due() for _ in range(2 * PROBE_EVERY)].count(True) <= 4  # backed off to one in PROBE_EVERY
