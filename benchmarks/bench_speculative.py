@@ -131,10 +131,6 @@ def main() -> None:
     ap.add_argument("--compile-sizes", default=None,
                     help="GraphConfig.compile_sizes, e.g. 1,8 (static compiles at the verify bucket too)")
     ap.add_argument("--steps-only", action="store_true", help="the step times only")
-    ap.add_argument("--batch-invariant", action="store_true",
-                    help="the speculative engine's triton decode with fixed KV splits (deterministic=True), so a "
-                         "request's tokens do not depend on the other requests' lengths: the always-right replay "
-                         "then holds at large batches in bf16")
     ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU (smoke run)")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -157,10 +153,7 @@ def main() -> None:
     make = lambda: bench._hf_model(bench.BenchConfig(shape=dict(shape), device=device), "sdpa", dtype)  # noqa: E731
     plain = None if args.steps_only else LLM(make(), **base)  # each engine its own model instance (same weights)
     ngram = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-    spec = LLM(make(), speculative_config=ngram, **{**base, "capture": not args.batch_invariant})
-    if args.batch_invariant:
-        spec.backend.deterministic = True  # before the graphs are captured
-        spec.step_runner.capture()
+    spec = LLM(make(), speculative_config=ngram, **base)
     result["steps"] = step_times(spec, step_sizes, args.k, args.context, args.iters, device, shape["vocab_size"])
     print("| B | verify B x (1+K) ms | decode B ms | ratio |\n|---|---|---|---|")
     for s in result["steps"]:
