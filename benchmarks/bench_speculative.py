@@ -20,9 +20,7 @@ writes the JSON.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -55,24 +53,9 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def median_ms(fn, device: str, iters: int, warmup: int = 5) -> float:  # noqa: ANN001
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    times = []
-    for _ in range(iters):
-        if device.startswith("cuda"):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+def median_ms(fn, device: str, iters: int) -> float:  # noqa: ANN001
+    """CUDA-event (CPU: wall-clock) median of ``fn``, as ``compile-attn bench`` times a step."""
+    return bench._timed(fn, bench.BenchConfig(device=device, iters=iters, warmup=5))
 
 
 def step_times(llm: LLM, batch_sizes: list[int], k: int, context: int, iters: int, device: str,
@@ -109,13 +92,6 @@ def throughput(llm: LLM, prompts: list[list[int]], new: int, device: str) -> tup
     sync(device)
     seconds = time.perf_counter() - t0
     return sum(len(o.token_ids) for o in outs) / seconds, [o.token_ids for o in outs], llm.num_steps - steps
-
-
-def release(*objs) -> None:  # noqa: ANN002
-    del objs
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def main() -> None:
@@ -181,7 +157,6 @@ def main() -> None:
                        mean_accepted_length=1 + accepted / max(verified, 1), same_tokens_as_plain=same)
             result["throughput"].append(row)
             print(row, flush=True)
-    release(spec, plain)
     print("\n| B | system | output tok/s | steps | speedup | accepted length | outputs = plain |")
     print("|---|---|---|---|---|---|---|")
     for t in result["throughput"]:

@@ -306,11 +306,12 @@ class LLM:
             step = self.scheduler.schedule()
             if step is None:
                 return None
-            if self.speculator is not None:
+            # Nothing proposed for this step's requests: a plain step (no per-row plan), which may overlap the next.
+            if self.speculator is not None and any(r.draft_ids for r in step.requests):
                 rows = self.speculator.sample_rows(step)
-                if not rows.verifies:  # nothing proposed: a plain step, which may overlap the next
+                if not rows.verifies:
                     rows = None
-            verify = rows is not None and rows.verifies and all(r.is_decoding for r in step.requests)
+            verify = rows is not None and all(r.is_decoding for r in step.requests)
             fb = ForwardBatch.build(
                 req_pool_indices=[r.row for r in step.requests], prefix_lens=step.prefix_lens,
                 extend_lens=step.extend_lens, out_cache_loc=step.out_cache_loc,
