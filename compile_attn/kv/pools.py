@@ -15,6 +15,7 @@ from compile_attn.arg_checks import kv_dtype, positive_int
 from compile_attn.batch import PAD_REQUEST, PAD_SLOT
 from compile_attn.errors import KVCacheExhaustedError
 from compile_attn.host_tensors import to_device
+from compile_attn.kv.fp8 import is_fp8, quantize
 
 
 class ReqToTokenPool:
@@ -58,7 +59,9 @@ class ReqToTokenPool:
 
 
 class PagedKVPool:
-    """Per-layer K and V buffers ``[num_slots, num_kv_heads, head_dim]``; page 0 is the scratch page."""
+    """Per-layer K and V buffers ``[num_slots, num_kv_heads, head_dim]``; page 0 is the scratch page. An fp8 pool
+    also holds per-layer, per-KV-head float32 scales for K and V (``kv_scales``; see ``kv/fp8.py``), updated in
+    place so that captured graphs read their current values."""
 
     def __init__(
         self,
@@ -89,12 +92,26 @@ class PagedKVPool:
             torch.zeros(self.num_slots, num_kv_heads, self.v_head_dim, dtype=dtype, device=device)
             for _ in range(num_layers)
         ]
+        self.quantized = is_fp8(dtype)
+        self.k_scales = [torch.ones(num_kv_heads, dtype=torch.float32, device=device) for _ in range(num_layers)]
+        self.v_scales = [torch.ones(num_kv_heads, dtype=torch.float32, device=device) for _ in range(num_layers)]
 
     def get_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_buffers[layer_id], self.v_buffers[layer_id]
 
+    def kv_scales(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """An fp8 pool's ``(k_scale[Hkv], v_scale[Hkv])`` float32 tensors for a layer (stored = real / scale);
+        None for an unquantised pool."""
+        return (self.k_scales[layer_id], self.v_scales[layer_id]) if self.quantized else None
+
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write ``k[T, Hkv, D]``, ``v[T, Hkv, Dv]`` at slots ``loc[T]`` (graph-capturable)."""
+        """Write ``k[T, Hkv, D]``, ``v[T, Hkv, Dv]`` at slots ``loc[T]`` (graph-capturable); an fp8 pool stores them
+        divided by the layer's scales, saturated."""
+        if self.quantized:  # written as bytes: index_copy_ has no fp8 kernel on every device
+            k_buf, v_buf = self.k_buffers[layer_id].view(torch.uint8), self.v_buffers[layer_id].view(torch.uint8)
+            k_buf.index_copy_(0, loc, quantize(k, self.k_scales[layer_id], self.dtype).view(torch.uint8))
+            v_buf.index_copy_(0, loc, quantize(v, self.v_scales[layer_id], self.dtype).view(torch.uint8))
+            return
         self.k_buffers[layer_id].index_copy_(0, loc, k.to(self.dtype))
         self.v_buffers[layer_id].index_copy_(0, loc, v.to(self.dtype))
 
