@@ -13,6 +13,8 @@ The three-method metadata contract lets a graph runner capture decode as one ful
 
 ``forward`` checks the batch too if the eager entry did not, and the shapes, dtypes and devices of
 q/k/v/out against the layer, the batch and the KV pool, before anything is written (InvalidBatchError).
+On an fp8 pool whose scales are not set yet, ``forward`` lets the pool's calibration see the first prefill's K/V
+before any backend stores them (``kv/kv_scales.py``); once set, that is one attribute check per layer.
 
 ``fb.graph_bucket`` is set when ``fb`` is a graph runner's padded view of its static buffers
 (capture or replay); backends then use the buffers from ``init_cuda_graph_state``.
@@ -186,6 +188,9 @@ class AttentionBackend(ABC):
             fb.write_pending_table(self.kv_cache)
             self._checked_batch = fb
         self.check_inputs(q, k, v, layer, fb, out)
+        calibration = self.kv_cache.pool.scale_calibration  # an fp8 pool whose scales the first prefill sets
+        if calibration is not None:
+            calibration.observe(layer.layer_id, fb, k, v)  # before this step's K/V are stored
         if fb.forward_mode.is_decode():
             self.forward_decode(q, k, v, layer, fb, out, save_kv_cache)
         else:

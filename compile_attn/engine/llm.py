@@ -40,6 +40,7 @@ from compile_attn.engine.requests.token_writer import TokenWriter, sample_seed
 from compile_attn.graph_runner import step_kernels
 from compile_attn.graph_runner.step_kernels import TokenFeed
 from compile_attn.kv.cache import KVCache
+from compile_attn.kv.kv_scales import setup_kv_scales
 from compile_attn.kv.shared_prefix import engine_prefix_finder
 
 
@@ -72,8 +73,10 @@ class LLM:
         sized = size_kv_cache(self.model, layers, config, max_context) if not config.kv_cache_tokens else None
         kv_cache_tokens = sized.kv_cache_tokens if sized else config.kv_cache_tokens
         self.kv_cache = KVCache.for_layers(layers, max_batch_size=config.max_batch_size, max_context=max_context,
-                                           kv_cache_tokens=kv_cache_tokens, page_size=config.page_size, dtype=dtype,
-                                           device=device)
+                                           kv_cache_tokens=kv_cache_tokens, page_size=config.page_size,
+                                           dtype=config.kv_dtype, device=device)
+        # fp8: scales from kv_scales_path, else the checkpoint, else the first prefill (kv/kv_scales.py)
+        setup_kv_scales(self.kv_cache.pool, checkpoint_dir=loaded.checkpoint_dir, scales_path=config.kv_scales_path)
         self.kv_cache.enable_prefix_cache(config.enable_prefix_cache)  # reuse computed prompts' KV
         self.backend = create_backend(config.attn_backend, self.kv_cache, layers)
         if config.speculative_config is not None:  # chain verify steps then replay the full decode graphs
@@ -92,9 +95,9 @@ class LLM:
                                       max_batch_size=rows,
                                       max_num_tokens=config.max_num_tokens)
         logger.info(
-            "LLM ready: device %s, dtype %s, backend %s, graph mode %s, KV cache %d tokens (%.1f MiB), page size %d",
-            device, dtype, self.backend.name, self.step_runner.graph_mode.value, kv_cache_tokens,
-            self.kv_cache.pool.bytes / 2**20, config.page_size,
+            "LLM ready: device %s, dtype %s, backend %s, graph mode %s, KV cache %d tokens (%.1f MiB, %s), page size "
+            "%d", device, dtype, self.backend.name, self.step_runner.graph_mode.value, kv_cache_tokens,
+            self.kv_cache.pool.bytes / 2**20, str(config.kv_dtype).removeprefix("torch."), config.page_size,
         )
         if config.capture:
             self.step_runner.capture(shared_prefix=self.prefix_groups is not None)

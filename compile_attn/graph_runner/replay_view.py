@@ -144,4 +144,5 @@ class ReplayViews:
             seq_lens_sum=fb.seq_lens_sum,
         )
         view.draft_parents = fb.draft_parents
+        view.req_pool_indices_cpu = fb.req_pool_indices_cpu  # host rows (the fp8 scale calibration reads them)
         return view

@@ -16,6 +16,7 @@ from compile_attn.batch import PAD_REQUEST, PAD_SLOT
 from compile_attn.errors import KVCacheExhaustedError
 from compile_attn.host_tensors import to_device
 from compile_attn.kv.fp8 import is_fp8, quantize
+from compile_attn.kv.kv_scales import FirstPrefillCalibration
 
 
 class ReqToTokenPool:
@@ -61,7 +62,8 @@ class ReqToTokenPool:
 class PagedKVPool:
     """Per-layer K and V buffers ``[num_slots, num_kv_heads, head_dim]``; page 0 is the scratch page. An fp8 pool
     also holds per-layer, per-KV-head float32 scales for K and V (``kv_scales``; see ``kv/fp8.py``), updated in
-    place so that captured graphs read their current values."""
+    place so that captured graphs read their current values. Until a layer's scales are set (``kv_scales.
+    apply_scales``) the first prefill through a backend sets them (``scale_calibration``, None once all are set)."""
 
     def __init__(
         self,
@@ -95,6 +97,9 @@ class PagedKVPool:
         self.quantized = is_fp8(dtype)
         self.k_scales = [torch.ones(num_kv_heads, dtype=torch.float32, device=device) for _ in range(num_layers)]
         self.v_scales = [torch.ones(num_kv_heads, dtype=torch.float32, device=device) for _ in range(num_layers)]
+        self.scale_calibration: FirstPrefillCalibration | None = (
+            FirstPrefillCalibration(self) if self.quantized else None
+        )
 
     def get_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_buffers[layer_id], self.v_buffers[layer_id]

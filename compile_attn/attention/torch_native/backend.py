@@ -6,7 +6,10 @@ fixed width into a static buffer and masked by sequence length, so a full decode
 tested with this backend before the fast ones. Masked positions are replaced (``torch.where``) before any
 product, so whatever unused slots hold never reaches the output. Scores are computed in float32. Slow by
 design. Verification steps run as extends; a draft tree (``fb.draft_parents``) masks each request's new tokens
-with its ancestor mask, and the sliding window uses rotary positions (``prefix + depth``).
+with its ancestor mask, and the sliding window uses rotary positions (``prefix + depth``). Over an fp8 pool every
+key and value is read as the pool holds it, dequantised with the layer's scales (``kv/fp8.py``): those of the
+step's new tokens too, rounded through the pool's format when they are not read from it, so decode, extend and
+verification steps all see the same stored values.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from compile_attn.batch import ForwardBatch
 from compile_attn.draft_tree import ancestor_mask, depths, has_tree
 from compile_attn.graph_mode import GraphMode
 from compile_attn.kv.cache import KVCache
+from compile_attn.kv.fp8 import dequantize, quantize
+from compile_attn.kv.pools import PagedKVPool
 from compile_attn.layer import AttentionLayer
 
 
@@ -66,6 +71,27 @@ def _masked_attention(
     probs = torch.softmax(scores, dim=-1)
     probs = torch.nan_to_num(probs, nan=0.0)  # rows with nothing visible (never for valid batches)
     return torch.einsum("nhgql,nlhd->nqhgd", probs, v)
+
+
+def _gather(pool: PagedKVPool, layer_id: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V at ``slots`` (any shape) as float32 real values: an fp8 pool's bytes dequantised with the layer's
+    scales (gathered as bytes: fp8 indexing has no kernel on every device)."""
+    k_buf, v_buf = pool.get_kv(layer_id)
+    scales = pool.kv_scales(layer_id)
+    if scales is None:
+        return k_buf[slots].float(), v_buf[slots].float()
+    k = k_buf.view(torch.uint8)[slots].view(pool.dtype)
+    v = v_buf.view(torch.uint8)[slots].view(pool.dtype)
+    return dequantize(k, scales[0]), dequantize(v, scales[1])
+
+
+def _as_stored(pool: PagedKVPool, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's new ``k``/``v`` as float32, as an fp8 pool would hold them (quantised and back)."""
+    scales = pool.kv_scales(layer_id)
+    if scales is None:
+        return k.float(), v.float()
+    return (dequantize(quantize(k, scales[0], pool.dtype), scales[0]),
+            dequantize(quantize(v, scales[1], pool.dtype), scales[1]))
 
 
 def _visibility(q_pos: torch.Tensor, k_pos: torch.Tensor, k_valid: torch.Tensor, layer: AttentionLayer) -> torch.Tensor:
@@ -133,15 +159,15 @@ class TorchNativeBackend(AttentionBackend):
             raise RuntimeError(
                 "torch_native decode metadata is missing: call backend.init_forward_metadata(batch) before the forward"
             )
-        k_buf, v_buf = self.kv_cache.pool.get_kv(layer.layer_id)
+        pool = self.kv_cache.pool
         table = meta.table.long()
         bs, width = table.shape
-        k_all = k_buf[table].float()  # [bs, width, Hkv, D]
-        v_all = v_buf[table].float()
+        k_all, v_all = _gather(pool, layer.layer_id, table)  # [bs, width, Hkv, D]
         if not save_kv_cache:  # the new token is not in the pool: splice it in at position seq_len - 1
             last = (meta.seq_lens.long() - 1).clamp(min=0)
-            k_all[torch.arange(bs, device=k_all.device), last] = k[:bs].float()
-            v_all[torch.arange(bs, device=v_all.device), last] = v[:bs].float()
+            k_new, v_new = _as_stored(pool, layer.layer_id, k[:bs], v[:bs])
+            k_all[torch.arange(bs, device=k_all.device), last] = k_new
+            v_all[torch.arange(bs, device=v_all.device), last] = v_new
         k_pos = torch.arange(width, device=q.device).expand(bs, width)
         k_valid = k_pos < meta.seq_lens[:, None]
         q_pos = (meta.seq_lens.long() - 1)[:, None]  # [bs, 1]
@@ -153,7 +179,7 @@ class TorchNativeBackend(AttentionBackend):
     def forward_extend(self, q, k, v, layer, fb, out, save_kv_cache) -> None:  # noqa: ANN001
         if save_kv_cache:
             self.save_kv(layer, fb, k, v)
-        k_buf, v_buf = self.kv_cache.pool.get_kv(layer.layer_id)
+        pool = self.kv_cache.pool
         req_to_token = self.kv_cache.req_to_token
         tree = self._tree_of(fb)
         start = 0
@@ -161,8 +187,10 @@ class TorchNativeBackend(AttentionBackend):
             if ext == 0:
                 continue
             prefix_slots = req_to_token[fb.req_pool_indices[b], :prefix].long()
-            k_all = torch.cat([k_buf[prefix_slots].float(), k[start : start + ext].float()])[None]
-            v_all = torch.cat([v_buf[prefix_slots].float(), v[start : start + ext].float()])[None]
+            k_old, v_old = _gather(pool, layer.layer_id, prefix_slots)
+            k_new, v_new = _as_stored(pool, layer.layer_id, k[start : start + ext], v[start : start + ext])
+            k_all = torch.cat([k_old, k_new])[None]
+            v_all = torch.cat([v_old, v_new])[None]
             k_pos = torch.arange(prefix + ext, device=q.device)[None]
             q_pos = torch.arange(prefix, prefix + ext, device=q.device)[None]
             if tree is not None:  # rotary positions: prefix + depth; a token sees its ancestors and itself

@@ -131,7 +131,7 @@ def profile_memory(model: Any, layers: Sequence[AttentionLayer], *, device: torc
 def size_kv_cache(model: Any, layers: Sequence[AttentionLayer], config: EngineConfig, max_context: int) -> KVSizing:
     """The default KV cache size for ``config`` (see kv_sizing): from a profile run on CUDA, capped by host memory
     on the CPU, ``max_batch_size * max_context`` elsewhere. Logs the tokens and requests that fit."""
-    device, dtype, page_size, max_batch_size = config.device, config.dtype, config.page_size, config.max_batch_size
+    device, dtype, page_size, max_batch_size = config.device, config.kv_dtype, config.page_size, config.max_batch_size
     graphs = config.uses_graphs
     per_token = kv_bytes_per_token(layers, dtype)
     if device.type == "cuda":
@@ -152,8 +152,17 @@ def size_kv_cache(model: Any, layers: Sequence[AttentionLayer], config: EngineCo
             available_bytes=host_available_bytes() if device.type == "cpu" else None, bytes_per_token=per_token,
             page_size=page_size, max_context=max_context, max_batch_size=max_batch_size,
         )
-    logger.info("%s", sizing.describe())
+    logger.info("%s%s", sizing.describe(), kv_dtype_note(dtype, config.dtype))
     return sizing
+
+
+def kv_dtype_note(kv_dtype: torch.dtype, model_dtype: torch.dtype) -> str:
+    """What the KV cache stores when that is not the model's dtype (for the sizing log line)."""
+    if kv_dtype == model_dtype:
+        return ""
+    ratio = model_dtype.itemsize / kv_dtype.itemsize
+    return (f"; {str(kv_dtype).removeprefix('torch.')} KV cache: {kv_dtype.itemsize} byte(s) per element, "
+            f"{ratio:g}x the tokens of a {str(model_dtype).removeprefix('torch.')} cache")
 
 
 def check_memory_after_capture(device: torch.device, gpu_memory_utilization: float) -> None:

@@ -1,5 +1,5 @@
 """Turn what a user passes to ``LLM`` (HF model, local path, HF config, or a protocol model) into a
-model following the engine's protocol, plus its tokenizer, EOS ids and context length."""
+model following the engine's protocol, plus its tokenizer, EOS ids, context length and checkpoint directory."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ class LoadedModel:
     tokenizer: Any = None
     eos_token_ids: set[int] = field(default_factory=set)
     max_context: int | None = None
+    checkpoint_dir: str | None = None  # the local directory the weights came from (fp8 KV scales are read there)
 
 
 def _is_protocol_model(model: Any) -> bool:
@@ -70,4 +71,12 @@ def load_for_engine(model: Any, *, tokenizer: Any, dtype: torch.dtype, device: t
     tok = tokenizer if tokenizer is not None else adapter.tokenizer
     config = adapter.config
     max_context = getattr(config, "max_position_embeddings", None)
-    return LoadedModel(adapter, tok, _eos_ids(config, tok), max_context)
+    return LoadedModel(adapter, tok, _eos_ids(config, tok), max_context, _local_dir(model, config))
+
+
+def _local_dir(model: Any, config: Any) -> str | None:
+    """The local checkpoint directory: ``model`` when it is one, else the config's ``_name_or_path`` when that is."""
+    for candidate in (model, getattr(config, "_name_or_path", None)):
+        if isinstance(candidate, (str, os.PathLike)) and os.path.isdir(candidate):
+            return os.fspath(candidate)
+    return None

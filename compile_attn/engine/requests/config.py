@@ -26,6 +26,8 @@ from compile_attn.graph_mode import GraphMode
 # vLLM's dtype names; "auto" (or None) is bfloat16 on CUDA and float32 on the CPU.
 DTYPE_NAMES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.float16,
                "float32": torch.float32, "float": torch.float32}
+# KV cache dtypes by name ("auto": the model's dtype); "fp8" is e4m3, as in vLLM.
+KV_CACHE_DTYPE_NAMES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,11 @@ class EngineConfig:
     instead of a full decode graph. None: on when ``COMPILE_ATTN_CASCADE_DECODE=1``, else off.
     speculative_config: speculative decoding in vLLM's form, e.g. ``{"method": "ngram", "num_speculative_tokens":
     4}`` (a dict, its JSON text or a SpeculativeConfig; None: off). See engine/requests/speculative_config.py.
+    kv_cache_dtype: "auto" (the model's dtype), "fp8_e4m3" (or "fp8"), "fp8_e5m2", or the torch fp8 dtype; after
+    ``__post_init__`` one of "auto", "fp8_e4m3", "fp8_e5m2" (``kv_dtype`` is the torch dtype). An fp8 cache stores
+    one byte per element, with per-layer, per-KV-head scales (docs/fp8_kv.md).
+    kv_scales_path: a JSON file of fp8 KV scales (kv/kv_scales.py); None: the checkpoint's, else the first
+    prefill's.
     """
 
     attn_backend: str = "auto"
@@ -70,6 +77,8 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     cascade_decode: bool | None = None
     speculative_config: SpeculativeConfig | Mapping[str, Any] | str | None = None
+    kv_cache_dtype: str | torch.dtype = "auto"
+    kv_scales_path: str | None = None
 
     def __post_init__(self) -> None:
         check_backend_name(self.attn_backend)  # a misspelt name or mode fails here, not after the model has loaded
@@ -81,6 +90,10 @@ class EngineConfig:
         device = check_device(self.device)
         object.__setattr__(self, "device", device)
         object.__setattr__(self, "dtype", check_dtype(self.dtype, device))
+        object.__setattr__(self, "kv_cache_dtype", check_kv_cache_dtype(self.kv_cache_dtype))
+        if self.kv_scales_path is not None and self.kv_cache_dtype == "auto":
+            raise EngineOptionError(f"LLM(kv_scales_path={self.kv_scales_path!r}) scales an fp8 KV cache, but "
+                                    f"kv_cache_dtype is 'auto'; pass kv_cache_dtype='fp8_e4m3', or drop kv_scales_path")
 
     @classmethod
     def from_options(cls, config: EngineConfig | None = None, **options: Any) -> EngineConfig:
@@ -96,6 +109,11 @@ class EngineConfig:
                 f"{', '.join(names)}"
             )
         return dataclasses.replace(config, **options) if config is not None else cls(**options)
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The KV cache's torch dtype: the model's for "auto", else the fp8 format named."""
+        return self.dtype if self.kv_cache_dtype == "auto" else KV_CACHE_DTYPE_NAMES[self.kv_cache_dtype]
 
     @property
     def uses_graphs(self) -> bool:
@@ -150,3 +168,17 @@ def check_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.
         return dtype
     raise EngineOptionError(f"LLM(dtype={dtype!r}) is not a floating dtype; pass 'auto' (bfloat16 on CUDA, float32 "
                             f"on the CPU), {', '.join(map(repr, DTYPE_NAMES))}, or a floating torch.dtype")
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str | torch.dtype | None) -> str:
+    """The KV cache dtype's canonical name ("auto", "fp8_e4m3", "fp8_e5m2") from a name (vLLM's: "fp8" is e4m3) or
+    a torch fp8 dtype; anything else is refused by name."""
+    if kv_cache_dtype is None or kv_cache_dtype == "auto":
+        return "auto"
+    for name, dtype in KV_CACHE_DTYPE_NAMES.items():
+        if kv_cache_dtype == name or kv_cache_dtype is dtype:
+            return "fp8_e4m3" if dtype is torch.float8_e4m3fn else name
+    raise EngineOptionError(
+        f"LLM(kv_cache_dtype={kv_cache_dtype!r}) is not a KV cache dtype; pass 'auto' (the model's dtype), "
+        f"'fp8_e4m3' (or 'fp8'), or 'fp8_e5m2'"
+    )
