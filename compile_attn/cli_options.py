@@ -1,6 +1,6 @@
 """Command-line options that every engine-building subcommand (generate, throughput, serve) shares, and the
 EngineConfig they describe: device, attention backend, graph mode, compile switch, the engine's sizes and the
-overlap switch. Each command keeps its own defaults for the sizes; bad values are refused by flag name."""
+overlap switch, the KV cache dtype and its scales. Each command keeps its own defaults for the sizes; bad values are refused by flag name."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ def add_engine_options(p: argparse.ArgumentParser, *, device_help: str, max_batc
                        max_context: int | None = None,
                        max_context_help: str = "tokens per request at most (default: the model's)") -> None:
     """--device, --backend, --graph-mode, --no-compile, --max-batch-size, --max-num-tokens, --kv-cache-tokens,
-    --gpu-memory-utilization, --page-size, --max-context, --cascade-decode, --speculative-config, --no-overlap: one
-    flag per EngineConfig field."""
+    --gpu-memory-utilization, --page-size, --max-context, --cascade-decode, --speculative-config, --no-overlap,
+    --kv-cache-dtype, --kv-scales-path: one flag per EngineConfig field."""
     p.add_argument("--device", default=None, help=device_help)
     p.add_argument("--backend", default="auto",
                    help="attention backend, or '<prefill>+<decode>' (see `compile-attn info`)")
@@ -44,6 +44,12 @@ def add_engine_options(p: argparse.ArgumentParser, *, device_help: str, max_batc
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="speculative decoding in vLLM's form, e.g. '{\"method\": \"ngram\", "
                         "\"num_speculative_tokens\": 4}' (default: off)")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="KV cache dtype: auto (the model's), fp8_e4m3 (or fp8), fp8_e5m2: one byte per element, "
+                        "twice the tokens of a 16-bit cache (docs/fp8_kv.md)")
+    p.add_argument("--kv-scales-path", default=None, metavar="JSON",
+                   help="fp8 KV scales, {\"k_scale\": [per layer], \"v_scale\": [...]} (default: the checkpoint's, "
+                        "else calibrated on the first prefill)")
     p.add_argument("--no-overlap", action="store_true",
                    help="run each step to completion before scheduling the next (default: keep one step in flight)")
 
@@ -62,6 +68,15 @@ def check_engine_options(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if not 0 < args.gpu_memory_utilization <= 1:
         raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+    from compile_attn.engine.requests.config import check_kv_cache_dtype
+
+    try:
+        kv_cache_dtype = check_kv_cache_dtype(args.kv_cache_dtype)
+    except ValueError:
+        raise ValueError(f"--kv-cache-dtype must be auto, fp8_e4m3 (or fp8) or fp8_e5m2, got {args.kv_cache_dtype!r}"
+                         ) from None
+    if args.kv_scales_path is not None and kv_cache_dtype == "auto":
+        raise ValueError("--kv-scales-path scales an fp8 KV cache: pass --kv-cache-dtype fp8_e4m3 (or fp8_e5m2) too")
     if args.speculative_config is not None:
         from compile_attn.engine.requests.speculative_config import SpeculativeConfig
 
@@ -80,7 +95,8 @@ def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
                    gpu_memory_utilization=args.gpu_memory_utilization, device=args.device,
                    overlap=not args.no_overlap, enable_prefix_cache=not args.no_prefix_cache,
                    cascade_decode=None if args.cascade_decode is None else args.cascade_decode == "on",
-                   speculative_config=args.speculative_config, **{name: getattr(args, name) for name in _SIZES})
+                   speculative_config=args.speculative_config, kv_cache_dtype=args.kv_cache_dtype,
+                   kv_scales_path=args.kv_scales_path, **{name: getattr(args, name) for name in _SIZES})
     return EngineConfig(**{**options, **overrides})
 
 

@@ -44,6 +44,8 @@ class ThroughputConfig:
     prefix_cache: bool = True  # the prefix-cache workloads also run with it off unless this is False
     cascade_decode: bool | None = None  # EngineConfig.cascade_decode (None: COMPILE_ATTN_CASCADE_DECODE)
     speculative_config: str | dict | None = None  # EngineConfig.speculative_config (None: off)
+    kv_cache_dtype: str = "auto"  # EngineConfig.kv_cache_dtype: "auto", "fp8_e4m3", "fp8_e5m2"
+    kv_scales_path: str | None = None  # EngineConfig.kv_scales_path (fp8 only)
     max_batch_size: int = 256
     max_num_tokens: int = 8192
     kv_cache_tokens: int | None = None  # None: sized from gpu_memory_utilization
@@ -64,7 +66,8 @@ class ThroughputConfig:
                     kv_cache_tokens=self.kv_cache_tokens, gpu_memory_utilization=self.gpu_memory_utilization,
                     max_context=self.max_context or workload.longest, page_size=self.page_size, device=self.device,
                     dtype=dtype, overlap=self.overlap, enable_prefix_cache=self.prefix_cache,
-                    cascade_decode=self.cascade_decode, speculative_config=self.speculative_config)
+                    cascade_decode=self.cascade_decode, speculative_config=self.speculative_config,
+                    kv_cache_dtype=self.kv_cache_dtype, kv_scales_path=self.kv_scales_path)
 
 
 def run(cfg: ThroughputConfig) -> dict:
@@ -119,7 +122,8 @@ def _run_engine(model: object, workload: Workload, cfg: ThroughputConfig, dtype:
                   backend=llm.backend.name, graph_mode=llm.step_runner.graph_mode.value,
                   startup_s=time.perf_counter() - start,
                   kv_cache_tokens=llm.kv_cache.allocator.num_pages * llm.kv_cache.page_size,
-                  kv_mib=llm.kv_cache.pool.bytes / 2**20, rounds=[])
+                  kv_mib=llm.kv_cache.pool.bytes / 2**20,
+                  kv_cache_dtype=str(llm.kv_cache.pool.dtype).removeprefix("torch."), rounds=[])
     for _ in range(cfg.rounds):
         engine["rounds"].append(engine_round(llm, workload))
         logger.info("round %d: %s", len(engine["rounds"]), engine["rounds"][-1])
@@ -286,7 +290,8 @@ def to_markdown(result: dict) -> str:
         f"output tokens, temperature {w['temperature']}, EOS ignored",
         f"model: {model}, {cfg['device']}; engine: {engine['backend']}, {engine['graph_mode']}, max batch "
         f"{cfg['max_batch_size']}, max tokens per step {cfg['max_num_tokens']}, KV cache "
-        f"{engine['kv_cache_tokens']:,} tokens ({engine['kv_mib']:.0f} MiB), page size {cfg['page_size']}",
+        f"{engine['kv_cache_tokens']:,} tokens ({engine['kv_mib']:.0f} MiB, {engine.get('kv_cache_dtype', '?')}), "
+        f"page size {cfg['page_size']}",
         "",
         "| system | round | wall s | output tok/s | total tok/s | steps | decode: steps, ms each | "
         "extend: steps, ms each | mixed: steps, ms each | preemptions | prefix cache: hit rate, tokens saved |",

@@ -96,7 +96,8 @@ def throughput_config(args: argparse.Namespace, device: str, **fields: object) -
         gpu_memory_utilization=args.gpu_memory_utilization, page_size=args.page_size, max_context=args.max_context,
         overlap=not args.no_overlap, prefix_cache=not args.no_prefix_cache,
         cascade_decode=None if args.cascade_decode is None else args.cascade_decode == "on",
-        speculative_config=args.speculative_config, **fields,
+        speculative_config=args.speculative_config, kv_cache_dtype=args.kv_cache_dtype,
+        kv_scales_path=args.kv_scales_path, **fields,
     )
 
 

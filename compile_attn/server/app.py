@@ -43,6 +43,7 @@ def create_app(engine: AsyncLLM | EngineClient, model_name: str, options: Server
     options = ServerOptions() if options is None else options
     app = FastAPI(title="compile_attn")
     tokenizer, max_context = engine.tokenizer, engine.max_context
+    kv_cache_dtype = getattr(engine, "kv_cache_dtype", "auto")  # "auto" (the model's), "fp8_e4m3" or "fp8_e5m2"
     metrics = ServerMetrics(engine, model_name)
     app.state.metrics = metrics
     drain = app.state.drain = Drain()  # the open requests, for a graceful shutdown (GracefulServer)
@@ -61,7 +62,8 @@ def create_app(engine: AsyncLLM | EngineClient, model_name: str, options: Server
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                             "owned_by": "compile_attn", "max_model_len": max_context}]}
+                                             "owned_by": "compile_attn", "max_model_len": max_context,
+                                             "kv_cache_dtype": kv_cache_dtype}]}
 
     def parse_body(raw: bytes, chat: bool) -> Parsed:
         return parse(request_body.loads(raw), chat=chat, tokenizer=tokenizer, model_name=model_name,

@@ -121,7 +121,8 @@ class _ThreadFrontEnd(FrontEnd):
 
 
 def frontend_main(address: ChannelAddress, tokenizer: Any, max_context: int, model_name: str, host: str, port: int,
-                  log_level: str, shutdown_timeout: float, options: ServerOptions | None = None) -> None:
+                  log_level: str, shutdown_timeout: float, options: ServerOptions | None = None,
+                  kv_cache_dtype: str = "auto") -> None:
     """The front end process: the app on an EngineClient connected to ``address``, served by uvicorn until
     SIGTERM (then drained, see GracefulServer) or until the engine's process is gone; ``options`` is the app's (create_app)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the engine's process, which stops this one
@@ -132,7 +133,7 @@ def frontend_main(address: ChannelAddress, tokenizer: Any, max_context: int, mod
     from compile_attn.server.shutdown import GracefulServer
 
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.WARNING))
-    client = EngineClient(address, tokenizer=tokenizer, max_context=max_context)
+    client = EngineClient(address, tokenizer=tokenizer, max_context=max_context, kv_cache_dtype=kv_cache_dtype)
     app = create_app(client, model_name, options)
     server = GracefulServer(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                            timeout_graceful_shutdown=END_GRACE_S),
@@ -179,7 +180,7 @@ def serve_in_process(engine: AsyncLLM, model_name: str, *, host: str = "127.0.0.
     bridge = PipeBridge(engine)
     proc = ctx.Process(target=frontend_main, name="compile-attn-frontend", daemon=True,
                        args=(bridge.address, engine.tokenizer, engine.max_context, model_name, host, port, log_level,
-                             shutdown_timeout, options))
+                             shutdown_timeout, options, engine.kv_cache_dtype))
     try:
         proc.start()
     finally:

@@ -7,6 +7,12 @@ capturable: ``init_cuda_graph_state`` allocates a static page table and seq-len 
 varlen queries (``cu_seqlens_q``) over the same paged pool and run eagerly between captured pieces.
 Verification steps whose drafts form chains run as these causal extends; FA3 takes no custom mask, so draft trees
 are refused by name (``AttentionBackend.check_tree_verify``).
+
+An fp8_e4m3 pool is read through FA3's fp8 kernels, which take queries in fp8 too: the queries are quantised per
+(request, KV head) on decode steps (scale = amax / 448 over the row's query heads of that KV head: no clipping,
+batch-invariant) and per KV head over the step's tokens on extend steps, and the pool's per-KV-head scales go in as
+``k_descale`` / ``v_descale`` (``[batch, Hkv]`` views with batch stride 0, read at run time, so graphs captured
+earlier see calibrated values). FA3 has no e5m2 kernels: an fp8_e5m2 pool is refused by name.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from compile_attn.errors import BackendUnavailableError, UnsupportedConfigError
 from compile_attn.graph_mode import GraphMode
 from compile_attn.host_tensors import upload
 from compile_attn.kv.cache import KVCache
+from compile_attn.kv.fp8 import fp8_max
 from compile_attn.layer import AttentionLayer
 
 logger = logging.getLogger(__name__)
@@ -34,7 +41,7 @@ INSTALL_HINT = (
     "install the sglang-kernel release built for yours, e.g. sglang-kernel 0.4.3 for torch 2.11 + CUDA 13)"
 )
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
 # sgl-kernel builds its FA3 kernels for these compute capabilities only.
 SUPPORTED_CAPABILITIES = ((8, 0), (8, 6), (8, 9), (9, 0))
 
@@ -79,6 +86,22 @@ def check_fa3_capability(capability: tuple[int, int]) -> None:
             f"the fa3 backend has kernels for {supported} only, but this GPU is sm{capability[0]}{capability[1]}; "
             f"use backend='flashinfer' or 'triton' (or 'auto')"
         )
+
+
+def quantize_queries(q: torch.Tensor, num_kv_heads: int, dtype: torch.dtype,
+                     per_row: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q`` (``[..., Hq, D]``: ``[bs, 1, Hq, D]`` decode, ``[T, Hq, D]`` extend) in ``dtype`` (fp8) with its float32
+    descale: ``[bs, Hkv]`` (``per_row``: each row's own amax per KV head's query heads) or ``[1, Hkv]`` (amax over
+    all tokens). ``q_real = q_fp8 * descale``; an all-zero group gets descale 1."""
+    limit = fp8_max(dtype)
+    tokens = q.shape[0]
+    grouped = q.float().reshape(tokens, -1, num_kv_heads, q.shape[-2] // num_kv_heads, q.shape[-1])
+    amax = grouped.abs().amax(dim=(1, 3, 4))  # [tokens, Hkv]
+    if not per_row:
+        amax = amax.amax(dim=0, keepdim=True)
+    descale = torch.where(amax > 0, amax / limit, torch.ones_like(amax))
+    q8 = (grouped / descale[:, None, :, None, None] if per_row else grouped / descale[0][None, None, :, None, None])
+    return q8.clamp_(-limit, limit).to(dtype).reshape(q.shape), descale
 
 
 @dataclass
@@ -148,8 +171,9 @@ class FA3Backend(AttentionBackend):
             )
         if self.kv_cache.pool.dtype not in SUPPORTED_DTYPES:
             raise UnsupportedConfigError(
-                f"KV cache dtype {self.kv_cache.pool.dtype} is not supported by the fa3 backend; create the KVCache "
-                f"with dtype torch.bfloat16 or torch.float16"
+                f"KV cache dtype {self.kv_cache.pool.dtype} is not supported by the fa3 backend (its fp8 kernels are "
+                f"e4m3 only); create the KVCache with dtype torch.bfloat16, torch.float16 or torch.float8_e4m3fn "
+                f"(kv_cache_dtype='fp8_e4m3'), or use backend='flashinfer' or 'triton' for fp8_e5m2"
             )
 
     # ------------------------------------------------------------------ inspection (tests, debugging)
@@ -241,6 +265,13 @@ class FA3Backend(AttentionBackend):
             window = (layer.sliding_window - 1, 0 if layer.causal else -1)
         else:
             window = (-1, -1)
+        scales = self.kv_cache.pool.kv_scales(layer.layer_id)
+        descale: dict[str, torch.Tensor] = {}
+        if scales is not None:
+            batch = step.batch_size
+            q, q_descale = quantize_queries(q, scales[0].shape[0], k_pages.dtype, per_row=step.is_decode)
+            descale = dict(q_descale=q_descale.expand(batch, -1), k_descale=scales[0].expand(batch, -1),
+                           v_descale=scales[1].expand(batch, -1))
         return self._fa.flash_attn_with_kvcache(
             q.to(k_pages.dtype).contiguous(), k_pages, v_pages,
             cache_seqlens=step.cache_seqlens,
@@ -251,6 +282,7 @@ class FA3Backend(AttentionBackend):
             causal=layer.causal,
             window_size=window,
             softcap=layer.logit_cap,
+            **descale,
         )
 
     def _require_save(self, save_kv_cache: bool) -> None:

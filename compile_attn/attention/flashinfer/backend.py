@@ -11,6 +11,10 @@ An eager decode batch that carries shared-prefix groups (``fb.shared_prefix``, s
 FlashInfer's two-level cascade wrapper instead (``flashinfer/cascade.py``): each shared prefix is read once.
 Verification steps run as extends; draft trees (``fb.draft_parents``) run paged attention with a custom mask
 (ancestors, and the sliding window on rotary positions) on FlashInfer's fa2 prefill (``plan_tree_prefill``).
+Over an fp8 pool the kernels read the stored bytes (FlashInfer's fp8 KV paths, queries in bf16) and the pool's
+per-KV-head scales are folded around them (``attention/kv_scale_fold.py``: queries times the K scale, outputs
+times the V scale); the ragged path's new K/V are rounded through the pool's format, so every path sees what the
+pool holds.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from compile_attn.attention.flashinfer.paged_indices import PagedKV, build_paged
 from compile_attn.attention.flashinfer.plan_groups import group_layers, use_tensor_cores
 from compile_attn.attention.flashinfer.warmup import build_kernels, kernel_specs
 from compile_attn.attention.kernel_loader import load_triton_ops
+from compile_attn.attention.kv_scale_fold import apply_v_scale_, as_stored, fold_k_scale
 from compile_attn.attention.flashinfer.wrappers import (
     EagerWrappers,
     PlanDTypes,
@@ -304,10 +309,13 @@ class FlashInferBackend(AttentionBackend):
         step = self._require_step(decode=True)
         if step.cascade is not None:
             bs = step.batch_size
-            qd = self._check_q(q[:bs])
+            scales = self.kv_cache.pool.kv_scales(layer.layer_id)
+            qd = self._check_q(q[:bs]) if scales is None else fold_k_scale(self._check_q(q[:bs]), scales[0])
             k_buf, v_buf = self.kv_cache.pool.get_kv(layer.layer_id)
             cascade = step.cascade[self.layer_group[layer.layer_id]]
             run_into(out[:bs], lambda o: cascade.run(qd, k_buf, v_buf, o), self.dtypes.q)
+            if scales is not None:
+                apply_v_scale_(out[:bs], scales[1])
             if out.shape[0] > bs:
                 out[bs:].zero_()
             return
@@ -320,9 +328,12 @@ class FlashInferBackend(AttentionBackend):
             )
         bs = step.batch_size
         wrapper = step.decode[self.layer_group[layer.layer_id]]
-        qd = self._check_q(q[:bs])
+        scales = self.kv_cache.pool.kv_scales(layer.layer_id)
+        qd = self._check_q(q[:bs]) if scales is None else fold_k_scale(self._check_q(q[:bs]), scales[0])
         pages = self._pages[layer.layer_id]
         run_into(out[:bs], lambda o: wrapper.run(qd, pages, out=o), self.dtypes.q)
+        if scales is not None:
+            apply_v_scale_(out[:bs], scales[1])
         if out.shape[0] > bs:
             out[bs:].zero_()
 
@@ -347,19 +358,32 @@ class FlashInferBackend(AttentionBackend):
         if n:
             qn = self._check_q(q[:n])
             kn, vn = k[:n].to(qn.dtype), v[:n].to(qn.dtype)
+            scales = self.kv_cache.pool.kv_scales(layer.layer_id)
+            qp = qn  # the queries of the paths that read the pool: times the K scale over an fp8 pool
+            if scales is not None:
+                kv_dtype = self.kv_cache.pool.dtype
+                kn, vn = as_stored(kn, scales[0], kv_dtype), as_stored(vn, scales[1], kv_dtype)
+                if path != "ragged":
+                    qp = fold_k_scale(qn, scales[0])
+
+            def from_pool(o: torch.Tensor) -> None:  # an output over the fp8 pages, times the V scale
+                if scales is not None:
+                    apply_v_scale_(o, scales[1])
+
             ragged, paged, pages = self._eager.ragged[g], self._eager.paged[g], self._pages[layer.layer_id]
             if path == "ragged":
                 run_into(out[:n], lambda o: ragged.run(qn, kn, vn, out=o), qn.dtype)
             elif path == "paged":
-                run_into(out[:n], lambda o: paged.run(qn, pages, out=o), qn.dtype)
+                run_into(out[:n], lambda o: (paged.run(qp, pages, out=o), from_pool(o)), qn.dtype)
             elif path == "tree":
                 tree = self._eager.tree[g]
-                run_into(out[:n], lambda o: tree.run(qn, pages, out=o), qn.dtype)
+                run_into(out[:n], lambda o: (tree.run(qp, pages, out=o), from_pool(o)), qn.dtype)
             else:
 
                 def cascade(o: torch.Tensor) -> None:
                     _, lse_new = ragged.run(qn, kn, vn, out=o, return_lse=True)
-                    o_prefix, lse_prefix = paged.run(qn, pages, return_lse=True)
+                    o_prefix, lse_prefix = paged.run(qp, pages, return_lse=True)
+                    from_pool(o_prefix)  # the LSE needs no fold: the folded query gives the real scores
                     self._fi.merge_state_in_place(o, lse_new, o_prefix, lse_prefix)  # base-2 LSEs on both sides
 
                 run_into(out[:n], cascade, qn.dtype)

@@ -154,6 +154,11 @@ class AsyncLLM:
     def max_context(self) -> int:
         return self.llm.kv_cache.max_context
 
+    @property
+    def kv_cache_dtype(self) -> str:
+        """The engine's KV cache dtype: "auto" (the model's), "fp8_e4m3" or "fp8_e5m2"."""
+        return self.llm.config.kv_cache_dtype
+
     def gauges(self) -> dict[str, float]:
         """Requests running / waiting / pending, the KV cache's used fraction and capacity (tokens), and with
         speculative decoding the drafts verified and accepted since start; read without a lock from the loop's

@@ -185,8 +185,9 @@ class EngineClient:
     ``submit``'s)."""
 
     def __init__(self, address: ChannelAddress, *, tokenizer: Any, max_context: int,
-                 max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
+                 max_message_bytes: int = MAX_MESSAGE_BYTES, kv_cache_dtype: str = "auto") -> None:
         self.tokenizer, self.max_context, self.max_message_bytes = tokenizer, max_context, max_message_bytes
+        self.kv_cache_dtype = kv_cache_dtype  # the engine's, for /v1/models
         self._channel: Channel = address.connect()
         self._streams: dict[int, _ClientStream] = {}
         self._keys = itertools.count()
