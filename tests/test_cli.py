@@ -57,6 +57,20 @@ def test_generate_with_a_seed_samples_the_same_tokens_twice(capsys: pytest.Captu
     assert outs[0] == outs[1] and outs[0][0][1] == 6
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
+def test_generate_with_an_fp8_kv_cache(kv_cache_dtype: str, capsys: pytest.CaptureFixture[str],
+                                       caplog: pytest.LogCaptureFixture) -> None:
+    argv = ["generate", *FAST, "--max-new-tokens", "5", "--ignore-eos", "--kv-cache-dtype", kv_cache_dtype,
+            "--prompt", "compile_attn"]
+    with caplog.at_level("INFO", logger="compile_attn"):
+        assert cli.main(argv) == 0
+    (row,) = generated(capsys.readouterr().out)
+    assert row[1:3] == (5, "length")
+    want = "float8_e4m3fn" if kv_cache_dtype == "fp8" else "float8_e5m2"
+    assert f"({want})" in caplog.text or f", {want})" in caplog.text  # the "LLM ready" line names the KV dtype
+    assert "calibrated on the first prefill" in caplog.text
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -78,6 +92,9 @@ def test_generate_with_a_seed_samples_the_same_tokens_twice(capsys: pytest.Captu
         (["generate", "--prompt", ""], "--prompt must not be empty"),
         (["generate", "--seed", "-1"], "--seed must be in [0, 2**63)"),
         (["generate", "--max-context", "8"], "--max-new-tokens 32 leaves no room for a prompt in --max-context 8"),
+        (["generate", "--kv-cache-dtype", "int8"],
+         "--kv-cache-dtype must be auto, fp8_e4m3 (or fp8) or fp8_e5m2, got 'int8'"),
+        (["generate", "--kv-scales-path", "s.json"], "--kv-scales-path scales an fp8 KV cache: pass --kv-cache-dtype"),
         (["bench", "--inductor-config", '{"no_such_knob": 1}'], "unknown Inductor option(s) ['no_such_knob']"),
         (["bench", "--static-inductor-config", '{"triton.no_such_knob": true}'],
          "unknown Inductor option(s) ['triton.no_such_knob']"),
