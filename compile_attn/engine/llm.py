@@ -22,6 +22,7 @@ from compile_attn.engine.execution.in_flight import InFlightStep, has_placeholde
 from compile_attn.engine.execution.memory_profile import check_memory_after_capture, size_kv_cache
 from compile_attn.engine.execution.model_loading import LoadedModel, load_for_engine
 from compile_attn.engine.execution.sampling import sampler
+from compile_attn.engine.execution.speculative.draft_model import DraftEngineOptions, DraftModelProposer
 from compile_attn.engine.execution.speculative.speculator import Speculator, verify_graph_sizes
 from compile_attn.engine.execution.sampling.logprobs import unpack as unpack_logprobs
 from compile_attn.engine.execution.sampling.penalties import PenaltyState
@@ -70,8 +71,13 @@ class LLM:
         self.device, self.dtype = device, dtype = config.device, config.dtype
         layers = self.model.attention_layers()
         max_context = config.max_context or loaded.max_context or 4096
+        self.vocab_size = find_vocab_size(self.model)  # None: prompts' token ids are only checked to be >= 0
+        spec = config.speculative_config
+        draft = self._load_draft(spec, config, max_context) if spec is not None else None  # before sizing the KV
         sized = size_kv_cache(self.model, layers, config, max_context) if not config.kv_cache_tokens else None
         kv_cache_tokens = sized.kv_cache_tokens if sized else config.kv_cache_tokens
+        if sized and draft is not None:  # the draft's KV holds as many tokens: the two share what was sized
+            kv_cache_tokens = draft.share_of(kv_cache_tokens, layers, config.page_size, config.kv_dtype)
         self.kv_cache = KVCache.for_layers(layers, max_batch_size=config.max_batch_size, max_context=max_context,
                                            kv_cache_tokens=kv_cache_tokens, page_size=config.page_size,
                                            dtype=config.kv_dtype, device=device)
@@ -88,7 +94,6 @@ class LLM:
         self.prefix_groups = engine_prefix_finder(config.cascade_decode, self.kv_cache, self.backend.name,
                                                   self.backend.takes_shared_prefix_decode())
         # A verify step runs each request's tokens as rows of a decode graph: graphs of up to (1 + K) rows each.
-        spec = config.speculative_config
         rows = config.max_batch_size * (1 + (spec.num_speculative_tokens if spec is not None else 0))
         self.step_runner = StepRunner(self.model, self.backend, graph_mode=config.graph_mode, compile=config.compile,
                                       compile_options=verify_graph_sizes(config.compile_options, rows),
@@ -99,17 +104,20 @@ class LLM:
             "%d", device, dtype, self.backend.name, self.step_runner.graph_mode.value, kv_cache_tokens,
             self.kv_cache.pool.bytes / 2**20, str(config.kv_dtype).removeprefix("torch."), config.page_size,
         )
+        if draft is not None:
+            draft.build(kv_cache_tokens)
         if config.capture:
             self.step_runner.capture(shared_prefix=self.prefix_groups is not None)
+            if draft is not None:
+                draft.capture()
             if sized:
                 check_memory_after_capture(device, config.gpu_memory_utilization)
-        self.vocab_size = find_vocab_size(self.model)  # None: prompts' token ids are only checked to be >= 0
         self.writer = TokenWriter(loaded.eos_token_ids, self.vocab_size, max_context)  # finish checks
         if config.capture and device.type == "cuda" and self.vocab_size:  # the sampler's kernels, before traffic
             sampler.warmup(device, self.vocab_size, config.max_batch_size, dtype=dtype)
         if config.capture:  # the step's own kernels (the feed of in-flight tokens), before traffic
             step_kernels.warm_up(device, self.vocab_size)
-        self.speculator = Speculator(spec, max_context) if spec is not None else None
+        self.speculator = Speculator(spec, max_context, draft) if spec is not None else None
         self.overlap = config.overlap  # with speculation, steps that verify run serially (see _step)
         self.penalties: PenaltyState | None = None  # made when the first request with penalties arrives
         self._in_flight: deque[InFlightStep] = deque()  # launched steps whose tokens are not read yet (<= 1)
@@ -117,6 +125,17 @@ class LLM:
         self._next_id = 0
         self.num_steps = 0
         self.steps_by_mode: Counter[ForwardMode] = Counter()
+
+    def _load_draft(self, spec: Any, config: EngineConfig, max_context: int) -> DraftModelProposer | None:
+        """The draft model of a "draft_model" speculative config, loaded on the engine's device (its KV cache is
+        built once the target's size is known); None for other methods."""
+        if spec.method != "draft_model":
+            return None
+        options = DraftEngineOptions(
+            device=config.device, dtype=config.dtype, attn_backend=config.attn_backend, page_size=config.page_size,
+            graph_mode=config.graph_mode, compile=config.compile, compile_options=config.compile_options,
+            max_batch_size=config.max_batch_size, max_num_tokens=config.max_num_tokens, max_context=max_context)
+        return DraftModelProposer(spec.model, spec.num_speculative_tokens, options, self.vocab_size)
 
     @property
     def eos_token_ids(self) -> Any:
@@ -290,6 +309,8 @@ class LLM:
             keep = 0  # the next step's drafts follow this step's tokens: read them first (docs/speculative.md)
         while len(self._in_flight) > keep:
             done += self._resolve(self._in_flight[0])
+        if done and self.speculator is not None:
+            self.speculator.settle(self.scheduler.running)
         return done
 
     def _forget_finished_steps(self) -> None:

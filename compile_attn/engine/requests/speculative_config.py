@@ -2,7 +2,9 @@
 
 ``{"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": a, "prompt_lookup_max": b}`` proposes up to
 K tokens per decoding request by prompt lookup (the tokens that followed the latest earlier occurrence of the
-request's last ``a`` .. ``b`` tokens; no second model). ``"topk"`` (default 1: a chain) and ``"num_draft_tokens"``
+request's last ``a`` .. ``b`` tokens; no second model); ``{"method": "draft_model", "model": <HF directory, config or
+module>, "num_speculative_tokens": K}`` drafts K tokens with a smaller model of the target's tokenizer
+(engine/execution/speculative/draft_model.py). ``"topk"`` (default 1: a chain) and ``"num_draft_tokens"``
 describe trees. Checked here, once, before a model loads; a bad key or value is refused by name.
 """
 
@@ -16,7 +18,7 @@ from typing import Any
 
 from compile_attn.engine.requests.errors import EngineOptionError
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 # vLLM's defaults: with neither bound given, both are 5; with one given, the other takes its value.
 DEFAULT_PROMPT_LOOKUP = 5
 MAX_SPECULATIVE_TOKENS = 64
@@ -24,8 +26,10 @@ MAX_SPECULATIVE_TOKENS = 64
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """method: how drafts are proposed ("ngram"). num_speculative_tokens: draft tokens per request and step (K).
-    prompt_lookup_min / prompt_lookup_max: the n-gram lengths "ngram" matches, longest first.
+    """method: how drafts are proposed ("ngram", "draft_model"). num_speculative_tokens: draft tokens per request and
+    step (K). prompt_lookup_min / prompt_lookup_max: the n-gram lengths "ngram" matches, longest first.
+    model: the draft model of "draft_model" (an HF directory or hub-cache id, a transformers config, an HF model or
+    a protocol model).
     topk: drafts per tree node (1: a chain). num_draft_tokens: a tree's draft tokens at most (default: K)."""
 
     method: str
@@ -34,6 +38,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP
     topk: int = 1
     num_draft_tokens: int | None = None
+    model: Any = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -47,6 +52,13 @@ class SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise EngineOptionError(f"speculative_config: prompt_lookup_min={self.prompt_lookup_min} is larger than "
                                     f"prompt_lookup_max={self.prompt_lookup_max}")
+        if self.method == "draft_model" and self.model is None:
+            raise EngineOptionError("speculative_config: method 'draft_model' needs 'model' (the draft model's HF "
+                                    "directory, config or module), e.g. {'method': 'draft_model', 'model': "
+                                    "'/models/Llama-3.2-1B', 'num_speculative_tokens': 4}")
+        if self.method == "ngram" and self.model is not None:
+            raise EngineOptionError(f"speculative_config: method 'ngram' takes no 'model' (got {self.model!r:.60}); "
+                                    f"use method 'draft_model' to draft with a model")
         if self.num_draft_tokens is not None:
             _check_positive("num_draft_tokens", self.num_draft_tokens)
         if self.topk > 1:
@@ -82,8 +94,12 @@ class SpeculativeConfig:
         return cls(**options)
 
     def to_dict(self) -> dict[str, Any]:
-        """The options as vLLM's dict (what ``/v1/models`` and the benchmarks report)."""
-        return dataclasses.asdict(self)
+        """The options as vLLM's dict (what ``/v1/models`` and the benchmarks report); a draft model given as an
+        object is named by its type."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if out["model"] is not None and not isinstance(out["model"], str):
+            out["model"] = str(out["model"]) if hasattr(out["model"], "__fspath__") else type(out["model"]).__name__
+        return out
 
 
 def _check_positive(name: str, value: Any) -> None:

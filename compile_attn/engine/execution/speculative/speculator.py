@@ -23,6 +23,7 @@ from typing import Any
 
 from compile_attn.config import GraphConfig
 from compile_attn.engine.execution.speculative.acceptance import accept_chain
+from compile_attn.engine.execution.speculative.draft_model import DraftModelProposer
 from compile_attn.engine.execution.speculative.ngram import NgramProposer
 from compile_attn.engine.requests.request import Request, RequestStatus
 from compile_attn.engine.requests.scheduler import ScheduledStep
@@ -78,11 +79,12 @@ class SampleRows:
 
 
 class Speculator:
-    """Drafts and counts for one engine (``SpeculativeConfig``'s method; "ngram" today)."""
+    """Drafts and counts for one engine: prompt lookup ("ngram"), or ``draft``'s model ("draft_model")."""
 
-    def __init__(self, config: SpeculativeConfig, max_context: int) -> None:
+    def __init__(self, config: SpeculativeConfig, max_context: int, draft: DraftModelProposer | None = None) -> None:
         self.config = config
         self.max_context = max_context
+        self.draft = draft
         self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
                                       config.prompt_lookup_max)
         self.stats = SpeculativeStats()
@@ -110,15 +112,29 @@ class Speculator:
 
     def propose(self, running: list[Request]) -> None:
         """Set the drafts of every running request: proposals for those decoding, none for the others."""
-        found = False
+        drafting, rooms = [], []
         for r in running:
             if r.is_decoding and not r.unresolved and not r.params.has_penalties and (room := self.room(r)) > 0:
-                r.draft_ids = self.proposer.propose(r.token_ids, room)
-                found = found or bool(r.draft_ids)
+                drafting.append(r)
+                rooms.append(room)
             elif r.draft_ids:
                 r.draft_ids = []
+        if self.draft is not None:
+            self.draft.forget({r.request_id for r in running})
+            proposals = self.draft.propose(drafting, rooms) if drafting else []
+        else:
+            proposals = [self.proposer.propose(r.token_ids, room) for r, room in zip(drafting, rooms)]
+        found = False
+        for r, drafts in zip(drafting, proposals):
+            r.draft_ids = drafts
+            found = found or bool(drafts)
         if found:
             self._interval, self._overlapped = 1, 0
+
+    def settle(self, running: list[Request]) -> None:
+        """After a step's tokens are written: the draft model gives back the rows of requests no longer running."""
+        if self.draft is not None:
+            self.draft.forget({r.request_id for r in running})
 
     def sample_rows(self, step: ScheduledStep) -> SampleRows:
         """The step's sampling rows: every row of a request verifying drafts, the last row of a request whose step
