@@ -14,7 +14,7 @@ import torch
 
 from compile_attn.errors import InvalidConfigError
 
-# KV pool dtypes some backend reads: torch_native any of them, triton 16/32-bit floats, flashinfer fp16/bf16/fp8.
+# KV pool dtypes some backend reads: torch_native any of them, triton fp16/bf16/fp32/fp8, flashinfer fp16/bf16/fp8.
 KV_DTYPES: tuple[torch.dtype, ...] = (
     torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2,
 )

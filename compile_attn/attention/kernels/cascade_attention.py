@@ -10,6 +10,10 @@ level-1 partials of its rows into its online softmax and writes the final output
 levels are independent (level 2 writes its own partial, ``_merge_kernel`` combines them afterwards), so level 1
 (compute-bound) can run on a side stream next to level 2 (memory-bound). No host sync and no allocation when the
 caller passes the scratch: capturable in a CUDA graph at fixed sizes.
+
+Both levels read an fp8 cache (float32 ``k_scale``/``v_scale`` per KV head) as fp8, converted to the query's dtype
+in registers; ``k_scale`` joins ``sm_scale`` on the scores and each program multiplies its accumulated output by
+``v_scale`` once, before its partial is written or folded.
 """
 
 from __future__ import annotations
@@ -22,8 +26,10 @@ import triton.language as tl
 
 from compile_attn.attention.kernels._common import (
     check_device,
+    check_kv_scales,
     check_last_dim_contiguous,
     dot_precision,
+    fp8_kv_query,
     is_interpreted,
     mma,
     next_pow2,
@@ -40,9 +46,13 @@ MAX_PREFIX_SPLITS = 8
 
 @triton.jit
 def _prefix_tile(q, k, v, mask_n, m_i, l_i, acc, sm_scale, logit_cap,
-                 MASKED: tl.constexpr, HAS_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 MASKED: tl.constexpr, HAS_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr):
     """One online-softmax step (base 2) over a prefix KV tile; ``MASKED``: keys where ``mask_n`` is False are out.
-    A masked tile holds at least one key, so every row's running maximum stays finite."""
+    A masked tile holds at least one key, so every row's running maximum stays finite. ``KV_FP8``: the tiles are
+    fp8 (converted here, exactly; ``sm_scale`` then includes the KV head's ``k_scale``)."""
+    if KV_FP8:
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
     qk = mma(q, tl.trans(k), DOT_PRECISION)
     if HAS_CAP:
         qk = softcap(qk * sm_scale, logit_cap) * 1.4426950408889634
@@ -69,6 +79,8 @@ def _shared_prefix_kernel(
     Group_Reqs,
     Part_Out,
     Part_Lse,
+    K_Scale,
+    V_Scale,
     sm_scale,
     logit_cap,
     split_len,
@@ -94,6 +106,7 @@ def _shared_prefix_kernel(
     V_HEAD_DIM: tl.constexpr,
     HAS_CAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     # Programs next to each other in dimension 0 read the same KV tiles (same head, split and group): L2 hits.
     m_block = tl.program_id(0)
@@ -118,6 +131,9 @@ def _shared_prefix_kernel(
         mask_dv = offs_dv < V_HEAD_DIM
         q = tl.load(Q + req[:, None] * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
                     mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+        qk_scale = sm_scale
+        if KV_FP8:
+            qk_scale = sm_scale * tl.load(K_Scale + kv_head)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
@@ -136,16 +152,18 @@ def _shared_prefix_kernel(
                 v = tl.load(v_base + slots[:, None] * stride_vt)
             else:
                 v = tl.load(v_base + slots[:, None] * stride_vt, mask=mask_dv[None, :], other=0.0)
-            m_i, l_i, acc = _prefix_tile(q, k, v, offs_n < hi, m_i, l_i, acc, sm_scale, logit_cap,
-                                         False, HAS_CAP, DOT_PRECISION)
+            m_i, l_i, acc = _prefix_tile(q, k, v, offs_n < hi, m_i, l_i, acc, qk_scale, logit_cap,
+                                         False, HAS_CAP, DOT_PRECISION, KV_FP8)
         if full_hi < hi:  # the split's partial last tile
             offs_n = full_hi + tl.arange(0, BLOCK_N)
             mask_n = offs_n < hi
             slots = tl.load(index_base + offs_n, mask=mask_n, other=0).to(tl.int64)
             k = tl.load(k_base + slots[:, None] * stride_kt, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
             v = tl.load(v_base + slots[:, None] * stride_vt, mask=mask_n[:, None] & mask_dv[None, :], other=0.0)
-            m_i, l_i, acc = _prefix_tile(q, k, v, mask_n, m_i, l_i, acc, sm_scale, logit_cap,
-                                         True, HAS_CAP, DOT_PRECISION)
+            m_i, l_i, acc = _prefix_tile(q, k, v, mask_n, m_i, l_i, acc, qk_scale, logit_cap,
+                                         True, HAS_CAP, DOT_PRECISION, KV_FP8)
+        if KV_FP8:  # values summed as stored: once per program
+            acc = acc * tl.load(V_Scale + kv_head)
         part_ptrs = Part_Out + req[:, None] * stride_pb + head[:, None] * stride_ph + split * stride_ps + offs_dv[None, :]
         tl.store(part_ptrs, acc / l_i[:, None], mask=mask_m[:, None] & mask_dv[None, :])
         tl.store(Part_Lse + req * stride_lb + head * stride_lh + split * stride_ls, m_i + tl.log2(l_i), mask=mask_m)
@@ -165,6 +183,8 @@ def _own_merge_kernel(
     Part_Out,
     Part_Lse,
     Out,
+    K_Scale,
+    V_Scale,
     sm_scale,
     logit_cap,
     split_len,
@@ -195,6 +215,7 @@ def _own_merge_kernel(
     HAS_CAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     WRITE_PARTIAL: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1) // H_BLOCKS
@@ -210,6 +231,10 @@ def _own_merge_kernel(
     own_len = tl.load(Own_Indptr + b + 1) - own_lo
     q = tl.load(Q + b * stride_qb + offs_h[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+    qk_scale = sm_scale
+    if KV_FP8:
+        q = fp8_kv_query(q)  # the tiles convert to its dtype
+        qk_scale = sm_scale * tl.load(K_Scale + kv_head)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
@@ -219,11 +244,13 @@ def _own_merge_kernel(
         slots = tl.load(Own_Indices + own_lo + offs_n, mask=mask_n, other=0).to(tl.int64)
         k = tl.load(K_Buf + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
                     mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        if KV_FP8:
+            k = k.to(q.dtype)
         if USE_DOT:
             qk = mma(q, tl.trans(k), DOT_PRECISION)
         else:
             qk = tl.sum(q[:, None, :].to(tl.float32) * k[None, :, :].to(tl.float32), axis=2)
-        qk = qk * sm_scale
+        qk = qk * qk_scale
         if HAS_CAP:
             qk = softcap(qk, logit_cap)
         qk = tl.where(mask_n[None, :], qk * 1.4426950408889634, float("-inf"))
@@ -233,12 +260,16 @@ def _own_merge_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V_Buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_dv[None, :],
                     mask=mask_n[:, None] & mask_dv[None, :], other=0.0)
+        if KV_FP8:
+            v = v.to(q.dtype)
         if USE_DOT:
             pv = mma(p, v, DOT_PRECISION)
         else:
             pv = tl.sum(p[:, :, None] * v[None, :, :].to(tl.float32), axis=1)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
+    if KV_FP8:  # values summed as stored: once per program, before the partials (real units) are folded in
+        acc = acc * tl.load(V_Scale + kv_head)
 
     mask_out = mask_h[:, None] & mask_dv[None, :]
     if WRITE_PARTIAL:
@@ -380,6 +411,8 @@ def cascade_decode_fwd(
     prefix_config: dict | None = None,
     split_levels: bool = False,
     side_stream: torch.cuda.Stream | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Decode attention of ``q[B, Hq, D]`` into ``out[B, Hq, Dv]`` where groups of requests share a cached prefix.
 
@@ -394,6 +427,8 @@ def cascade_decode_fwd(
     two levels do not depend on each other; with ``side_stream`` (CUDA) level 1 runs there, concurrently with
     level 2 (compute-bound next to memory-bound), forked from and joined back into the current stream (CUDA-graph
     capturable).
+
+    An fp8 cache needs its float32 ``k_scale``/``v_scale`` ``[Hkv]`` (stored = real / scale).
     """
     check_device(_shared_prefix_kernel, q, k_buffer, v_buffer, out, index.prefix_indices, index.own_indices)
     bs, num_q_heads, head_dim = q.shape
@@ -411,9 +446,11 @@ def cascade_decode_fwd(
         raise ValueError("side_stream runs level 1 next to level 2, which needs split_levels=True")
     for name, t in (("q", q), ("k_buffer", k_buffer), ("v_buffer", v_buffer), ("out", out)):
         check_last_dim_contiguous(name, t)
+    fp8 = check_kv_scales(k_buffer, v_buffer, k_scale, v_scale)
     if bs == 0:
         return
     group = num_q_heads // num_kv_heads
+    scales = (k_scale, v_scale) if fp8 else (q, q)  # unread placeholders for an unquantised cache
     config = {**default_prefix_config(head_dim, v_head_dim), **(prefix_config or {})}
     splits, split_len = prefix_split_plan(index, num_kv_heads, group, config["BLOCK_M"], config["BLOCK_N"],
                                           num_prefix_splits, q.device)
@@ -428,7 +465,8 @@ def cascade_decode_fwd(
                          f"allocate them with cascade_scratch")
     check_last_dim_contiguous("part_out", part_out)
     block_d, block_dv = next_pow2(head_dim), next_pow2(v_head_dim)
-    common = dict(BLOCK_D=block_d, BLOCK_DV=block_dv, HEAD_DIM=head_dim, V_HEAD_DIM=v_head_dim, HAS_CAP=logit_cap > 0)
+    common = dict(BLOCK_D=block_d, BLOCK_DV=block_dv, HEAD_DIM=head_dim, V_HEAD_DIM=v_head_dim, HAS_CAP=logit_cap > 0,
+                  KV_FP8=fp8)
     ps, ls = part_out.stride(), part_lse.stride()
 
     def level1() -> None:
@@ -437,7 +475,7 @@ def cascade_decode_fwd(
                     index.num_groups)
             _LAUNCH_PREFIX(
                 grid, q, k_buffer, v_buffer, index.prefix_indptr, index.prefix_indices, index.group_indptr,
-                index.group_reqs, part_out, part_lse, float(sm_scale), float(logit_cap), split_len, splits,
+                index.group_reqs, part_out, part_lse, *scales, float(sm_scale), float(logit_cap), split_len, splits,
                 *q.stride()[:2], *k_buffer.stride()[:2], *v_buffer.stride()[:2], *ps[:3], *ls[:3],
                 GROUP=group, DOT_PRECISION=dot_precision(_shared_prefix_kernel, q.dtype), **common, **config,
             )
@@ -445,12 +483,13 @@ def cascade_decode_fwd(
     use_dot = group > 1
     block_h = min(64, max(16, next_pow2(group))) if use_dot else 1
     h_blocks = triton.cdiv(group, block_h)
-    own_config = _split_kernel_config(block_d, block_dv, use_dot, small_batch=False)
+    own_config = _split_kernel_config(block_d, block_dv, use_dot, small_batch=False, kv_fp8=fp8)
 
     def level2() -> None:
         _LAUNCH_OWN(
             (bs, num_kv_heads * h_blocks), q, k_buffer, v_buffer, index.own_indptr, index.own_indices,
-            index.req_prefix_lens, part_out, part_lse, out, float(sm_scale), float(logit_cap), split_len, splits,
+            index.req_prefix_lens, part_out, part_lse, out, *scales, float(sm_scale), float(logit_cap), split_len,
+            splits,
             *q.stride()[:2], *k_buffer.stride()[:2], *v_buffer.stride()[:2], *ps[:3], *ls[:3], *out.stride()[:2],
             GROUP=group, BLOCK_H=block_h, H_BLOCKS=h_blocks, USE_DOT=use_dot,
             DOT_PRECISION=dot_precision(_own_merge_kernel, q.dtype), WRITE_PARTIAL=split_levels, **common,

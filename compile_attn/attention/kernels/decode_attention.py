@@ -16,6 +16,11 @@ last one to arrive merges the partials in split order and sets the counter back 
 and the merge order does not depend on which program came last, so the result is deterministic. Without them
 stage 2 is its own launch.
 
+An fp8 cache (``k_scale``/``v_scale``: float32 per KV head, stored = real / scale) is read as fp8 and converted
+to the query's dtype in registers (exact: fp8 values are bf16/fp16 values); the scales cost nothing per element:
+``k_scale[head]`` joins ``sm_scale`` on the scores, and ``v_scale[head]`` multiplies each program's accumulated
+output once. The fused store quantises the new token (``quantize_fp8``), which is attended as stored.
+
 On NVIDIA GPUs of compute capability 9.0+ the one-launch kernel is a programmatic dependent launch (PDL; off
 with ``COMPILE_ATTN_PDL=0``): it waits for the kernel before it in its first instruction and lets the next one
 start once its KV loop is done, so the launch gaps on both sides of each decode layer overlap the neighbouring
@@ -36,13 +41,18 @@ import triton
 import triton.language as tl
 
 from compile_attn.attention.kernels._common import (
+    FP8_KV_DTYPES,
     check_device,
+    check_kv_scales,
     check_last_dim_contiguous,
     dot_precision,
+    fp8_kv_query,
     is_interpreted,
+    kv_fp8_constexprs,
     mma,
     next_pow2,
     pdl_supported,
+    quantize_fp8,
     softcap,
 )
 from compile_attn.attention.kernels.launch import BoundLaunch, CachedLaunch
@@ -80,6 +90,8 @@ def _decode_split_kernel(
     New_Loc,
     Out,
     Semaphores,
+    K_Scale,
+    V_Scale,
     sm_scale,
     logit_cap,
     stride_qb,
@@ -118,6 +130,9 @@ def _decode_split_kernel(
     STORE_NEW: tl.constexpr,
     FUSE_MERGE: tl.constexpr,
     USE_PDL: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    FP8_EMULATE: tl.constexpr,
 ):
     if USE_PDL:
         # A programmatic dependent launch starts while the kernel before it finishes: wait for that kernel (and,
@@ -150,6 +165,11 @@ def _decode_split_kernel(
         mask=mask_h[:, None] & mask_d[None, :],
         other=0.0,
     )
+    qk_scale = sm_scale
+    if KV_FP8:  # scores of stored keys times k_scale are the real keys' scores
+        k_scale = tl.load(K_Scale + kv_head)
+        q = fp8_kv_query(q)  # the tiles convert to its dtype
+        qk_scale = sm_scale * k_scale
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
@@ -163,11 +183,13 @@ def _decode_split_kernel(
             mask=mask_n[:, None] & mask_d[None, :],
             other=0.0,
         )
+        if KV_FP8:
+            k = k.to(q.dtype)  # exact (fp16 or fp32): the dot then runs as over an unquantised cache
         if USE_DOT:
             qk = mma(q, tl.trans(k), DOT_PRECISION)
         else:
             qk = tl.sum(q[:, None, :].to(tl.float32) * k[None, :, :].to(tl.float32), axis=2)
-        qk = qk * sm_scale
+        qk = qk * qk_scale
         if HAS_CAP:
             qk = softcap(qk, logit_cap)
         qk = tl.where(mask_n[None, :], qk * 1.4426950408889634, float("-inf"))
@@ -181,6 +203,8 @@ def _decode_split_kernel(
             mask=mask_n[:, None] & mask_dv[None, :],
             other=0.0,
         )
+        if KV_FP8:
+            v = v.to(q.dtype)
         if USE_DOT:
             pv = mma(p, v, DOT_PRECISION)
         else:
@@ -193,12 +217,15 @@ def _decode_split_kernel(
 
     if FUSE_NEW:
         if has_new:
-            # Rounded to the cache dtype first: the token is attended as it will be stored.
+            # Rounded to the cache dtype first (quantised for an fp8 cache): the token is attended as it will be stored.
             k_new = tl.load(K_New + b * stride_knb + kv_head * stride_knh + offs_d, mask=mask_d, other=0.0)
-            k_new = k_new.to(K_Buf.dtype.element_ty)
             v_new = tl.load(V_New + b * stride_vnb + kv_head * stride_vnh + offs_dv, mask=mask_dv, other=0.0)
+            if KV_FP8:
+                k_new = quantize_fp8(k_new, k_scale, FP8_MAX, FP8_EMULATE)
+                v_new = quantize_fp8(v_new, tl.load(V_Scale + kv_head), FP8_MAX, FP8_EMULATE)
+            k_new = k_new.to(K_Buf.dtype.element_ty)
             v_new = v_new.to(V_Buf.dtype.element_ty)
-            qk_new = tl.sum(q.to(tl.float32) * k_new[None, :].to(tl.float32), 1) * sm_scale
+            qk_new = tl.sum(q.to(tl.float32) * k_new[None, :].to(tl.float32), 1) * qk_scale
             if HAS_CAP:
                 qk_new = softcap(qk_new, logit_cap)
             qk_new = qk_new * 1.4426950408889634
@@ -214,6 +241,8 @@ def _decode_split_kernel(
                     tl.store(K_Buf + slot * stride_kt + kv_head * stride_kh + offs_d, k_new, mask=mask_d)
                     tl.store(V_Buf + slot * stride_vt + kv_head * stride_vh + offs_dv, v_new, mask=mask_dv)
 
+    if KV_FP8:  # the values were summed as stored: once per program, not per element
+        acc = acc * tl.load(V_Scale + kv_head)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     part_ptrs = Part_Out + b * stride_pb + offs_h[:, None] * stride_ph + split * stride_ps + offs_dv[None, :]
     lse_ptrs = Part_Lse + b * stride_lb + offs_h * stride_lh + split * stride_ls
@@ -329,10 +358,11 @@ def _decode_merge_kernel(
 _LAUNCH_MERGE = CachedLaunch(_decode_merge_kernel)
 
 
-def _split_kernel_config(block_d: int, block_dv: int, use_dot: bool, small_batch: bool = False) -> dict:
-    """Tile sizes for stage 1, from the head dims and grouping and, unless the caller asks for batch-invariant
-    tiles (deterministic mode: a request's result must not change with batch composition), whether the batch
-    has at most ``SMALL_BATCH`` requests.
+def _split_kernel_config(block_d: int, block_dv: int, use_dot: bool, small_batch: bool = False,
+                         kv_fp8: bool = False) -> dict:
+    """Tile sizes for stage 1, from the head dims and grouping, the cache's element size and, unless the caller
+    asks for batch-invariant tiles (deterministic mode: a request's result must not change with batch
+    composition), whether the batch has at most ``SMALL_BATCH`` requests.
 
     The values are the winners of ``benchmarks/sweep_triton_decode.py`` per head dim, warps and stages, and of
     its ``--tiles-only`` sweep per batch size (numbers in benchmarks/RESULTS.md and docs/performance.md).
@@ -340,6 +370,8 @@ def _split_kernel_config(block_d: int, block_dv: int, use_dot: bool, small_batch
     if is_interpreted(_decode_split_kernel):
         return {"BLOCK_N": 32}  # the interpreter's per-op cost favours few, large tiles
     widest = max(block_d, block_dv)
+    if kv_fp8:
+        return _fp8_split_kernel_config(widest, use_dot, small_batch)
     if not use_dot:
         return {"BLOCK_N": 32 if widest <= 128 else 16, "num_warps": 4, "num_stages": 3}
     if widest <= 64:
@@ -347,10 +379,23 @@ def _split_kernel_config(block_d: int, block_dv: int, use_dot: bool, small_batch
     return {"BLOCK_N": 64 if widest == 128 else 32, "num_warps": 4, "num_stages": 3}
 
 
+def _fp8_split_kernel_config(widest: int, use_dot: bool, small_batch: bool) -> dict:
+    """Stage-1 tiles over an fp8 cache: twice the bf16 tile's keys where that stays within ``SPLIT_ALIGN``, so that a
+    tile loads as many bytes as bf16's (the bytes in flight per program, which hide the memory latency, stay the
+    same while each key costs half); where the keys cannot double (small batches, head dim 128), one more pipeline
+    stage instead. Chosen by reasoning, not measured: ``sweep_triton_decode.py --kv-dtype fp8_e4m3`` confirms or
+    replaces them."""
+    if not use_dot:
+        return {"BLOCK_N": 64 if widest <= 128 else 32, "num_warps": 4, "num_stages": 3}
+    if widest <= 64:
+        return {"BLOCK_N": 64, "num_warps": 2, "num_stages": 3 if small_batch else 2}
+    return {"BLOCK_N": 64, "num_warps": 4, "num_stages": 4}
+
+
 @functools.lru_cache(maxsize=256)
 def _launch_meta(
     num_q_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: int, dtype: torch.dtype, max_kv_splits: int,
-    has_cap: bool, pdl: bool, small_batch: bool = False,
+    has_cap: bool, pdl: bool, small_batch: bool = False, kv_dtype: torch.dtype | None = None,
 ) -> tuple[int, dict, dict]:
     """(head blocks per KV head, stage-1 constexprs and options, stage-2 ones): a function of the shapes only,
     computed once per shape (decode runs once per layer per step)."""
@@ -363,7 +408,8 @@ def _launch_meta(
         GROUP=group, BLOCK_H=block_h, H_BLOCKS=h_blocks, BLOCK_D=block_d, BLOCK_DV=block_dv, HEAD_DIM=head_dim,
         V_HEAD_DIM=v_head_dim, SPLIT_ALIGN=SPLIT_ALIGN, USE_DOT=use_dot, HAS_CAP=has_cap,
         DOT_PRECISION=dot_precision(_decode_split_kernel, dtype),
-        **_split_kernel_config(block_d, block_dv, use_dot, small_batch),
+        **kv_fp8_constexprs(_decode_split_kernel, kv_dtype or dtype),
+        **_split_kernel_config(block_d, block_dv, use_dot, small_batch, kv_dtype in FP8_KV_DTYPES),
     )
     if pdl:
         split["launch_pdl"] = True
@@ -475,6 +521,8 @@ def decode_attention_fwd(
     new_loc: torch.Tensor | None = None,
     semaphores: torch.Tensor | None = None,
     batch_invariant: bool = False,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Decode attention of ``q[B, Hq, D]`` over the cache into ``out[B, Hq, Dv]``.
 
@@ -496,11 +544,15 @@ def decode_attention_fwd(
     Batches of up to ``SMALL_BATCH`` requests run with larger KV tiles than bigger ones (faster there), so a
     request's output bits can change with the batch size; ``batch_invariant=True`` keeps one tile size for every
     batch (with ``compute_num_kv_splits(deterministic=True)``: bitwise the same output in any batch).
+
+    An fp8 cache (``float8_e4m3fn``/``float8_e5m2``) needs its float32 ``k_scale``/``v_scale`` ``[Hkv]`` (stored =
+    real / scale), read on the device at launch time (graph replays see their current values); the fused store
+    quantises the new token as ``store_kv`` does, and the request attends to it as stored.
     """
     for launch, grid, args, kwargs in _decode_launches(
         q, k_buffer, v_buffer, out, kv_indptr, kv_indices, num_kv_splits, max_kv_splits, attn_logits, attn_lse,
         sm_scale, logit_cap, k_new=k_new, v_new=v_new, new_loc=new_loc, semaphores=semaphores,
-        batch_invariant=batch_invariant,
+        batch_invariant=batch_invariant, k_scale=k_scale, v_scale=v_scale,
     ):
         launch(grid, *args, **kwargs)
 
@@ -550,6 +602,8 @@ def _decode_launches(
     new_loc: torch.Tensor | None = None,
     semaphores: torch.Tensor | None = None,
     batch_invariant: bool = False,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> list[tuple[CachedLaunch, tuple, tuple, dict]]:
     """The checked launches (launcher, grid, positional and keyword arguments) of one decode_attention_fwd."""
     check_device(_decode_split_kernel, q, k_buffer, v_buffer, out, kv_indptr, kv_indices)
@@ -589,6 +643,7 @@ def _decode_launches(
         new_strides = (*k_new.stride()[:2], *v_new.stride()[:2])
     if semaphores is not None:
         _check_semaphores(semaphores, bs, num_q_heads, q.device)
+    fp8 = check_kv_scales(k_buffer, v_buffer, k_scale, v_scale)
     if bs == 0:
         return []
 
@@ -597,7 +652,7 @@ def _decode_launches(
     pdl = fuse_merge and _use_pdl(q)
     h_blocks, split_meta, merge_meta = _launch_meta(num_q_heads, num_kv_heads, head_dim, v_head_dim, q.dtype,
                                                     max_kv_splits, logit_cap > 0, pdl,
-                                                    not batch_invariant and bs <= SMALL_BATCH)
+                                                    not batch_invariant and bs <= SMALL_BATCH, k_buffer.dtype)
     split_args = (
         q,
         k_buffer,
@@ -612,6 +667,8 @@ def _decode_launches(
         new_loc if new_loc is not None else kv_indptr,
         out,
         semaphores if fuse_merge else kv_indptr,  # unread placeholder when FUSE_MERGE is off
+        k_scale if fp8 else kv_indptr,  # unread placeholders for an unquantised cache
+        v_scale if fp8 else kv_indptr,
         float(sm_scale),
         float(logit_cap),
         *qs[:2],

@@ -8,6 +8,10 @@ custom mask (tree verification) that replaces the causal rule. A draft tree's ma
 (every cached key is visible), and the new tokens' own positions (a tree's ``prefix + depth``) may be given for
 the sliding window.
 The grid depends on the host-known ``max_len_extend``: extend runs outside CUDA graphs.
+
+An fp8 cache (float32 ``k_scale``/``v_scale`` per KV head) is read as fp8 and converted to the query's dtype in
+registers; ``k_scale`` joins ``sm_scale`` on the prefix's scores and the accumulated output is multiplied by
+``v_scale`` once, where the prefix ends. The new tokens are attended from ``k``/``v`` as given (unquantised).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import triton.language as tl
 
 from compile_attn.attention.kernels._common import (
     check_device,
+    check_kv_scales,
     check_last_dim_contiguous,
     dot_precision,
     is_interpreted,
@@ -91,6 +96,8 @@ def _extend_kernel(
     Mask,
     Mask_Indptr,
     Positions,
+    K_Scale,
+    V_Scale,
     sm_scale,
     logit_cap,
     sliding_window,
@@ -120,6 +127,7 @@ def _extend_kernel(
     HEAD_DIM: tl.constexpr,
     V_HEAD_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M % BLOCK_N == 0, "causal tiles below the diagonal must end where a query block starts")
     head = tl.program_id(0)
@@ -174,6 +182,9 @@ def _extend_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
 
     # Cached prefix: every prefix position precedes every new token, so only window / custom mask apply.
+    prefix_qk_scale = sm_scale
+    if KV_FP8:  # scores of stored keys times k_scale are the real keys' scores
+        prefix_qk_scale = sm_scale * tl.load(K_Scale + kv_head)
     pre_lo = 0
     if HAS_WINDOW:
         if HAS_POS:  # the block's earliest position opens the earliest window
@@ -205,6 +216,9 @@ def _extend_kernel(
                            mask_n, mask_d, phase == 1, PAD_D)
             v = _load_tile(V_Buf + slots[:, None] * stride_vbt + kv_head * stride_vbh + offs_dv[None, :],
                            mask_n, mask_dv, phase == 1, PAD_DV)
+            if KV_FP8:  # exact; the dots then run as over an unquantised cache
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
             allowed = mask_m[:, None] & mask_n[None, :]
             if HAS_WINDOW:
                 allowed &= offs_n[None, :] > q_pos[:, None] - sliding_window
@@ -212,8 +226,10 @@ def _extend_kernel(
                 custom = tl.load(mask_row[:, None] + offs_n[None, :], mask=allowed, other=0)
                 allowed &= custom != 0
             m_i, l_i, acc = _attend_tile(
-                q, k, v, allowed, m_i, l_i, acc, sm_scale, logit_cap, phase == 1, HAS_CAP, DOT_PRECISION
+                q, k, v, allowed, m_i, l_i, acc, prefix_qk_scale, logit_cap, phase == 1, HAS_CAP, DOT_PRECISION
             )
+    if KV_FP8:  # the prefix's values were summed as stored; the new tokens' come in real units
+        acc = acc * tl.load(V_Scale + kv_head)
 
     # New tokens, read from k/v directly.
     ext_start = 0
@@ -309,6 +325,8 @@ def extend_attention_fwd(
     mask_indptr: torch.Tensor | None = None,
     mask_new_keys_only: bool = False,
     positions: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Attention of new tokens ``q[T, Hq, D]`` over their request's cached prefix and themselves.
 
@@ -322,6 +340,8 @@ def extend_attention_fwd(
     extend_len]`` per request (new keys only; every cached key is visible); ``mask_indptr`` is then required.
     ``positions`` (``[T]`` ints): the new tokens' positions for the sliding window (a draft tree's ``prefix +
     depth``) instead of ``prefix_len + i``; a cached key's position is its index.
+    An fp8 cache needs its float32 ``k_scale``/``v_scale`` ``[Hkv]`` (stored = real / scale); the new tokens are
+    attended from ``k``/``v`` as given.
     """
     check_device(_extend_kernel, q, k, v, out, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, custom_mask,
                  mask_indptr, positions)
@@ -348,6 +368,7 @@ def extend_attention_fwd(
         ("v_buffer", v_buffer),
     ):
         check_last_dim_contiguous(name, t)
+    fp8 = check_kv_scales(k_buffer, v_buffer, k_scale, v_scale)
     bs = qo_indptr.shape[0] - 1
     if bs <= 0 or num_tokens == 0 or max_len_extend <= 0:
         return
@@ -380,6 +401,8 @@ def extend_attention_fwd(
         custom_mask if has_mask else qo_indptr,
         mask_indptr if has_mask else qo_indptr,
         positions if has_pos else qo_indptr,
+        k_scale if fp8 else qo_indptr,  # unread placeholders for an unquantised cache
+        v_scale if fp8 else qo_indptr,
         float(sm_scale),
         float(logit_cap),
         int(sliding_window),
@@ -407,5 +430,6 @@ def extend_attention_fwd(
         HEAD_DIM=head_dim,
         V_HEAD_DIM=v_head_dim,
         DOT_PRECISION=dot_precision(_extend_kernel, q.dtype),
+        KV_FP8=fp8,
         **cfg,
     )

@@ -1,5 +1,6 @@
 """KV-cache index kernels: build the token CSR (``kv_indptr``/``kv_indices``) and the page ids of a
-page-level CSR from ``req_to_token`` on the device, and write new K/V into the cache at their slots.
+page-level CSR from ``req_to_token`` on the device, and write new K/V into the cache at their slots (an fp8 cache
+stores them divided by its per-head scales, saturated: ``_common.quantize_fp8``).
 
 Each only reads device tensors and writes into caller-owned buffers: no host sync, no allocation, so
 they can be recorded in a CUDA graph when the buffers are static.
@@ -13,7 +14,13 @@ import torch
 import triton
 import triton.language as tl
 
-from compile_attn.attention.kernels._common import check_device, next_pow2
+from compile_attn.attention.kernels._common import (
+    check_device,
+    check_kv_scales,
+    kv_fp8_constexprs,
+    next_pow2,
+    quantize_fp8,
+)
 from compile_attn.attention.kernels.launch import CachedLaunch
 
 
@@ -168,6 +175,8 @@ def _store_kv_kernel(
     Loc,
     K,
     V,
+    K_Scale,
+    V_Scale,
     stride_kbt,
     stride_kbh,
     stride_vbt,
@@ -182,6 +191,9 @@ def _store_kv_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    FP8_EMULATE: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -191,6 +203,8 @@ def _store_kv_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     mask = mask_h[:, None] & (offs_d[None, :] < HEAD_DIM)
     k = tl.load(K + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
+    if KV_FP8:
+        k = quantize_fp8(k, tl.load(K_Scale + offs_h, mask=mask_h, other=1.0)[:, None], FP8_MAX, FP8_EMULATE)
     tl.store(
         K_Buf + slot * stride_kbt + offs_h[:, None] * stride_kbh + offs_d[None, :],
         k.to(K_Buf.dtype.element_ty),
@@ -200,6 +214,8 @@ def _store_kv_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     mask_v = mask_h[:, None] & (offs_dv[None, :] < V_HEAD_DIM)
     v = tl.load(V + t * stride_vt + offs_h[:, None] * stride_vh + offs_dv[None, :], mask=mask_v)
+    if KV_FP8:
+        v = quantize_fp8(v, tl.load(V_Scale + offs_h, mask=mask_h, other=1.0)[:, None], FP8_MAX, FP8_EMULATE)
     tl.store(
         V_Buf + slot * stride_vbt + offs_h[:, None] * stride_vbh + offs_dv[None, :],
         v.to(V_Buf.dtype.element_ty),
@@ -223,8 +239,15 @@ def store_kv(
     loc: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """``k_buffer[loc] = k; v_buffer[loc] = v`` in one launch (casting to the cache dtype).
+
+    An fp8 cache (``float8_e4m3fn``/``float8_e5m2``) needs its float32 ``k_scale``/``v_scale`` ``[num_kv_heads]``:
+    it stores ``k / k_scale[head]`` saturated to the format's largest finite value, as ``kv/fp8.py``'s
+    ``quantize`` does (the same bits: both round to nearest even). The scales are read on the device, so a
+    captured launch stores with their values at replay.
 
     ``k``/``v`` may be strided views (e.g. slices of a fused QKV projection) as long as the last
     dimension is contiguous. Duplicate slots (padding tokens all writing scratch slot 0) are allowed;
@@ -238,6 +261,7 @@ def store_kv(
     for name, t in (("k", k), ("v", v), ("k_buffer", k_buffer), ("v_buffer", v_buffer)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension")
+    fp8 = check_kv_scales(k_buffer, v_buffer, k_scale, v_scale)
     block_h, block_d, block_dv = _store_blocks(num_kv_heads, head_dim, v_head_dim)
     grid = (num_tokens, triton.cdiv(num_kv_heads, block_h))
     _LAUNCH_STORE_KV(
@@ -247,6 +271,8 @@ def store_kv(
         loc,
         k,
         v,
+        k_scale if fp8 else loc,  # unread placeholders for an unquantised cache
+        v_scale if fp8 else loc,
         k_buffer.stride(0),
         k_buffer.stride(1),
         v_buffer.stride(0),
@@ -261,5 +287,11 @@ def store_kv(
         BLOCK_H=block_h,
         BLOCK_D=block_d,
         BLOCK_DV=block_dv,
+        **_store_fp8_constexprs(k_buffer.dtype),
         num_warps=4,
     )
+
+
+@functools.lru_cache(maxsize=8)
+def _store_fp8_constexprs(kv_dtype: torch.dtype) -> dict:
+    return kv_fp8_constexprs(_store_kv_kernel, kv_dtype)

@@ -17,6 +17,11 @@ runner routes to its piecewise graphs because it carries groups: see ``triton/ca
 Verification steps run as extends. Draft trees (``fb.draft_parents``) add, prepared on the host in out_graph and
 uploaded with the extend offsets, each request's ancestor mask over its new keys and the new tokens' positions
 (``prefix + depth``, so a sliding window counts along the token's path, as a chain of that path would).
+
+An fp8 KV pool (``float8_e4m3fn``/``float8_e5m2``) is read and written by the same kernels: every launch that
+touches a layer's cache passes the pool's per-head scales for that layer (``PagedKVPool.kv_scales``), device
+tensors the kernels read when they run, so captured graphs use the scales' current values. The stores quantise;
+decode attends to its new token as stored, extend to its new tokens as given (docs/triton_backend.md).
 """
 
 from __future__ import annotations
@@ -63,6 +68,12 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _kv_scales(kv_cache: KVCache, layer_id: int) -> dict[str, torch.Tensor]:
+    """The kernels' ``k_scale``/``v_scale`` keywords for a layer: the fp8 pool's scales, none for another pool."""
+    scales = kv_cache.pool.kv_scales(layer_id)
+    return {} if scales is None else {"k_scale": scales[0], "v_scale": scales[1]}
+
+
 def _run_into(out: torch.Tensor, fn: Callable[[torch.Tensor], None]) -> None:
     """Run a kernel that needs a last-dim-contiguous output; copy into ``out`` if it is not one."""
     if out.stride(-1) == 1:
@@ -103,6 +114,7 @@ class TritonBackend(AttentionBackend):
         ``shared_prefix`` groups read each shared prefix once (``triton/cascade.py``)."""
         self._ops = load_triton_ops()
         self._check_device(kv_cache.device)
+        self._check_fp8_device(kv_cache)
         super().__init__(kv_cache, layers)
         self.max_kv_splits = int(self._ops.DEFAULT_MAX_KV_SPLITS if max_kv_splits is None else max_kv_splits)
         self.split_size = int(self._ops.DEFAULT_SPLIT_SIZE if split_size is None else split_size)
@@ -148,6 +160,19 @@ class TritonBackend(AttentionBackend):
                 f"TRITON_INTERPRET=1 before compile_attn.attention.kernels is first imported)"
             )
         self._interpreted = interpreted
+
+    def _check_fp8_device(self, kv_cache: KVCache) -> None:
+        """An e4m3 cache needs the fp8 conversions of NVIDIA compute capability 8.9+ (Ada, Hopper and later)."""
+        dtype, device = kv_cache.pool.dtype, kv_cache.device
+        if dtype != torch.float8_e4m3fn or device.type != "cuda" or torch.version.hip is not None:
+            return
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 9):
+            raise UnsupportedConfigError(
+                f"the triton backend reads a float8_e4m3fn KV cache on compute capability 8.9+ only, and "
+                f"{torch.cuda.get_device_name(device)} is {major}.{minor}; use kv_cache_dtype fp8_e5m2, or an "
+                f"unquantised cache"
+            )
 
     def store_decode_kv_first(self) -> bool:
         """Decode stores the step's K/V in one launch before the attention kernel (one more launch per layer) instead
@@ -315,9 +340,10 @@ class TritonBackend(AttentionBackend):
         step = self._require_step(decode=True, fb=fb)
         assert isinstance(step, DecodeStep)
         loc = fb.out_cache_loc if save_kv_cache else None
+        scales = _kv_scales(self.kv_cache, layer.layer_id)
         if self.decode_stores_kv_first and loc is not None:  # every row's K/V in place before any row attends
             k_buf, v_buf = self.kv_cache.pool.get_kv(layer.layer_id)
-            self._ops.store_kv(k_buf, v_buf, loc, _last_dim_contiguous(k), _last_dim_contiguous(v))
+            self._ops.store_kv(k_buf, v_buf, loc, _last_dim_contiguous(k), _last_dim_contiguous(v), **scales)
             loc = None  # the kernel still takes each row's own token from k/v
         bind = step.graph_bound
         if bind:
@@ -350,7 +376,7 @@ class TritonBackend(AttentionBackend):
             return launch(q, k_buf, v_buf, o, idx.kv_indptr, idx.kv_indices, idx.num_kv_splits, self.max_kv_splits,
                           scratch.attn_logits, scratch.attn_lse, layer.scaling, layer.logit_cap, k_new=k, v_new=v,
                           new_loc=loc, semaphores=scratch.semaphores if self.one_launch_decode else None,
-                          batch_invariant=self.deterministic)
+                          batch_invariant=self.deterministic, **scales)
 
         if bind and not padded and out.stride(-1) == 1 and not (
             self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
@@ -367,9 +393,10 @@ class TritonBackend(AttentionBackend):
         step = self._require_step(decode=False, fb=fb)
         assert isinstance(step, ExtendStep)
         k_buf, v_buf = self.kv_cache.pool.get_kv(layer.layer_id)
+        scales = _kv_scales(self.kv_cache, layer.layer_id)
         k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
         if save_kv_cache:  # padding tokens of a bucket write the scratch slot (out_cache_loc PAD_SLOT)
-            self._ops.store_kv(k_buf, v_buf, fb.out_cache_loc, k, v)
+            self._ops.store_kv(k_buf, v_buf, fb.out_cache_loc, k, v, **scales)
         n = step.num_tokens
         if n:
             qn = _last_dim_contiguous(q[:n])
@@ -377,7 +404,7 @@ class TritonBackend(AttentionBackend):
                 qn, k[:n], v[:n], o, k_buf, v_buf, step.qo_indptr, step.kv_indptr, step.kv_indices,
                 step.max_len_extend, layer.scaling, is_causal=layer.causal,
                 sliding_window=layer.sliding_window or -1, logit_cap=layer.logit_cap,
-                **({} if step.tree is None else step.tree.kernel_args()),
+                **({} if step.tree is None else step.tree.kernel_args()), **scales,
             ))
         if out.shape[0] > n:
             out[n:].zero_()  # padding tokens of a graph bucket

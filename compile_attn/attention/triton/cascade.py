@@ -58,12 +58,14 @@ class CascadePlanner:
                 fb: ForwardBatch, out: torch.Tensor, save_kv_cache: bool) -> None:
         """Store the step's new K/V (``save_kv_cache``), then shared-prefix decode attention into ``out``."""
         k_buf, v_buf = self.kv_cache.pool.get_kv(layer.layer_id)
+        scales = self.kv_cache.pool.kv_scales(layer.layer_id)  # an fp8 pool's (k_scale, v_scale), else None
+        kw = {} if scales is None else {"k_scale": scales[0], "v_scale": scales[1]}
         if save_kv_cache:
-            self.ops.store_kv(k_buf, v_buf, fb.out_cache_loc, k.contiguous(), v.contiguous())
+            self.ops.store_kv(k_buf, v_buf, fb.out_cache_loc, k.contiguous(), v.contiguous(), **kw)
         bs = step.batch_size
         q = q[:bs].contiguous()
         target = out[:bs] if out.stride(-1) == 1 else torch.empty_like(out[:bs])
-        cascade_decode_fwd(q, k_buf, v_buf, target, step.index, layer.scaling, layer.logit_cap)
+        cascade_decode_fwd(q, k_buf, v_buf, target, step.index, layer.scaling, layer.logit_cap, **kw)
         if target.data_ptr() != out.data_ptr():
             out[:bs].copy_(target)
         if out.shape[0] > bs:

@@ -28,7 +28,8 @@ from compile_attn.attention.kernels import (  # noqa: E402
 )
 
 _PTR_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
-              torch.int64: "*i64", torch.uint8: "*u8", torch.bool: "*i1"}
+              torch.int64: "*i64", torch.uint8: "*u8", torch.bool: "*i1", torch.float8_e4m3fn: "*fp8e4nv",
+              torch.float8_e5m2: "*fp8e5"}
 _OPTIONS = ("num_warps", "num_stages", "launch_pdl")
 
 
@@ -86,12 +87,22 @@ def record_launches() -> list[tuple[object, tuple, dict, str]]:
         (16, 2, 192, 128, torch.bfloat16, 0.0, "store"),  # K 192 / V 128
         (8, 2, 256, 256, torch.bfloat16, 0.0, "store"),
     ]
-    for hq, hkv, d, dv, dtype, cap, fused in decode_cases:
-        label[0] = f"decode Hq{hq} Hkv{hkv} D{d}/{dv} {dtype} cap{cap} {fused}"
+    # fp8 caches (KV dtype last): the Llama shape with the fused store in both formats and both batch-size tiles,
+    # group 1 over fp32 queries, head dim 128 with softcap
+    fp8_decode_cases = [
+        (32, 8, 64, 64, torch.bfloat16, 0.0, "store", torch.float8_e4m3fn),
+        (32, 8, 64, 64, torch.bfloat16, 0.0, "store", torch.float8_e5m2),
+        (8, 8, 64, 64, torch.float32, 0.0, None, torch.float8_e4m3fn),
+        (32, 8, 128, 128, torch.float16, 30.0, "attend", torch.float8_e4m3fn),
+    ]
+    for hq, hkv, d, dv, dtype, cap, fused, *kv_dtype in decode_cases + fp8_decode_cases:
+        kv_dtype = kv_dtype[0] if kv_dtype else dtype
+        label[0] = f"decode Hq{hq} Hkv{hkv} D{d}/{dv} {dtype} cap{cap} {fused} kv {kv_dtype}"
         bs, splits = 2, 4
         q = torch.randn(bs, hq, d, generator=gen).to(dtype)
-        kb = torch.randn(slots, hkv, d, generator=gen).to(dtype)
-        vb = torch.randn(slots, hkv, dv, generator=gen).to(dtype)
+        kb = torch.randn(slots, hkv, d, generator=gen).to(kv_dtype)
+        vb = torch.randn(slots, hkv, dv, generator=gen).to(kv_dtype)
+        scales = {} if kv_dtype == dtype else dict(k_scale=torch.ones(hkv), v_scale=torch.ones(hkv))
         new = {}
         if fused:
             new = dict(k_new=torch.randn(bs, hkv, d).to(dtype), v_new=torch.randn(bs, hkv, dv).to(dtype),
@@ -100,7 +111,8 @@ def record_launches() -> list[tuple[object, tuple, dict, str]]:
             q, kb, vb, torch.empty(bs, hq, dv, dtype=dtype), torch.tensor([0, ctx, 2 * ctx], dtype=torch.int32),
             torch.arange(2 * ctx, dtype=torch.int32), torch.full((bs,), 2, dtype=torch.int32), splits,
             torch.empty(bs, hq, splits, dv), torch.empty(bs, hq, splits), 1 / math.sqrt(d), cap, **new,
-            semaphores=torch.zeros(bs, hq, dtype=torch.int32) if fused == "store" else None)  # one launch
+            semaphores=torch.zeros(bs, hq, dtype=torch.int32) if fused == "store" else None,  # one launch
+            batch_invariant=kv_dtype == torch.float8_e5m2, **scales)  # e5m2: the large-batch tiles
     # (q heads, kv heads, head dim, dtype, causal, window, softcap, custom mask: False, True or "tree" (over the new
     # keys only, with the new tokens' positions for the window))
     extend_cases = [
@@ -109,9 +121,14 @@ def record_launches() -> list[tuple[object, tuple, dict, str]]:
         (8, 8, 64, torch.float16, False, -1, 0.0, True),
         (16, 4, 128, torch.bfloat16, True, 9, 30.0, "tree"),
         (16, 4, 64, torch.bfloat16, True, -1, 0.0, "tree"),
+        (32, 8, 64, torch.bfloat16, True, -1, 0.0, False, torch.float8_e4m3fn),
+        (16, 4, 128, torch.bfloat16, True, 9, 30.0, "tree", torch.float8_e5m2),
     ]
-    for hq, hkv, d, dtype, causal, window, cap, masked in extend_cases:
-        label[0] = f"extend Hq{hq} Hkv{hkv} D{d} {dtype} causal{causal} window{window} cap{cap} mask{masked}"
+    for hq, hkv, d, dtype, causal, window, cap, masked, *kv_dtype in extend_cases:
+        kv_dtype = kv_dtype[0] if kv_dtype else dtype
+        scales = {} if kv_dtype == dtype else dict(k_scale=torch.ones(hkv), v_scale=torch.ones(hkv))
+        label[0] = (f"extend Hq{hq} Hkv{hkv} D{d} {dtype} causal{causal} window{window} cap{cap} mask{masked} "
+                    f"kv {kv_dtype}")
         qo = torch.tensor([0, 5, 12], dtype=torch.int32)
         kv = torch.tensor([0, 7, 10], dtype=torch.int32)
         t = int(qo[-1])
@@ -125,12 +142,18 @@ def record_launches() -> list[tuple[object, tuple, dict, str]]:
             mask = torch.ones(int(extend_attention.build_mask_indptr(qo, kv)[-1]), dtype=torch.uint8)
         triton_ops.extend_attention_fwd(
             torch.randn(t, hq, d).to(dtype), torch.randn(t, hkv, d).to(dtype), torch.randn(t, hkv, d).to(dtype),
-            torch.empty(t, hq, d, dtype=dtype), torch.randn(slots, hkv, d).to(dtype),
-            torch.randn(slots, hkv, d).to(dtype), qo, kv, torch.arange(10, dtype=torch.int32), 7,
-            1 / math.sqrt(d), is_causal=causal, sliding_window=window, logit_cap=cap, custom_mask=mask, **tree)
+            torch.empty(t, hq, d, dtype=dtype), torch.randn(slots, hkv, d).to(kv_dtype),
+            torch.randn(slots, hkv, d).to(kv_dtype), qo, kv, torch.arange(10, dtype=torch.int32), 7,
+            1 / math.sqrt(d), is_causal=causal, sliding_window=window, logit_cap=cap, custom_mask=mask, **tree,
+            **scales)
     label[0] = "store_kv bf16"
     triton_ops.store_kv(torch.zeros(slots, 8, 64, dtype=torch.bfloat16), torch.zeros(slots, 8, 64, dtype=torch.bfloat16),
                         torch.arange(3), torch.randn(3, 8, 64).to(torch.bfloat16), torch.randn(3, 8, 64))
+    for kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        label[0] = f"store_kv {kv_dtype}"
+        triton_ops.store_kv(torch.zeros(slots, 8, 64, dtype=kv_dtype), torch.zeros(slots, 8, 64, dtype=kv_dtype),
+                            torch.arange(3), torch.randn(3, 8, 64).to(torch.bfloat16), torch.randn(3, 8, 64),
+                            k_scale=torch.ones(8), v_scale=torch.ones(8))
     label[0] = "build_kv_indices"
     triton_ops.build_kv_indices(torch.zeros(4, 128, dtype=torch.int32), torch.tensor([1, 3]),
                                 torch.tensor([5, 9], dtype=torch.int32), torch.tensor([0, 5, 14], dtype=torch.int32),
@@ -150,19 +173,23 @@ def record_launches() -> list[tuple[object, tuple, dict, str]]:
         (32, 8, 64, torch.bfloat16, 0.0, {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4}),
         (32, 8, 128, torch.float16, 30.0, {}),
         (8, 8, 64, torch.float32, 0.0, {}),  # group 1: level 2 without tl.dot
+        (32, 8, 64, torch.bfloat16, 0.0, {}, torch.float8_e4m3fn),
+        (8, 8, 64, torch.float32, 0.0, {}, torch.float8_e5m2),
     ]
     table = torch.arange(4 * 128, dtype=torch.int32).view(4, 128)
     table[:, :20] = table[0, :20]
-    for hq, hkv, d, dtype, cap, tiles in cascade_cases:
-        label[0] = f"cascade Hq{hq} Hkv{hkv} D{d} {dtype} cap{cap} {tiles}"
+    for hq, hkv, d, dtype, cap, tiles, *kv_dtype in cascade_cases:
+        kv_dtype = kv_dtype[0] if kv_dtype else dtype
+        scales = {} if kv_dtype == dtype else dict(k_scale=torch.ones(hkv), v_scale=torch.ones(hkv))
+        label[0] = f"cascade Hq{hq} Hkv{hkv} D{d} {dtype} cap{cap} {tiles} kv {kv_dtype}"
         index = cascade_index.build_cascade_index(
             table, torch.arange(3), torch.tensor([25, 30, 40], dtype=torch.int32), [([0, 2], 20)],
             req_pool_indices_cpu=[0, 1, 2], seq_lens_cpu=[25, 30, 40])
         for split_levels in (False, True):
             cascade_attention.cascade_decode_fwd(
-                torch.randn(3, hq, d).to(dtype), torch.randn(512, hkv, d).to(dtype),
-                torch.randn(512, hkv, d).to(dtype), torch.empty(3, hq, d, dtype=dtype), index, 1 / math.sqrt(d), cap,
-                num_prefix_splits=2, prefix_config=tiles, split_levels=split_levels)
+                torch.randn(3, hq, d).to(dtype), torch.randn(512, hkv, d).to(kv_dtype),
+                torch.randn(512, hkv, d).to(kv_dtype), torch.empty(3, hq, d, dtype=dtype), index, 1 / math.sqrt(d),
+                cap, num_prefix_splits=2, prefix_config=tiles, split_levels=split_levels, **scales)
     return launches
 
 
