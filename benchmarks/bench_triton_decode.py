@@ -7,7 +7,13 @@ launch reads from L2 what the one before it loaded (``graph_us``), and, for Trit
 launch). Times are medians of triton.testing.do_bench. Bandwidth counts the K and V bytes each kernel must read
 once. Prints a markdown table and writes JSON to --out. Launch parameters are swept by ``sweep_triton_decode.py``.
 
+``--kv-dtypes bf16,fp8_e4m3`` times the Triton kernel over each cache dtype in the same run (same slots, same
+queries; an fp8 cache holds the bf16 values quantised with per-head amax scales) and reports, per shape, each
+dtype's time, bytes read, TB/s and its speed-up over the first dtype; the reference backends run over bf16 only.
+
     python benchmarks/bench_triton_decode.py --out decode.json
+    python benchmarks/bench_triton_decode.py --batch-sizes 64 256 --contexts 4096 --kv-dtypes bf16,fp8_e4m3 \
+        --out decode_fp8.json
 """
 
 from __future__ import annotations
@@ -21,7 +27,10 @@ import triton
 import triton.testing
 
 from common import HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, PEAK_TB_S, graph_us, num_copies, require_cuda
-from compile_attn.attention.kernels import compute_num_kv_splits, decode_attention_fwd
+from compile_attn.attention.kernels import compute_num_kv_splits, decode_attention_fwd, decode_semaphores
+from compile_attn.kv.fp8 import fp8_max, quantize
+
+KV_DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 def eager_us(fn, rep: int = 200) -> float:
     """Median microseconds of fn() launched from Python (``graph_us`` for launches inside a CUDA graph)."""
@@ -53,8 +62,24 @@ def make_case(bs, ctx, num_q_heads, num_kv_heads, head_dim, shuffled, gen):
     }
 
 
-def bench_triton(cases, max_kv_splits, num_sms, graph=True, rep=200):
-    """(us per launch over ``cases``, copies of one case; eagerly: one Python launch on the first, output)."""
+def as_kv_dtype(cases: list[dict], dtype: torch.dtype) -> list[dict]:
+    """``cases`` with their K/V in ``dtype``: bf16 as they are; fp8 quantised with per-head scales at each head's
+    largest magnitude (``k_scale``/``v_scale``), as a calibrated cache holds them."""
+    if dtype == torch.bfloat16:
+        return cases
+    out = []
+    for c in cases:
+        scales = {name: c[buf].float().abs().amax(dim=(0, 2)) / fp8_max(dtype)
+                  for name, buf in (("k_scale", "k_buffer"), ("v_scale", "v_buffer"))}
+        out.append({**c, "k_buffer": quantize(c["k_buffer"], scales["k_scale"], dtype),
+                    "v_buffer": quantize(c["v_buffer"], scales["v_scale"], dtype), **scales})
+    return out
+
+
+def bench_triton(cases, max_kv_splits, num_sms, graph=True, rep=200, one_launch=False):
+    """(us per launch over ``cases``, copies of one case; eagerly: one Python launch on the first, output). Cases
+    with ``k_scale``/``v_scale`` are fp8 caches. ``one_launch``: the splits merge inside the split kernel
+    (semaphores), as the triton backend runs decode."""
     case = cases[0]
     q, k_buffer = case["q"], case["k_buffer"]
     bs, num_q_heads, head_dim = q.shape
@@ -62,11 +87,13 @@ def bench_triton(cases, max_kv_splits, num_sms, graph=True, rep=200):
     logits = torch.empty(bs, num_q_heads, max_kv_splits, head_dim, device="cuda")
     lse = torch.empty(bs, num_q_heads, max_kv_splits, device="cuda")
     splits = compute_num_kv_splits(case["seq_lens"], num_sms, max_kv_splits, num_kv_heads=k_buffer.shape[1])
+    semaphores = decode_semaphores(bs, num_q_heads, "cuda") if one_launch else None
 
     def launch(c):
+        scales = {k: c[k] for k in ("k_scale", "v_scale") if k in c}
         return lambda: decode_attention_fwd(c["q"], c["k_buffer"], c["v_buffer"], out, c["kv_indptr"],
                                             c["kv_indices"], splits, max_kv_splits, logits, lse,
-                                            1 / math.sqrt(head_dim))
+                                            1 / math.sqrt(head_dim), semaphores=semaphores, **scales)
 
     if not graph:
         return eager_us(launch(case), rep=rep), out
@@ -149,7 +176,15 @@ def main():
     parser.add_argument("--head-dim", type=int, default=HEAD_DIM)
     parser.add_argument("--max-kv-splits", type=int, default=16)
     parser.add_argument("--contiguous", action="store_true", help="slots in order instead of shuffled")
+    parser.add_argument("--one-launch", action="store_true",
+                        help="the --kv-dtypes timings with the merge inside the split kernel, as the backend runs")
+    parser.add_argument("--kv-dtypes", default="bf16",
+                        help=f"comma-separated cache dtypes for the Triton kernel, first = baseline ({', '.join(KV_DTYPES)})")
     args = parser.parse_args()
+    kv_dtypes = args.kv_dtypes.split(",")
+    for name in kv_dtypes:
+        if name not in KV_DTYPES:
+            parser.error(f"--kv-dtypes: unknown dtype {name!r}; choose from {', '.join(KV_DTYPES)}")
     require_cuda("bench_triton_decode.py")
 
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -160,11 +195,25 @@ def main():
             kv_bytes = 2 * bs * ctx * args.num_kv_heads * args.head_dim * 2
             case = copies_of(make_case(bs, ctx, args.num_q_heads, args.num_kv_heads, args.head_dim,
                                        not args.contiguous, gen))
+            per_dtype = {}
+            for name in kv_dtypes:  # the same case (slots, queries) over each cache dtype, back to back
+                dtype_cases = as_kv_dtype(case, KV_DTYPES[name])
+                us, dtype_out = bench_triton(dtype_cases, args.max_kv_splits, num_sms, one_launch=args.one_launch)
+                nbytes = kv_bytes // 2 * dtype_cases[0]["k_buffer"].element_size()
+                per_dtype[name] = {"us": us, "kv_bytes": nbytes, "tb_s": nbytes / us / 1e6, "out": dtype_out}
+                del dtype_cases
+            base = per_dtype[kv_dtypes[0]]
             triton_us, out = bench_triton(case, args.max_kv_splits, num_sms)
             eager_us, _ = bench_triton(case, args.max_kv_splits, num_sms, graph=False)
             sdpa_us, sdpa_out = bench_sdpa(case)
             fi_us, fi_out = bench_flashinfer(case)
             row = {
+                "kv_dtypes": {
+                    name: {"us": d["us"], "kv_bytes": d["kv_bytes"], "tb_s": d["tb_s"],
+                           "speedup_vs_" + kv_dtypes[0]: base["us"] / d["us"],
+                           "rel_diff_vs_bf16": max_rel_diff(d["out"], out)}
+                    for name, d in per_dtype.items()
+                },
                 "bs": bs,
                 "ctx": ctx,
                 "kv_bytes": kv_bytes,
@@ -199,6 +248,16 @@ def main():
             f"{100 * r['triton_tb_s'] / PEAK_TB_S:.0f}% | {r['triton_eager_us']:.1f} | {fmt(r['sdpa_us'])} | "
             f"{fmt(r['flashinfer_us'])} | {fmt(r['diff_vs_sdpa'], '.1e')} | {fmt(r['diff_vs_flashinfer'], '.1e')} |"
         )
+    if kv_dtypes != ["bf16"]:
+        print(f"\nTriton decode by KV cache dtype (same run, same cases; speed-up over {kv_dtypes[0]}; bytes = K and V "
+              f"read once; rel diff = max |out - out_bf16| / max |out_bf16|, the quantisation's effect)")
+        print("| bs | ctx | kv dtype | us | KV MB | TB/s | % of peak | speed-up | rel diff vs bf16 |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in results:
+            for name, d in r["kv_dtypes"].items():
+                print(f"| {r['bs']} | {r['ctx']} | {name} | {d['us']:.1f} | {d['kv_bytes'] / 1e6:.0f} | "
+                      f"{d['tb_s']:.2f} | {100 * d['tb_s'] / PEAK_TB_S:.0f}% | "
+                      f"{d['speedup_vs_' + kv_dtypes[0]]:.2f}x | {d['rel_diff_vs_bf16']:.1e} |")
     report = {"device": torch.cuda.get_device_name(), "args": vars(args), "results": results}
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)

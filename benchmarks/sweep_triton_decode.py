@@ -10,6 +10,10 @@ times the kernel with the merge fused in (semaphores), as the triton backend run
     python benchmarks/sweep_triton_decode.py --out sweep.json
     python benchmarks/sweep_triton_decode.py --one-launch --quick --cases 1x512,64x512
     python benchmarks/sweep_triton_decode.py --tiles-only --cases 1x512,4x512,16x512   # tiles per batch size
+    python benchmarks/sweep_triton_decode.py --one-launch --kv-dtype fp8_e4m3 --cases 64x4096,256x4096  # fp8 tiles
+
+``--kv-dtype fp8_e4m3`` (or ``fp8_e5m2``) sweeps over an fp8 cache (the bf16 case quantised with per-head scales);
+the fp8 tile defaults are ``decode_attention._fp8_split_kernel_config``.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import math
 
 import torch
 
-from bench_triton_decode import copies_of, make_case
+from bench_triton_decode import KV_DTYPES, as_kv_dtype, copies_of, make_case
 from common import HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, PEAK_TB_S, graph_us, require_cuda
 from compile_attn.attention.kernels import compute_num_kv_splits, decode_attention_fwd
 from compile_attn.attention.kernels.decode_attention import decode_semaphores
@@ -48,9 +52,10 @@ def run_case(cases: list[dict], max_kv_splits: int, num_sms: int, programs_per_s
                                        num_kv_heads=k_buffer.shape[1])
 
         def launch(c: dict):  # noqa: ANN202
+            scales = {k: c[k] for k in ("k_scale", "v_scale") if k in c}  # an fp8 cache's
             return lambda: decode_attention_fwd(c["q"], c["k_buffer"], c["v_buffer"], out, c["kv_indptr"],
                                                 c["kv_indices"], splits, max_kv_splits, logits, lse,
-                                                1 / math.sqrt(head_dim), semaphores=semaphores)
+                                                1 / math.sqrt(head_dim), semaphores=semaphores, **scales)
 
         return graph_us([launch(c) for c in cases], rep=40)
     finally:
@@ -67,6 +72,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a smaller grid (96 combinations per case)")
     parser.add_argument("--tiles-only", action="store_true",
                         help="the default split policy; only BLOCK_N 32/64, 2/4 warps, 2/3 stages (8 per case)")
+    parser.add_argument("--kv-dtype", default="bf16", choices=list(KV_DTYPES), help="the cache's dtype")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     require_cuda("sweep_triton_decode.py")
@@ -81,8 +87,10 @@ def main() -> None:
     results = {}
     for name in args.cases.split(","):
         bs, ctx = (int(x) for x in name.split("x"))
-        kv_bytes = 2 * bs * ctx * NUM_KV_HEADS * HEAD_DIM * 2
-        case = copies_of(make_case(bs, ctx, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, True, gen))
+        element_size = torch.empty(0, dtype=KV_DTYPES[args.kv_dtype]).element_size()
+        kv_bytes = 2 * bs * ctx * NUM_KV_HEADS * HEAD_DIM * element_size
+        case = as_kv_dtype(copies_of(make_case(bs, ctx, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, True, gen)),
+                           KV_DTYPES[args.kv_dtype])
         default = run_case(case, args.max_kv_splits, num_sms, decode_mod.PROGRAMS_PER_SM,
                            decode_mod.DEFAULT_SPLIT_SIZE, None, args.one_launch)
         rows = []
