@@ -4,6 +4,9 @@ The text is English prose from Python's own installation (the reference-manual t
 ``pydoc_data.topics``, else standard-library docstrings); nothing is downloaded. A byte-level BPE tokenizer is
 trained on it with the ``tokenizers`` library and saved next to the model as a local HF directory that
 ``LLM(directory)`` loads like any checkpoint.
+
+``tiny_llama_draft`` trains a smaller model (``DRAFT_RECIPE``) on the same text with the target's tokenizer, a
+draft model for speculative decoding; ``held_out_paragraphs`` gives the paragraphs that neither model trains on.
 """
 
 from __future__ import annotations
@@ -64,6 +67,10 @@ class TinyLlamaRecipe:
     held_out_fraction: float = 0.05
 
 
+# A draft model for the quickstart's model: one layer, half the width, the same tokenizer and text (head_dim 64).
+DRAFT_RECIPE = TinyLlamaRecipe(hidden_size=128, intermediate_size=256, num_layers=1, num_heads=2, num_kv_heads=1)
+
+
 def python_docs_text() -> str:
     """English prose from this Python installation: pydoc's reference-manual topics, else module docstrings.
 
@@ -113,6 +120,13 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> Any:
     return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=BOS, eos_token=EOS, pad_token=PAD)
 
 
+def load_tokenizer(directory: str | os.PathLike[str]) -> Any:
+    """The tokenizer a trained model's directory holds (``train_tokenizer``'s, saved with the model)."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(str(directory), local_files_only=True)
+
+
 def _token_stream(tokenizer: Any, paragraphs: list[str]) -> torch.Tensor:
     """Every paragraph as ``BOS ... EOS``, concatenated."""
     ids: list[int] = []
@@ -120,6 +134,25 @@ def _token_stream(tokenizer: Any, paragraphs: list[str]) -> torch.Tensor:
         ids.extend(ids_one)
         ids.append(tokenizer.eos_token_id)
     return torch.tensor(ids, dtype=torch.long)
+
+
+def _split_at(stream_len: int, held_out_fraction: float) -> int:
+    """Where the token stream splits: training takes the tokens before, the held-out loss the tokens after."""
+    return int(stream_len * (1 - held_out_fraction))
+
+
+def held_out_paragraphs(tokenizer: Any, paragraphs: list[str] | None = None,
+                        held_out_fraction: float = TinyLlamaRecipe.held_out_fraction) -> list[str]:
+    """The paragraphs (default: ``python_docs_text()``'s) whose tokens lie wholly in the held-out end of the token
+    stream that ``train_tiny_llama`` trains on with ``tokenizer``: text no model of that recipe has trained on."""
+    paragraphs = paragraphs if paragraphs is not None else python_docs_text().split("\n\n")
+    lengths = [len(ids) + 1 for ids in tokenizer(paragraphs)["input_ids"]]  # + 1: the EOS after each
+    start, split, out = 0, _split_at(sum(lengths), held_out_fraction), []
+    for paragraph, length in zip(paragraphs, lengths):
+        if start >= split:
+            out.append(paragraph)
+        start += length
+    return out
 
 
 def mean_loss(model: torch.nn.Module, stream: torch.Tensor, seq_len: int, max_windows: int = 64) -> float:
@@ -156,12 +189,15 @@ def _num_threads() -> int:
 
 
 def train_tiny_llama(out_dir: str | os.PathLike[str], *, steps: int | None = None, seed: int = 0,
-                     texts: list[str] | None = None, recipe: TinyLlamaRecipe | None = None) -> Path:
+                     texts: list[str] | None = None, recipe: TinyLlamaRecipe | None = None,
+                     tokenizer_from: str | os.PathLike[str] | None = None) -> Path:
     """Train a tokenizer and a tiny ``LlamaForCausalLM`` on ``texts`` (default: ``python_docs_text()``) on the CPU;
     save both to ``out_dir`` (a model already there is replaced) and return it.
 
-    ``steps`` overrides ``recipe.steps``. Everything is seeded, so the same ``seed``, texts and thread count give
-    the same weights. ``out_dir/training.json`` records the recipe and the held-out loss before and after.
+    ``steps`` overrides ``recipe.steps``. ``tokenizer_from``: a trained model's directory whose tokenizer is used
+    instead of training one (a draft model must share its target's tokenizer). Everything is seeded, so the same
+    ``seed``, texts and thread count give the same weights. ``out_dir/training.json`` records the recipe and the
+    held-out loss before and after.
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -176,9 +212,10 @@ def train_tiny_llama(out_dir: str | os.PathLike[str], *, steps: int | None = Non
                               f"replaces its out_dir, so pass a new or empty directory")
     start = time.perf_counter()
     paragraphs = (texts if texts is not None else python_docs_text().split("\n\n"))
-    tokenizer = train_tokenizer(paragraphs, recipe.vocab_size)
+    tokenizer = (load_tokenizer(tokenizer_from) if tokenizer_from is not None
+                 else train_tokenizer(paragraphs, recipe.vocab_size))
     stream = _token_stream(tokenizer, paragraphs)
-    split = int(len(stream) * (1 - recipe.held_out_fraction))
+    split = _split_at(len(stream), recipe.held_out_fraction)
     train, held_out = stream[:split], stream[split:]
     if len(train) <= recipe.seq_len + 1 or len(held_out) <= recipe.seq_len + 1:
         raise ValueError(f"{len(stream)} tokens of text is too little for windows of {recipe.seq_len} tokens")
@@ -227,6 +264,7 @@ def train_tiny_llama(out_dir: str | os.PathLike[str], *, steps: int | None = Non
         tokenizer.save_pretrained(tmp)
         record = {"format": _FORMAT, "seed": seed, "recipe": asdict(recipe), "text": "python_docs_text()"
                   if texts is None else f"{len(texts)} texts given", "tokens": len(stream),
+                  "tokenizer": "trained" if tokenizer_from is None else str(tokenizer_from),
                   "held_out_loss_before": loss_before, "held_out_loss_after": loss_after,
                   "threads": train_threads, "seconds": time.perf_counter() - start}
         (tmp / _DONE).write_text(json.dumps(record, indent=1))
@@ -251,25 +289,56 @@ def default_tiny_llama_dir() -> Path:
     return Path(env.cache_dir()) / "tiny-llama"
 
 
-def is_trained(directory: str | os.PathLike[str], *, seed: int = 0, steps: int | None = None) -> bool:
-    """Whether ``directory`` holds a finished model of this recipe, trained with ``seed`` for ``steps`` steps."""
+def default_tiny_draft_dir() -> Path:
+    """Where the trained draft model is cached: ``<compile_attn cache>/tiny-llama-draft`` (``env.cache_dir``)."""
+    return Path(env.cache_dir()) / "tiny-llama-draft"
+
+
+def is_trained(directory: str | os.PathLike[str], *, seed: int = 0, steps: int | None = None,
+               recipe: TinyLlamaRecipe | None = None, tokenizer_from: str | os.PathLike[str] | None = None) -> bool:
+    """Whether ``directory`` holds a finished model of ``recipe`` (default ``TinyLlamaRecipe()``), trained with
+    ``seed`` for ``steps`` steps (default the recipe's); with ``tokenizer_from``, with that directory's tokenizer."""
+    recipe = recipe or TinyLlamaRecipe()
     try:
         record = json.loads((Path(directory) / _DONE).read_text())
     except (OSError, ValueError):
         return False
-    return (record.get("format") == _FORMAT and record.get("seed") == seed
-            and record.get("recipe", {}).get("steps") == (steps or TinyLlamaRecipe.steps)
-            and (Path(directory) / "config.json").exists())
+    expected = {**asdict(recipe), "steps": steps or recipe.steps}
+    return (record.get("format") == _FORMAT and record.get("seed") == seed and record.get("recipe") == expected
+            and (Path(directory) / "config.json").exists()
+            and (tokenizer_from is None or _same_tokenizer(Path(directory), Path(tokenizer_from))))
+
+
+def _same_tokenizer(a: Path, b: Path) -> bool:
+    try:
+        return (a / "tokenizer.json").read_bytes() == (b / "tokenizer.json").read_bytes()
+    except OSError:
+        return False
 
 
 def tiny_llama(out_dir: str | os.PathLike[str] | None = None, *, retrain: bool = False, seed: int = 0,
-               steps: int | None = None) -> Path:
+               steps: int | None = None, recipe: TinyLlamaRecipe | None = None,
+               tokenizer_from: str | os.PathLike[str] | None = None) -> Path:
     """The trained tiny model's directory: reused if ``out_dir`` (default ``default_tiny_llama_dir()``) already
-    holds one trained with ``seed`` and ``steps``, else trained there first (``retrain=True`` always trains)."""
+    holds one of ``recipe`` trained with ``seed`` and ``steps`` (and ``tokenizer_from``'s tokenizer, if given), else
+    trained there first (``retrain=True`` always trains)."""
     out = Path(out_dir) if out_dir is not None else default_tiny_llama_dir()
-    if not retrain and is_trained(out, seed=seed, steps=steps):
+    recipe = recipe or TinyLlamaRecipe()
+    if not retrain and is_trained(out, seed=seed, steps=steps, recipe=recipe, tokenizer_from=tokenizer_from):
         logger.info("tiny llama: reusing %s (retrain=True trains it again)", out)
         return out
-    logger.info("tiny llama: training a tokenizer and a %d-step model on the CPU into %s (once; later runs reuse it)",
-                steps or TinyLlamaRecipe.steps, out)
-    return train_tiny_llama(out, steps=steps, seed=seed)
+    tokenizer = "and its tokenizer" if tokenizer_from is None else f"with the tokenizer of {tokenizer_from}"
+    logger.info("tiny llama: training a %d-layer %d-step model %s on the CPU into %s (once; later runs reuse it)",
+                recipe.num_layers, steps or recipe.steps, tokenizer, out)
+    return train_tiny_llama(out, steps=steps, seed=seed, recipe=recipe, tokenizer_from=tokenizer_from)
+
+
+def tiny_llama_draft(target: str | os.PathLike[str] | None = None, out_dir: str | os.PathLike[str] | None = None,
+                     *, retrain: bool = False, seed: int = 0, steps: int | None = None,
+                     recipe: TinyLlamaRecipe = DRAFT_RECIPE) -> Path:
+    """A draft model for the tiny model in ``target`` (default: ``tiny_llama()``, trained first if needed): a
+    smaller model of ``recipe`` trained on the same text with ``target``'s tokenizer, in ``out_dir`` (default
+    ``default_tiny_draft_dir()``); reused like ``tiny_llama``'s while the target's tokenizer is unchanged."""
+    target = Path(target) if target is not None else tiny_llama()
+    out = Path(out_dir) if out_dir is not None else default_tiny_draft_dir()
+    return tiny_llama(out, retrain=retrain, seed=seed, steps=steps, recipe=recipe, tokenizer_from=target)
