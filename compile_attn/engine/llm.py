@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from compile_attn.attention import create_backend
 from compile_attn.batch import ForwardBatch, ForwardMode
+from compile_attn.draft_tree import chain
 from compile_attn.engine.execution.in_flight import InFlightStep, has_placeholders
 from compile_attn.engine.execution.memory_profile import check_memory_after_capture, size_kv_cache
 from compile_attn.engine.execution.model_loading import LoadedModel, load_for_engine
@@ -325,22 +326,34 @@ class LLM:
         step: ScheduledStep | None = None
         rows = None  # with speculative decoding: which rows sample (several per request verifying drafts)
         try:
-            if self.speculator is not None:
-                self.speculator.propose(self.scheduler.running)
+            if self.speculator is not None:  # trees only where the step cannot mix in prefill chunks
+                self.speculator.propose(self.scheduler.running, trees=not self.scheduler.may_mix())
             step = self.scheduler.schedule()
             if step is None:
                 return None
+            if any(r.draft_parents for r in step.requests) and not all(r.is_decoding for r in step.requests):
+                # A preemption let a prefill chunk in beside a tree (a verify step runs decoding requests only):
+                # this step goes without the trees.
+                self.scheduler.restore(state)
+                for r in self.scheduler.running:
+                    if r.draft_parents:
+                        r.draft_ids, r.draft_parents = [], None
+                step = self.scheduler.schedule()
+                assert step is not None
             # Nothing proposed for this step's requests: a plain step (no per-row plan), which may overlap the next.
             if self.speculator is not None and any(r.draft_ids for r in step.requests):
                 rows = self.speculator.sample_rows(step)
                 if not rows.verifies:
                     rows = None
             verify = rows is not None and all(r.is_decoding for r in step.requests)
+            trees = [(-1, *(p + 1 for p in r.draft_parents)) if r.draft_parents else chain(n)
+                     for r, n in zip(step.requests, step.extend_lens)] if verify and any(
+                r.draft_parents for r in step.requests) else None
             fb = ForwardBatch.build(
                 req_pool_indices=[r.row for r in step.requests], prefix_lens=step.prefix_lens,
                 extend_lens=step.extend_lens, out_cache_loc=step.out_cache_loc,
                 input_ids=step.input_ids(), device=self.device, table_write_pending=step.table_write_pending,
-                forward_mode=ForwardMode.TARGET_VERIFY if verify else None,
+                forward_mode=ForwardMode.TARGET_VERIFY if verify else None, draft_parents=trees,
             )
             if self.prefix_groups is not None and fb.forward_mode.is_decode():
                 fb.shared_prefix = self.prefix_groups.groups_for(fb)

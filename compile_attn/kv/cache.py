@@ -319,6 +319,34 @@ class KVCache(BatchChecks):
         self.req_to_token[row, length:old].fill_(PAD_SLOT)
         self.slots_changed()  # as in free_requests: slots change hands, no issued batch is trusted any more
 
+    def truncate_rows(self, rows: Sequence[int], lengths: Sequence[int]) -> None:
+        """``truncate`` of each of ``rows`` to its length in ``lengths``, the table's entries reset in one device op
+        for all of them (a speculative step cuts back every request's rejected drafts)."""
+        rows, lengths = list(rows), list(lengths)
+        cut_rows, starts, counts = [], [], []
+        for row, length in zip(rows, lengths):
+            if row not in self._pages:
+                raise ValueError(f"request row {row} is not allocated")
+            old = self._lens[row]
+            if not 0 <= length <= old:
+                raise ValueError(f"cannot truncate request row {row} to {length} tokens: it holds {old}")
+            if length == old:
+                continue
+            keep = -(-length // self.page_size)
+            pages = self._pages[row]
+            self.allocator.free(pages[keep:])
+            del pages[keep:]
+            self._lens[row] = length
+            cut_rows.append(row)
+            starts.append(length)
+            counts.append(old - length)
+        if not cut_rows:
+            return
+        table_rows, positions = to_device_groups(
+            [([repeat_each(cut_rows, counts), ragged_arange(starts, counts)], torch.int64)], self.device)[0]
+        self.req_to_token[table_rows, positions] = PAD_SLOT
+        self.slots_changed()
+
     # ------------------------------------------------------------------ rows: for the prefix cache and the finders
     def row_pages(self, row: int) -> array.array | None:
         """The pages request ``row`` holds, in order (the live list: change it only through ``start_row`` and

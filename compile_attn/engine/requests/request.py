@@ -51,6 +51,8 @@ class Request:
     # Speculative decoding: tokens proposed to follow token_ids, verified by the next step beside the last token
     # (never in token_ids, so never counted, cached or returned before the target model accepts them).
     draft_ids: list[int] = field(default_factory=list)
+    # A draft tree: draft i's parent among the drafts (-1: the last token); None: the drafts are a chain.
+    draft_parents: list[int] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.prompt_ids, array.array):

@@ -146,6 +146,14 @@ class Scheduler:
             self._preempt(self.running[-1])
         return None
 
+    def may_mix(self) -> bool:
+        """Whether the next step may take a prefill chunk beside the decoding requests: one is part-way through its
+        prompt, or one waits and a request row is free for it. (A preemption can still bring one in.)"""
+        if any(not r.is_decoding for r in self.running):
+            return True
+        return bool(self.waiting) and len(self.running) < self.max_batch_size and \
+            self.kv.req_to_token_pool.available > 0
+
     def _try_schedule(self) -> ScheduledStep | None:
         chosen: list[tuple[Request, int]] = []
         chosen_ids: set[int] = set()  # id() of the chosen requests: membership in O(1), batches reach hundreds
@@ -169,7 +177,7 @@ class Scheduler:
                 chosen_ids = {id(r) for r in decoding}
                 decoding = []
         for r in decoding if drafting else ():  # not all fit with their drafts: plain decode first, drafts later
-            r.draft_ids = []
+            r.draft_ids, r.draft_parents = [], None
         for req in decoding:
             if len(chosen) >= self.max_batch_size or budget == 0:
                 break

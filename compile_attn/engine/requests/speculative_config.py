@@ -5,7 +5,9 @@ K tokens per decoding request by prompt lookup (the tokens that followed the lat
 request's last ``a`` .. ``b`` tokens; no second model); ``{"method": "draft_model", "model": <HF directory, config or
 module>, "num_speculative_tokens": K}`` drafts K tokens with a smaller model of the target's tokenizer
 (engine/execution/speculative/draft_model.py). ``"topk"`` (default 1: a chain) and ``"num_draft_tokens"``
-describe trees. Checked here, once, before a model loads; a bad key or value is refused by name.
+describe trees: the draft model's top-``topk`` tokens at each depth of its greedy chain, or the continuations of
+up to ``topk`` earlier occurrences of the matched n-gram, at most ``num_draft_tokens`` nodes (default K x topk).
+Checked here, once, before a model loads; a bad key or value is refused by name.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ class SpeculativeConfig:
     step (K). prompt_lookup_min / prompt_lookup_max: the n-gram lengths "ngram" matches, longest first.
     model: the draft model of "draft_model" (an HF directory or hub-cache id, a transformers config, an HF model or
     a protocol model).
-    topk: drafts per tree node (1: a chain). num_draft_tokens: a tree's draft tokens at most (default: K)."""
+    topk: candidates per depth of a tree (1: a chain of K). num_draft_tokens: a tree's draft tokens at most (default
+    K x topk; its depth is at most K)."""
 
     method: str
     num_speculative_tokens: int
@@ -61,9 +64,23 @@ class SpeculativeConfig:
                                     f"use method 'draft_model' to draft with a model")
         if self.num_draft_tokens is not None:
             _check_positive("num_draft_tokens", self.num_draft_tokens)
-        if self.topk > 1:
-            raise EngineOptionError(f"speculative_config: topk={self.topk} (a tree of drafts) is not served by the "
-                                    f"engine yet; use topk=1 (a chain of num_speculative_tokens drafts)")
+        if self.num_draft_tokens is not None and self.topk == 1 and self.num_draft_tokens != \
+                self.num_speculative_tokens:
+            raise EngineOptionError(f"speculative_config: num_draft_tokens={self.num_draft_tokens} caps a tree "
+                                    f"(topk > 1); a chain has num_speculative_tokens={self.num_speculative_tokens} "
+                                    f"drafts: leave num_draft_tokens out or set topk")
+        if self.topk > 1 and self.max_draft_tokens > MAX_SPECULATIVE_TOKENS:
+            raise EngineOptionError(f"speculative_config: a tree of topk={self.topk} x num_speculative_tokens="
+                                    f"{self.num_speculative_tokens} drafts has more than {MAX_SPECULATIVE_TOKENS}; "
+                                    f"cap it with num_draft_tokens")
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """Draft tokens a request verifies per step at most: K for a chain, ``num_draft_tokens`` (default K x topk)
+        for a tree."""
+        if self.topk == 1:
+            return self.num_speculative_tokens
+        return self.num_draft_tokens or self.num_speculative_tokens * self.topk
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | Mapping[str, Any] | str | None) -> SpeculativeConfig | None:

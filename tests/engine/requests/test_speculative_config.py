@@ -12,7 +12,10 @@ from compile_attn.engine.requests.speculative_config import SpeculativeConfig
 
 def test_parse_dict_json_and_vllm_defaults() -> None:
     c = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4})
-    assert (c.prompt_lookup_min, c.prompt_lookup_max, c.topk) == (5, 5, 1)
+    assert (c.prompt_lookup_min, c.prompt_lookup_max, c.topk, c.max_draft_tokens) == (5, 5, 1, 4)
+    assert SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3, "topk": 2}).max_draft_tokens == 6
+    assert SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3, "topk": 2,
+                                    "num_draft_tokens": 4}).max_draft_tokens == 4
     c = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}')
     assert (c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max) == (2, 3, 3)
     c = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 2})
@@ -28,7 +31,8 @@ def test_parse_dict_json_and_vllm_defaults() -> None:
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, r"unknown key\(s\) \['lookahead'\]"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
      "prompt_lookup_min=4 is larger"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "topk": 2}, "topk=2"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "num_draft_tokens": 3}, "num_draft_tokens=3 caps a tree"),
+    ({"method": "ngram", "num_speculative_tokens": 20, "topk": 4}, "cap it with num_draft_tokens"),
     ("{not json", "not valid JSON"),
     (["ngram"], "must be a dict"),
 ])

@@ -136,16 +136,24 @@ class DraftModelProposer:
             self.kv_cache.free_requests([self._rows.pop(rid).row for rid in gone])
 
     @torch.no_grad()  # not inference_mode: batches built in it would not match the graphs' guards (StepRunner.run)
-    def propose(self, requests: list[Request], rooms: list[int]) -> list[list[int]]:
-        """Drafts for each of ``requests`` (decoding, every token known): at most ``min(K, rooms[i])`` tokens."""
+    def propose(self, requests: list[Request], rooms: list[int], tree: tuple[int, int] | None = None,
+                ) -> list[tuple[list[int], list[int] | None]]:
+        """Drafts for each of ``requests`` (decoding, every token known), as (tokens, parents): a chain of at most
+        ``min(K, rooms[i])`` tokens (parents None), or with ``tree`` = (topk, max nodes) the tree of the top-``topk``
+        tokens at each depth of that chain (``top_k_tree``)."""
         assert self.kv_cache is not None and self.runner is not None, "build() first"
         limits = [min(self.k, room) for room in rooms]
         reqs, feeds, limits = self._catch_up_rows(requests, limits)
-        out: dict[int, list[int]] = {}
+        out: dict[int, tuple[list[int], list[int] | None]] = {}
         if reqs:
-            drafts = self._draft(reqs, feeds, limits)
-            out = {r.request_id: d for r, d in zip(reqs, drafts)}
-        return [out.get(r.request_id, []) for r in requests]
+            topk = tree[0] if tree is not None else 1
+            for r, (tokens, logprobs) in zip(reqs, self._draft(reqs, feeds, limits, topk)):
+                if tree is None:
+                    out[r.request_id] = ([row[0] for row in tokens], None)
+                else:
+                    cap = min(tree[1], self.options.max_context - len(r.token_ids) - 1)
+                    out[r.request_id] = top_k_tree(tokens, logprobs, cap)
+        return [out.get(r.request_id, ([], None)) for r in requests]
 
     def _catch_up_rows(self, requests: list[Request], limits: list[int],
                        ) -> tuple[list[Request], list[list[int]], list[int]]:
@@ -153,8 +161,7 @@ class DraftModelProposer:
         request, and the tokens to feed it. Requests whose KV does not fit are left out."""
         kv = self.kv_cache
         assert kv is not None
-        reqs, feeds, kept = [], [], []
-        free_pages = kv.allocator.available  # what this proposal's allocations may take, request by request
+        drafting, cut_rows, cut_lens = [], [], []
         for r, limit in zip(requests, limits):
             if limit <= 0:
                 continue
@@ -170,8 +177,15 @@ class DraftModelProposer:
             if same == len(tokens):  # the draft holds every token: feed the last again over its own slot
                 same -= 1
             if same < len(state.held):
-                kv.truncate(state.row, same)
+                cut_rows.append(state.row)
+                cut_lens.append(same)
                 del state.held[same:]
+            drafting.append((r, state, same, limit))
+        kv.truncate_rows(cut_rows, cut_lens)  # the drafts the target did not keep: one device op for all
+        reqs, feeds, kept = [], [], []
+        free_pages = kv.allocator.available  # what this proposal's allocations may take, request by request
+        for r, state, same, limit in drafting:
+            tokens = r.token_ids
             room = min(limit, kv.max_context - len(tokens) + 1)  # the draft's KV grows to len + limit - 1
             pages = kv.pages_needed(state.row, len(tokens) - same + room - 1) if room > 0 else 0
             if room <= 0 or pages > free_pages:  # no room in the context or in the draft's cache: no drafts
@@ -182,20 +196,23 @@ class DraftModelProposer:
             kept.append(room)
         return reqs, feeds, kept
 
-    def _draft(self, reqs: list[Request], feeds: list[list[int]], limits: list[int]) -> list[list[int]]:
-        """Run the catch-up extend and the decode steps; the drafts per request (one host copy)."""
+    def _draft(self, reqs: list[Request], feeds: list[list[int]], limits: list[int], topk: int,
+               ) -> list[tuple[list[list[int]], list[list[float]] | None]]:
+        """Run the catch-up extend and the decode steps (each feeding the previous step's argmax); per request,
+        the top-``topk`` tokens at each of its ``limits[i]`` depths (best first: the chain is column 0) and, for
+        ``topk`` > 1, their log-probabilities. One copy to the host."""
         kv, runner, device = self.kv_cache, self.runner, self.options.device
         assert kv is not None and runner is not None
-        last = self._extend(reqs, feeds)  # [n] device: each request's first draft
+        last, last_lp = self._extend(reqs, feeds, topk)  # [n, topk] device: each request's first drafts
         states = [self._rows[r.request_id] for r in reqs]
-        columns = [last]
+        columns, lp_columns = [last], [last_lp]
         alive = list(range(len(reqs)))  # rows still drafting: those whose limit is not reached
         for step in range(1, max(limits)):
             keep = [i for i in alive if limits[i] > step]
             if not keep:
                 break
-            feed_from = columns[-1] if len(keep) == len(reqs) else columns[-1][to_device([keep], torch.int64,
-                                                                                        device)[0]]
+            chain = columns[-1][:, 0]
+            feed_from = chain if len(keep) == len(reqs) else chain[to_device([keep], torch.int64, device)[0]]
             alive = keep
             rows = [states[i].row for i in alive]
             lens = [len(states[i].held) for i in alive]
@@ -207,34 +224,40 @@ class DraftModelProposer:
             self.steps += 1
             for i in alive:
                 states[i].held.append(-1)  # the draft token's value is known after the copy below
-            nxt = logits.argmax(dim=-1)
-            if len(alive) == len(reqs):
-                columns.append(nxt)
-            else:  # scatter into a full-width column (rows that stopped keep a -1 that is cut off below)
-                full = torch.full((len(reqs),), -1, dtype=torch.int64, device=nxt.device)
-                full[to_device([alive], torch.int64, device)[0]] = nxt
-                columns.append(full)
-        table = torch.stack(columns, dim=1).tolist()  # [n, steps]: the one copy to the host
-        drafts = []
-        for state, row, limit in zip(states, table, limits):
-            d = [int(t) for t in row[:limit]]
-            # The KV written by the decode steps belongs to the first limit - 1 drafts.
+            nxt, nxt_lp = _top(logits, topk)
+            if len(alive) < len(reqs):  # scatter into full-width columns (stopped rows: cut off below)
+                at = to_device([alive], torch.int64, device)[0]
+                nxt = torch.full((len(reqs), topk), -1, dtype=torch.int64, device=nxt.device).index_copy_(0, at, nxt)
+                if nxt_lp is not None:
+                    nxt_lp = torch.full((len(reqs), topk), float("-inf"), device=nxt_lp.device).index_copy_(
+                        0, at, nxt_lp)
+            columns.append(nxt)
+            lp_columns.append(nxt_lp)
+        table = torch.stack(columns, dim=1).tolist()  # [n, steps, topk]: the copies to the host
+        lps = torch.stack(lp_columns, dim=1).tolist() if topk > 1 else None
+        out = []
+        for i, (state, rows, limit) in enumerate(zip(states, table, limits)):
+            d = [int(row[0]) for row in rows[:limit]]
+            # The KV written by the decode steps belongs to the first limit - 1 drafts of the chain.
             fed = len(d) - 1
             if fed:
                 state.held[len(state.held) - fed:] = d[:fed]
             state.unverified = fed
-            drafts.append(d)
-        return drafts
+            out.append((rows[:limit], lps[i][:limit] if lps is not None else None))
+        return out
 
-    def _extend(self, reqs: list[Request], feeds: list[list[int]]) -> torch.Tensor:
-        """Feed each request its missing tokens (chunks of at most ``max_num_tokens`` tokens per step); the argmax
-        of each request's last row, as an int64 device tensor."""
+    def _extend(self, reqs: list[Request], feeds: list[list[int]], topk: int,
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Feed each request its missing tokens (chunks of at most ``max_num_tokens`` tokens per step); the
+        top-``topk`` tokens of each request's last row ([n, topk] int64 on the device) and, for ``topk`` > 1, their
+        log-probabilities."""
         kv, runner, device = self.kv_cache, self.runner, self.options.device
         assert kv is not None and runner is not None
         states = [self._rows[r.request_id] for r in reqs]
         pending = [list(f) for f in feeds]
         budget = self.options.max_num_tokens
         result: torch.Tensor | None = None
+        result_lp: torch.Tensor | None = None
         while any(pending):
             take, left = [], budget
             for p in pending:  # each request takes what is left of the budget, in order; the last ones wait
@@ -255,14 +278,50 @@ class DraftModelProposer:
                 total += n
                 ends.append(total - 1)
             keep = to_device([[ends[j] for j in done_now]], torch.int64, device)[0]
-            firsts = runner.run(fb, keep).argmax(dim=-1)
+            firsts, firsts_lp = _top(runner.run(fb, keep), topk)
             self.steps += 1
             for i in picked:
                 states[i].held.extend(pending[i][: take[i]])
                 pending[i] = pending[i][take[i]:]
             if result is None:
-                result = torch.empty(len(reqs), dtype=torch.int64, device=firsts.device)
-            result[to_device([[picked[j] for j in done_now]], torch.int64, device)[0]] = firsts
+                result = torch.empty(len(reqs), topk, dtype=torch.int64, device=firsts.device)
+                result_lp = torch.empty(len(reqs), topk, device=firsts.device) if firsts_lp is not None else None
+            at = to_device([[picked[j] for j in done_now]], torch.int64, device)[0]
+            result[at] = firsts
+            if result_lp is not None:
+                result_lp[at] = firsts_lp
         assert result is not None
-        return result
+        return result, result_lp
+
+
+def _top(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The ``topk`` best tokens of each row ([n, topk], best first) and, for ``topk`` > 1, their log-probabilities
+    (a chain needs the argmax only)."""
+    if topk == 1:
+        return logits.argmax(dim=-1, keepdim=True), None
+    values, tokens = torch.log_softmax(logits.float(), dim=-1).topk(topk, dim=-1)
+    return tokens, values
+
+
+def top_k_tree(tokens: list[list[int]], logprobs: list[list[float]] | None, max_nodes: int,
+               ) -> tuple[list[int], list[int]]:
+    """A draft tree from a greedy chain and its runners-up: ``tokens[d]`` are the draft's best tokens at depth d + 1
+    after the chain's first d tokens (``tokens[d][0]`` is the chain's), ``logprobs[d]`` theirs. Every candidate is a
+    node whose parent is the chain's node one depth up (the root for depth 1); the ``max_nodes`` of highest path
+    log-probability are kept (a parent never scores below its child, so the kept set is a tree), parents first.
+    Returns (tokens, parents), parents indexing the tokens (-1: the root)."""
+    assert logprobs is not None
+    candidates = []  # (path log-probability, depth, rank, token)
+    path = 0.0  # the chain's path log-probability down to depth d
+    for d, (toks, lps) in enumerate(zip(tokens, logprobs)):
+        for rank, (tok, lp) in enumerate(zip(toks, lps)):
+            if tok >= 0 and lp > float("-inf"):
+                candidates.append((path + lp, d, rank, tok))
+        path += lps[0]
+    kept = sorted(candidates, key=lambda c: (-c[0], c[1], c[2]))[:max(max_nodes, 0)]
+    kept.sort(key=lambda c: (c[1], c[2]))  # by depth: parents first, the chain's node first at its depth
+    index = {(d, rank): i for i, (_, d, rank, _) in enumerate(kept)}
+    out_tokens = [tok for *_, tok in kept]
+    parents = [-1 if d == 0 else index[(d - 1, 0)] for _, d, _, _ in kept]
+    return out_tokens, parents
 
