@@ -27,7 +27,12 @@ import triton
 import triton.testing
 
 from common import HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, PEAK_TB_S, graph_us, num_copies, require_cuda
-from compile_attn.attention.kernels import compute_num_kv_splits, decode_attention_fwd, decode_semaphores
+from compile_attn.attention.kernels import (  # noqa: E402
+    FP8_PROGRAMS_PER_SM,
+    compute_num_kv_splits,
+    decode_attention_fwd,
+    decode_semaphores,
+)
 from compile_attn.kv.fp8 import fp8_max, quantize
 
 KV_DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -86,7 +91,9 @@ def bench_triton(cases, max_kv_splits, num_sms, graph=True, rep=200, one_launch=
     out = torch.empty_like(q)
     logits = torch.empty(bs, num_q_heads, max_kv_splits, head_dim, device="cuda")
     lse = torch.empty(bs, num_q_heads, max_kv_splits, device="cuda")
-    splits = compute_num_kv_splits(case["seq_lens"], num_sms, max_kv_splits, num_kv_heads=k_buffer.shape[1])
+    fp8 = case.get("k_scale") is not None  # the triton backend's split policy over an fp8 cache
+    splits = compute_num_kv_splits(case["seq_lens"], num_sms, max_kv_splits, num_kv_heads=k_buffer.shape[1],
+                                   programs_per_sm=FP8_PROGRAMS_PER_SM if fp8 else None)
     semaphores = decode_semaphores(bs, num_q_heads, "cuda") if one_launch else None
 
     def launch(c):

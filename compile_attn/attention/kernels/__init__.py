@@ -13,6 +13,8 @@ from compile_attn.attention.kernels._common import SUPPORTED_DTYPES, SUPPORTED_H
 from compile_attn.attention.kernels.decode_attention import (
     DEFAULT_MAX_KV_SPLITS,
     DEFAULT_SPLIT_SIZE,
+    FP8_PROGRAMS_PER_SM,
+    PROGRAMS_PER_SM,
     compute_num_kv_splits,
     decode_attention_fwd,
     decode_attention_fwd_and_bind,
@@ -25,6 +27,8 @@ from compile_attn.attention.kernels.kv_index import build_kv_indices, build_kv_i
 __all__ = [
     "DEFAULT_MAX_KV_SPLITS",
     "DEFAULT_SPLIT_SIZE",
+    "FP8_PROGRAMS_PER_SM",
+    "PROGRAMS_PER_SM",
     "SUPPORTED_DTYPES",
     "SUPPORTED_HEAD_DIMS",
     "build_decode_metadata",

@@ -103,6 +103,7 @@ def build_decode_metadata(
     num_kv_heads: int = 1,
     window: int | None = None,
     kv_start: torch.Tensor | None = None,
+    programs_per_sm: int | None = None,
 ) -> None:
     """Fill one decode step's metadata for ``bs = len(seq_lens)`` requests, on the device, no host sync.
 
@@ -130,7 +131,7 @@ def build_decode_metadata(
         build_kv_indptr(seq_lens, kv_indptr, kv_start)
         build_kv_indices(req_to_token, req_pool_indices, seq_lens, kv_indptr, kv_indices, kv_start)
         compute_num_kv_splits(lens, num_sms, max_kv_splits, deterministic, split_size, num_kv_heads=num_kv_heads,
-                              out=num_kv_splits)
+                              out=num_kv_splits, programs_per_sm=programs_per_sm)
         return
     check_device(_decode_metadata_kernel, req_to_token, kv_indices)
     _LAUNCH_DECODE_METADATA(
@@ -145,7 +146,7 @@ def build_decode_metadata(
         bs,
         req_to_token.stride(0),
         window or 0,
-        max(1, num_sms * PROGRAMS_PER_SM),
+        max(1, num_sms * (PROGRAMS_PER_SM if programs_per_sm is None else programs_per_sm)),
         num_kv_heads,
         split_size,
         max_kv_splits,

@@ -113,6 +113,9 @@ class TritonBackend(AttentionBackend):
         unless the environment sets ``COMPILE_ATTN_DECODE_ONE_LAUNCH=0``, for A/B runs)). Decode batches that carry
         ``shared_prefix`` groups read each shared prefix once (``triton/cascade.py``)."""
         self._ops = load_triton_ops()
+        # Stage-1 programs per SM for the decode's KV splits: twice as many over an fp8 cache (half a tile's bytes).
+        self._programs_per_sm = (self._ops.FP8_PROGRAMS_PER_SM if kv_cache.pool.quantized
+                                 else self._ops.PROGRAMS_PER_SM)
         self._check_device(kv_cache.device)
         self._check_fp8_device(kv_cache)
         super().__init__(kv_cache, layers)
@@ -260,6 +263,7 @@ class TritonBackend(AttentionBackend):
                 idx.num_kv_splits, num_sms=self.num_sms, max_kv_splits=self.max_kv_splits,
                 deterministic=self.deterministic, split_size=self.split_size,
                 num_kv_heads=self.kv_cache.pool.num_kv_heads, window=idx.window, kv_start=idx.kv_start,
+                programs_per_sm=self._programs_per_sm,
             )
         step.filled = True
 

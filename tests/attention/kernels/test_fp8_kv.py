@@ -78,8 +78,25 @@ class Fp8Cache:
         return {"k_scale": self.k_scale, "v_scale": self.v_scale}
 
 
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+class _Bits:
+    """The outcome of a byte comparison: truthy when equal, with what differs in its repr (for assert messages)."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        diff = a.view(torch.uint8) != b.view(torch.uint8)
+        self.ok = not bool(diff.any())
+        self.detail = "" if self.ok else (
+            f"{int(diff.sum())} of {diff.numel()} bytes differ; first values {a[diff][:4].float().tolist()} "
+            f"vs {b[diff][:4].float().tolist()}")
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    def __repr__(self) -> str:
+        return f"same_bits({self.ok}: {self.detail})"
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> _Bits:
+    return _Bits(a, b)
 
 
 # ---------------------------------------------------------------------------------------------- stores
