@@ -370,8 +370,12 @@ def test_gpu_decode_over_fp8_at_serving_sizes(kv_dtype, bs, ctx, page_size) -> N
     splits = compute_num_kv_splits(torch.tensor(lengths, device=DEVICE), 132, 16, num_kv_heads=8)
     out = run_decode(cache, q, [0] * bs, splits, 16, 0.125, new_tokens=(k_new, v_new, new_loc), one_launch=True)
     assert same_bits(cache.k_buffer[new_loc], quantize(k_new, cache.k_scale, kv_dtype))
-    assert rel_err(out, reference_decode(cache, q, [0] * bs, 0.125, dequantised=True)) <= TOLERANCE[torch.bfloat16]
-    assert rel_err(out, reference_decode(cache, q, [0] * bs, 0.125, dequantised=False)) <= QUANT_ERROR[kv_dtype]
+    over_stored = reference_decode(cache, q, [0] * bs, 0.125, dequantised=True)
+    over_real = reference_decode(cache, q, [0] * bs, 0.125, dequantised=False)
+    assert rel_err(out, over_stored) <= TOLERANCE[torch.bfloat16]
+    # Against the original values the kernel adds nothing to the quantisation's own effect (which grows with the
+    # context relative to an output that averages thousands of random values: 0.13 at 64 x 4096 for e4m3).
+    assert rel_err(out, over_real) <= rel_err(over_stored, over_real) + TOLERANCE[torch.bfloat16]
 
 
 @pytest.mark.gpu
