@@ -26,19 +26,22 @@ def add_parser(sub: argparse._SubParsersAction, formatter_class: type[argparse.H
                                    "step kind, GPU busy fraction, start-up time.")
     p.add_argument("workload", choices=ALL_WORKLOADS,
                    help="nanovllm: nano-vllm's bench (256 prompts of 100-1024 random ids, 100-1024 new tokens, "
-                        "temperature 0.6); fixed: N x (P prompt + O new), greedy; shared-prefix: N (256) prompts of "
+                        "temperature 0.6); fixed: N x (P prompt + O new), greedy; long-context: fixed at 32 x (7,680 + 256), "
+                        "for the KV cache dtype (--kv-cache-dtype); shared-prefix: N (256) prompts of "
                         "one P-token (2,048) system prompt + 32 own tokens, O (128) new, greedy; multi-turn: N (64) "
                         "conversations x 4 turns, a first prompt of P (1,024) tokens, each turn resending the history "
                         "and the answer (O, 128 tokens) + P/8 new tokens, greedy. The last two run with the prefix "
                         "cache on, then off")
     p.add_argument("--num-seqs", type=int, default=None,
-                   help="requests; multi-turn: conversations (default: 256; multi-turn 64)")
+                   help="requests; multi-turn: conversations (default: 256; long-context 32, multi-turn 64)")
     p.add_argument("--prompt-len", "--max-input", dest="prompt_len", type=int, default=None,
                    help="prompt tokens; nanovllm: the longest prompt; shared-prefix: the shared system prompt; "
-                        "multi-turn: the first turn's (default: nanovllm 1024, fixed 256, shared-prefix 2048, "
+                        "multi-turn: the first turn's (default: nanovllm 1024, fixed 256, long-context 7680, "
+                        "shared-prefix 2048, "
                         "multi-turn 1024)")
     p.add_argument("--output-len", "--max-output", dest="output_len", type=int, default=None,
-                   help="new tokens; nanovllm: the longest output (default: nanovllm 1024, fixed 128)")
+                   help="new tokens; nanovllm: the longest output (default: nanovllm 1024, fixed 128, "
+                        "long-context 256)")
     p.add_argument("--temperature", type=float, default=None,
                    help="override the workload's temperature (0: greedy)")
     model = p.add_mutually_exclusive_group()

@@ -2,7 +2,8 @@
 request, one temperature, EOS ignored so every request generates exactly its output length.
 
 ``nanovllm`` draws what nano-vllm's ``bench.py`` draws, in the same order, from Python's ``random`` seeded with 0;
-``fixed`` is N prompts of P random ids and O new tokens each, greedy. Two exercise the prefix cache: ``shared-prefix``
+``fixed`` is N prompts of P random ids and O new tokens each, greedy; ``long-context`` is ``fixed`` at 32 x (7,680 +
+256), a step that reads mostly KV (what an fp8 KV cache speeds up). Two exercise the prefix cache: ``shared-prefix``
 (N prompts behind one system prompt) and ``multi-turn`` (conversations whose every turn resends the history and the
 previous answer, so a turn's prompt exists only once the answer before it is generated).
 """
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 
 from compile_attn.errors import CompileAttnError
 
-WORKLOADS = ("nanovllm", "fixed", "shared-prefix")  # every prompt known up front: any client can send them
+WORKLOADS = ("nanovllm", "fixed", "shared-prefix", "long-context")  # every prompt known up front: any client can send them
 ALL_WORKLOADS = (*WORKLOADS, "multi-turn")  # a multi-turn prompt needs the answer before it (the throughput driver)
 PREFIX_WORKLOADS = ("shared-prefix", "multi-turn")  # run with the prefix cache on and off
 
@@ -101,6 +102,13 @@ def fixed(num_seqs: int = 256, prompt_len: int = 256, output_len: int = 128, voc
     return Workload("fixed", prompts, [output_len] * num_seqs, temperature=0.0)
 
 
+def long_context(num_seqs: int = 32, prompt_len: int = 7680, output_len: int = 256, vocab_size: int = 10001,
+                 seed: int = 0) -> Workload:
+    """``fixed`` with long prompts: ``num_seqs`` x (``prompt_len`` random ids + ``output_len`` new tokens), greedy."""
+    w = fixed(num_seqs, prompt_len, output_len, vocab_size, seed)
+    return Workload("long-context", w.prompts, w.output_lens, temperature=0.0)
+
+
 def shared_prefix(num_seqs: int = 256, prompt_len: int = 2048, unique_len: int = 32, output_len: int = 128,
                   vocab_size: int = 10001, seed: int = 0) -> Workload:
     """``num_seqs`` prompts of one system prompt (``prompt_len`` random ids) followed by ``unique_len`` random ids of
@@ -142,6 +150,8 @@ def build(name: str, vocab_size: int, *, num_seqs: int | None = None, prompt_len
         return nanovllm(vocab_size=vocab_size, **{renamed.get(k, k): v for k, v in sizes.items()})
     if name == "fixed":
         return fixed(vocab_size=vocab_size, **sizes)
+    if name == "long-context":
+        return long_context(vocab_size=vocab_size, **sizes)
     if name == "shared-prefix":
         return shared_prefix(vocab_size=vocab_size, **sizes)
     if name == "multi-turn":

@@ -45,6 +45,14 @@ def test_fixed_shapes() -> None:
         bench_workloads.build("sharegpt", 100)
 
 
+def test_long_context_shapes() -> None:
+    w = bench_workloads.build("long-context", 128256)
+    assert w.name == "long-context" and w.num_seqs == 32 and {len(p) for p in w.prompts} == {7680}
+    assert set(w.output_lens) == {256} and w.temperature == 0.0 and w.longest == 7680 + 256
+    small = bench_workloads.build("long-context", 50, num_seqs=2, prompt_len=9, output_len=3)
+    assert [len(p) for p in small.prompts] == [9, 9] and all(0 <= t < 50 for p in small.prompts for t in p)
+
+
 def _run(argv: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> tuple[dict, str]:
     out = tmp_path / "throughput.json"
     assert cli.main(["throughput", *argv, "--out", str(out)]) == 0
