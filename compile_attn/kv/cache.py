@@ -304,48 +304,45 @@ class KVCache(BatchChecks):
         """Cut request ``row`` back to its first ``length`` tokens (undoing an allocation whose step failed): pages
         past them go back to the allocator and the table's entries past them point at the scratch slot again. A
         row that holds exactly ``length`` tokens is left as it is."""
-        if row not in self._pages:
-            raise ValueError(f"request row {row} is not allocated")
-        old = self._lens[row]
-        if not 0 <= length <= old:
-            raise ValueError(f"cannot truncate request row {row} to {length} tokens: it holds {old}")
-        if length == old:  # nothing to undo: no slot changes hands, issued batches stay trusted
+        old = self._cut_row(row, length)
+        if old == length:  # nothing to undo: no slot changes hands, issued batches stay trusted
             return
-        keep = -(-length // self.page_size)
-        pages = self._pages[row]
-        self.allocator.free(pages[keep:])
-        del pages[keep:]
-        self._lens[row] = length
         self.req_to_token[row, length:old].fill_(PAD_SLOT)
         self.slots_changed()  # as in free_requests: slots change hands, no issued batch is trusted any more
 
     def truncate_rows(self, rows: Sequence[int], lengths: Sequence[int]) -> None:
         """``truncate`` of each of ``rows`` to its length in ``lengths``, the table's entries reset in one device op
         for all of them (a speculative step cuts back every request's rejected drafts)."""
-        rows, lengths = list(rows), list(lengths)
         cut_rows, starts, counts = [], [], []
-        for row, length in zip(rows, lengths):
-            if row not in self._pages:
-                raise ValueError(f"request row {row} is not allocated")
-            old = self._lens[row]
-            if not 0 <= length <= old:
-                raise ValueError(f"cannot truncate request row {row} to {length} tokens: it holds {old}")
-            if length == old:
-                continue
-            keep = -(-length // self.page_size)
-            pages = self._pages[row]
-            self.allocator.free(pages[keep:])
-            del pages[keep:]
-            self._lens[row] = length
-            cut_rows.append(row)
-            starts.append(length)
-            counts.append(old - length)
+        for row, length in zip(list(rows), list(lengths)):
+            old = self._cut_row(row, length)
+            if old != length:
+                cut_rows.append(row)
+                starts.append(length)
+                counts.append(old - length)
         if not cut_rows:
             return
         table_rows, positions = to_device_groups(
             [([repeat_each(cut_rows, counts), ragged_arange(starts, counts)], torch.int64)], self.device)[0]
         self.req_to_token[table_rows, positions] = PAD_SLOT
         self.slots_changed()
+
+    def _cut_row(self, row: int, length: int) -> int:
+        """The host side of ``truncate``: row ``row`` keeps its first ``length`` tokens and the pages holding them,
+        the pages past them go back to the allocator; returns the tokens it held before. The caller resets the
+        table's entries past ``length`` and calls ``slots_changed`` when anything was cut."""
+        if row not in self._pages:
+            raise ValueError(f"request row {row} is not allocated")
+        old = self._lens[row]
+        if not 0 <= length <= old:
+            raise ValueError(f"cannot truncate request row {row} to {length} tokens: it holds {old}")
+        if length < old:
+            keep = -(-length // self.page_size)
+            pages = self._pages[row]
+            self.allocator.free(pages[keep:])
+            del pages[keep:]
+            self._lens[row] = length
+        return old
 
     # ------------------------------------------------------------------ rows: for the prefix cache and the finders
     def row_pages(self, row: int) -> array.array | None:
