@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from scipy.stats import chi2 as chi2_dist
 from torch._dynamo.utils import counters
 
 from compile_attn.engine import LLM
@@ -15,6 +14,7 @@ from compile_attn.engine.execution.sampling import sampler as sampler_module
 from compile_attn.engine.execution.sampling.sampler import SamplingPlan, hashed_uniform, sample, warmup
 from compile_attn.engine.requests.sampling_params import SamplingParams
 from compile_attn.models import ToyDecoder, ToyDecoderConfig
+from tests.stats_helpers import assert_chi_square_fits
 
 Filters = tuple[float, int, float, float]  # temperature, top_k, top_p, min_p
 
@@ -49,20 +49,11 @@ def batch_params(groups: list[Filters], per_group: int, device: str = "cpu", see
 
 
 def assert_follows(tokens: torch.Tensor, probs: torch.Tensor, what: str) -> None:
-    """Chi-square goodness of fit over the tokens with expected count >= 5 (the rest pooled); never a
-    token outside the support."""
-    n = tokens.numel()
+    """Chi-square goodness of fit of the sampled ``tokens`` to ``probs``; never a token outside the support."""
     counts = torch.bincount(tokens.cpu(), minlength=probs.numel()).double()
-    outside = counts[probs == 0].sum()
+    outside = counts[probs.cpu() == 0].sum()
     assert outside == 0, f"{what}: {int(outside)} samples outside the filtered support"
-    expected = probs.cpu() * n
-    big = expected >= 5
-    obs = torch.cat([counts[big], counts[~big].sum()[None]])
-    exp = torch.cat([expected[big], expected[~big].sum()[None]])
-    obs, exp = obs[exp > 0], exp[exp > 0]
-    stat = float(((obs - exp) ** 2 / exp).sum())
-    limit = chi2_dist.ppf(1 - 1e-6, max(len(exp) - 1, 1))
-    assert stat < limit, f"{what}: chi-square {stat:.1f} over {len(exp) - 1} dof (limit {limit:.1f})"
+    assert_chi_square_fits(counts.numpy(), (probs.cpu().double() * tokens.numel()).numpy(), alpha=1e-6, what=what)
 
 
 LOGITS = torch.randn(40, generator=torch.Generator().manual_seed(3)) * 1.5

@@ -6,18 +6,17 @@ pools exact through accept / reject / preempt / abort, no compile after warm-up,
 from __future__ import annotations
 
 import copy
-import itertools
 
-import numpy as np
 import pytest
 import torch
-from scipy.stats import chi2 as chi2_dist
 
 from compile_attn.compiler import compile_counters
 from compile_attn.engine import LLM, SamplingParams
 from compile_attn.engine.requests.errors import EngineOptionError
 from compile_attn.models import ToyDecoder, ToyDecoderConfig
-from tests.engine.execution.speculative.test_speculative_engine import CFG, PROMPTS, SMALL, make_llm, next_token_probs
+from tests.engine.execution.speculative.target_distribution import (
+    assert_tokens_2_and_3_follow, joint_of_tokens_2_and_3, peaked_model)
+from tests.engine.execution.speculative.test_speculative_engine import CFG, PROMPTS, make_llm
 from tests.greedy_reference import greedy_by_recompute
 
 DRAFT_CFG = ToyDecoderConfig(vocab_size=97, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
@@ -166,37 +165,20 @@ def test_nothing_compiles_on_draft_model_traffic_after_warm_up(model, small_draf
 def test_sampled_outputs_follow_the_target_distribution_with_a_different_draft() -> None:
     """A draft whose weights differ from the target's proposes tokens the target often rejects: the joint
     distribution of the 2nd and 3rd sampled tokens still is the target's (chi-square against the exact one)."""
-    torch.manual_seed(3)
-    small = ToyDecoder(SMALL).eval()
-    with torch.no_grad():
-        for p in small.parameters():
-            p.mul_(1.5)
+    small = peaked_model()
     draft = copy.deepcopy(small)
     with torch.no_grad():
         for p in draft.parameters():
             p.add_(0.3 * torch.randn_like(p))
     prompt = [0] + greedy_by_recompute(small, [0], 5)
-    v = SMALL.vocab_size
-    p1 = next_token_probs(small, [prompt])[0]
-    p2 = next_token_probs(small, [prompt + [a] for a in range(v)])
-    p3 = next_token_probs(small, [prompt + [a, b] for a, b in itertools.product(range(v), repeat=2)]).reshape(v, v, v)
-    joint = np.einsum("a,ab,abc->bc", p1, p2, p3)
+    joint = joint_of_tokens_2_and_3(small, prompt)
     n = 3000
     llm = make_llm(small, max_batch_size=256, max_num_tokens=2048, kv_cache_tokens=256 * 20, max_context=20,
                    speculative_config=draft_config(draft, 2))
     outs = llm.generate([prompt] * n, SamplingParams(max_new_tokens=4, temperature=1.0), use_tqdm=False)
     s = llm.speculator.stats
     assert n // 10 < s.accepted_tokens < s.draft_tokens - n // 10, s  # drafts both kept and rejected, often
-    counts = np.zeros((v, v))
-    for o in outs:
-        counts[o.token_ids[1], o.token_ids[2]] += 1
-    expected = joint.reshape(-1) * n
-    keep = expected >= 5
-    observed = np.append(counts.reshape(-1)[keep], counts.reshape(-1)[~keep].sum())
-    expected = np.append(expected[keep], expected[~keep].sum())
-    stat = ((observed - expected) ** 2 / np.maximum(expected, 1e-9)).sum()
-    limit = chi2_dist.ppf(1 - 1e-4, len(expected) - 1)
-    assert stat < limit, f"chi-square {stat:.1f} over {len(expected) - 1} dof (limit {limit:.1f})"
+    assert_tokens_2_and_3_follow(outs, joint)
 
 
 def test_the_draft_options_are_checked(model) -> None:  # noqa: ANN001

@@ -5,14 +5,12 @@ identical in every graph mode, n-gram and draft-model trees, pools exact, sample
 from __future__ import annotations
 
 import copy
-import itertools
 
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from scipy.stats import chi2 as chi2_dist
 
 from compile_attn.draft_tree import depths
 from compile_attn.engine import SamplingParams
@@ -23,7 +21,9 @@ from compile_attn.engine.execution.speculative.tree_kv import move_accepted_path
 from compile_attn.kv.cache import KVCache
 from compile_attn.models import ToyDecoder
 from tests.engine.execution.speculative.test_draft_model_engine import check_pools
-from tests.engine.execution.speculative.test_speculative_engine import CFG, PROMPTS, SMALL, make_llm, next_token_probs
+from tests.engine.execution.speculative.target_distribution import (
+    assert_tokens_2_and_3_follow, joint_of_tokens_2_and_3, peaked_model)
+from tests.engine.execution.speculative.test_speculative_engine import CFG, PROMPTS, make_llm
 from tests.greedy_reference import greedy_by_recompute
 
 
@@ -216,18 +216,10 @@ def test_seeded_samples_are_identical_with_trees(model) -> None:  # noqa: ANN001
 def test_sampled_outputs_follow_the_target_distribution_with_trees() -> None:
     """Draft-model trees (top-3 at each depth of a draft close to the target) verified by sampling: the joint
     distribution of the 2nd and 3rd tokens is the target's (chi-square against the exact one)."""
-    torch.manual_seed(3)
-    small = ToyDecoder(SMALL).eval()
-    with torch.no_grad():
-        for p in small.parameters():
-            p.mul_(1.5)
+    small = peaked_model()
     draft = noisy_copy(small, 0.3, seed=1)
     prompt = [0] + greedy_by_recompute(small, [0], 5)
-    v = SMALL.vocab_size
-    p1 = next_token_probs(small, [prompt])[0]
-    p2 = next_token_probs(small, [prompt + [a] for a in range(v)])
-    p3 = next_token_probs(small, [prompt + [a, b] for a, b in itertools.product(range(v), repeat=2)]).reshape(v, v, v)
-    joint = np.einsum("a,ab,abc->bc", p1, p2, p3)
+    joint = joint_of_tokens_2_and_3(small, prompt)
     n = 2000
     llm = make_llm(small, max_batch_size=256, max_num_tokens=4096, kv_cache_tokens=256 * 24, max_context=24,
                    speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 2,
@@ -235,13 +227,4 @@ def test_sampled_outputs_follow_the_target_distribution_with_trees() -> None:
     outs = llm.generate([prompt] * n, SamplingParams(max_new_tokens=4, temperature=1.0), use_tqdm=False)
     s = llm.speculator.stats
     assert s.accepted_tokens > n // 5, s
-    counts = np.zeros((v, v))
-    for o in outs:
-        counts[o.token_ids[1], o.token_ids[2]] += 1
-    expected = joint.reshape(-1) * n
-    keep = expected >= 5
-    observed = np.append(counts.reshape(-1)[keep], counts.reshape(-1)[~keep].sum())
-    expected = np.append(expected[keep], expected[~keep].sum())
-    stat = ((observed - expected) ** 2 / np.maximum(expected, 1e-9)).sum()
-    limit = chi2_dist.ppf(1 - 1e-4, len(expected) - 1)
-    assert stat < limit, f"chi-square {stat:.1f} over {len(expected) - 1} dof (limit {limit:.1f})"
+    assert_tokens_2_and_3_follow(outs, joint)

@@ -5,17 +5,15 @@ preempt / abort, logprobs, stop strings and length limits token by token, and no
 
 from __future__ import annotations
 
-import itertools
-
-import numpy as np
 import pytest
 import torch
-from scipy.stats import chi2 as chi2_dist
 
-from compile_attn import ForwardBatch, ForwardMode, KVCache, create_backend, forward_context
+from compile_attn import ForwardMode
 from compile_attn.compiler import compile_counters
 from compile_attn.engine import LLM, SamplingParams
 from compile_attn.models import ToyDecoder, ToyDecoderConfig
+from tests.engine.execution.speculative.target_distribution import (
+    assert_tokens_2_and_3_follow, joint_of_tokens_2_and_3, peaked_model)
 from tests.greedy_reference import greedy_by_recompute
 
 CFG = ToyDecoderConfig(vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
@@ -179,43 +177,13 @@ def test_nothing_compiles_on_speculative_traffic_after_warm_up(model) -> None:  
 
 
 # ---------------------------------------------------------------------------- the output distribution
-SMALL = ToyDecoderConfig(vocab_size=6, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
-                         intermediate_size=32)
-
-
-def next_token_probs(model: ToyDecoder, seqs: list[list[int]]) -> np.ndarray:
-    """p(next token | seq) for each sequence, from one prefill batch through the torch_native backend."""
-    cfg, total = model.cfg, sum(len(s) for s in seqs)
-    kv = KVCache(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                 max_batch_size=len(seqs), max_context=max(map(len, seqs)), kv_cache_tokens=total,
-                 dtype=torch.float32)
-    backend = create_backend("torch_native", kv, model.attention_layers())
-    rows = [kv.alloc_request() for _ in seqs]
-    lens = [len(s) for s in seqs]
-    fb = ForwardBatch.build(req_pool_indices=rows, prefix_lens=[0] * len(seqs), extend_lens=lens,
-                            out_cache_loc=kv.alloc_extend(rows, lens), input_ids=[t for s in seqs for t in s])
-    backend.init_forward_metadata(fb)
-    with forward_context(fb, backend), torch.no_grad():
-        logits = model(fb.input_ids, fb.positions).double()
-    ends = np.cumsum(lens) - 1
-    return torch.softmax(logits[torch.as_tensor(ends)], dim=-1).numpy()
-
-
 def test_sampled_outputs_follow_the_target_distribution() -> None:
     """The joint distribution of the 2nd and 3rd output tokens (produced by verify steps, the 3rd often an accepted
     draft) over many unseeded samples against the exact one from the model, by a chi-square test."""
-    torch.manual_seed(3)
-    small = ToyDecoder(SMALL).eval()
-    with torch.no_grad():
-        for p in small.parameters():
-            p.mul_(1.5)  # a peaked, far from uniform distribution
+    small = peaked_model()
     # The model's own greedy path: prompt lookup proposes the loop it falls into, which sampling often follows.
     prompt = [0] + greedy_by_recompute(small, [0], 11)
-    v = SMALL.vocab_size
-    p1 = next_token_probs(small, [prompt])[0]
-    p2 = next_token_probs(small, [prompt + [a] for a in range(v)])
-    p3 = next_token_probs(small, [prompt + [a, b] for a, b in itertools.product(range(v), repeat=2)]).reshape(v, v, v)
-    joint = np.einsum("a,ab,abc->bc", p1, p2, p3)  # P(x2 = b, x3 = c)
+    joint = joint_of_tokens_2_and_3(small, prompt)
     n = 3000
     llm = make_llm(small, max_batch_size=256, max_num_tokens=2048, kv_cache_tokens=256 * 20, max_context=20,
                    speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1,
@@ -223,16 +191,7 @@ def test_sampled_outputs_follow_the_target_distribution() -> None:
     outs = llm.generate([prompt] * n, SamplingParams(max_new_tokens=4, temperature=1.0), use_tqdm=False)
     stats = llm.speculator.stats
     assert stats.accepted_tokens > n // 10, stats  # many third tokens came from accepted drafts
-    counts = np.zeros((v, v))
-    for o in outs:
-        counts[o.token_ids[1], o.token_ids[2]] += 1
-    expected = joint.reshape(-1) * n
-    keep = expected >= 5  # cells too rare for the chi-square approximation are pooled
-    observed = np.append(counts.reshape(-1)[keep], counts.reshape(-1)[~keep].sum())
-    expected = np.append(expected[keep], expected[~keep].sum())
-    stat = ((observed - expected) ** 2 / np.maximum(expected, 1e-9)).sum()
-    limit = chi2_dist.ppf(1 - 1e-4, len(expected) - 1)
-    assert stat < limit, f"chi-square {stat:.1f} over {len(expected) - 1} dof (limit {limit:.1f})"
+    assert_tokens_2_and_3_follow(outs, joint)
 
 
 def test_plain_steps_overlap_and_drafts_are_looked_for_again(model) -> None:  # noqa: ANN001
