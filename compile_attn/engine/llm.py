@@ -18,13 +18,13 @@ from tqdm.auto import tqdm
 
 from compile_attn.attention import create_backend
 from compile_attn.batch import ForwardBatch, ForwardMode
-from compile_attn.draft_tree import chain
 from compile_attn.engine.execution.in_flight import InFlightStep, has_placeholders
 from compile_attn.engine.execution.memory_profile import check_memory_after_capture, size_kv_cache
 from compile_attn.engine.execution.model_loading import LoadedModel, load_for_engine
 from compile_attn.engine.execution.sampling import sampler
-from compile_attn.engine.execution.speculative.draft_model import DraftEngineOptions, DraftModelProposer
-from compile_attn.engine.execution.speculative.speculator import Speculator, verify_graph_sizes
+from compile_attn.engine.execution.speculative.setup import decode_graph_rows, load_draft
+from compile_attn.engine.execution.speculative.speculator import Speculator
+from compile_attn.engine.execution.speculative.step_plan import schedule_step
 from compile_attn.engine.execution.sampling.logprobs import unpack as unpack_logprobs
 from compile_attn.engine.execution.sampling.penalties import PenaltyState
 from compile_attn.engine.execution.sampling.step import forward_and_sample
@@ -74,7 +74,7 @@ class LLM:
         max_context = config.max_context or loaded.max_context or 4096
         self.vocab_size = find_vocab_size(self.model)  # None: prompts' token ids are only checked to be >= 0
         spec = config.speculative_config
-        draft = self._load_draft(spec, config, max_context) if spec is not None else None  # before sizing the KV
+        draft = load_draft(config, max_context, self.vocab_size)  # None without a draft model; before sizing the KV
         sized = size_kv_cache(self.model, layers, config, max_context) if not config.kv_cache_tokens else None
         kv_cache_tokens = sized.kv_cache_tokens if sized else config.kv_cache_tokens
         if sized and draft is not None:  # the draft's KV holds as many tokens: the two share what was sized
@@ -94,11 +94,9 @@ class LLM:
         # Shared-prefix groups of decode batches (None: not looked for); see EngineConfig.cascade_decode.
         self.prefix_groups = engine_prefix_finder(config.cascade_decode, self.kv_cache, self.backend.name,
                                                   self.backend.takes_shared_prefix_decode())
-        # A verify step runs each request's tokens as rows of a decode graph: graphs of up to (1 + K) rows each.
-        rows = config.max_batch_size * (1 + (spec.num_speculative_tokens if spec is not None else 0))
+        rows, compile_options = decode_graph_rows(config)  # a verify step's tokens are rows of a decode graph
         self.step_runner = StepRunner(self.model, self.backend, graph_mode=config.graph_mode, compile=config.compile,
-                                      compile_options=verify_graph_sizes(config.compile_options, rows),
-                                      max_batch_size=rows,
+                                      compile_options=compile_options, max_batch_size=rows,
                                       max_num_tokens=config.max_num_tokens)
         logger.info(
             "LLM ready: device %s, dtype %s, backend %s, graph mode %s, KV cache %d tokens (%.1f MiB, %s), page size "
@@ -126,17 +124,6 @@ class LLM:
         self._next_id = 0
         self.num_steps = 0
         self.steps_by_mode: Counter[ForwardMode] = Counter()
-
-    def _load_draft(self, spec: Any, config: EngineConfig, max_context: int) -> DraftModelProposer | None:
-        """The draft model of a "draft_model" speculative config, loaded on the engine's device (its KV cache is
-        built once the target's size is known); None for other methods."""
-        if spec.method != "draft_model":
-            return None
-        options = DraftEngineOptions(
-            device=config.device, dtype=config.dtype, attn_backend=config.attn_backend, page_size=config.page_size,
-            graph_mode=config.graph_mode, compile=config.compile, compile_options=config.compile_options,
-            max_batch_size=config.max_batch_size, max_num_tokens=config.max_num_tokens, max_context=max_context)
-        return DraftModelProposer(spec.model, spec.num_speculative_tokens, options, self.vocab_size)
 
     @property
     def eos_token_ids(self) -> Any:
@@ -324,36 +311,16 @@ class LLM:
         if it raises, the scheduler and every request are as they were (see ``step``)."""
         state = self.scheduler.snapshot()
         step: ScheduledStep | None = None
-        rows = None  # with speculative decoding: which rows sample (several per request verifying drafts)
         try:
-            if self.speculator is not None:  # trees only where the step cannot mix in prefill chunks
-                self.speculator.propose(self.scheduler.running, trees=not self.scheduler.may_mix())
-            step = self.scheduler.schedule()
-            if step is None:
+            plan = schedule_step(self.scheduler, self.speculator, state)  # with drafts, where they are proposed
+            if plan is None:
                 return None
-            if any(r.draft_parents for r in step.requests) and not all(r.is_decoding for r in step.requests):
-                # A preemption let a prefill chunk in beside a tree (a verify step runs decoding requests only):
-                # this step goes without the trees.
-                self.scheduler.restore(state)
-                for r in self.scheduler.running:
-                    if r.draft_parents:
-                        r.draft_ids, r.draft_parents = [], None
-                step = self.scheduler.schedule()
-                assert step is not None
-            # Nothing proposed for this step's requests: a plain step (no per-row plan), which may overlap the next.
-            if self.speculator is not None and any(r.draft_ids for r in step.requests):
-                rows = self.speculator.sample_rows(step)
-                if not rows.verifies:
-                    rows = None
-            verify = rows is not None and all(r.is_decoding for r in step.requests)
-            trees = [(-1, *(p + 1 for p in r.draft_parents)) if r.draft_parents else chain(n)
-                     for r, n in zip(step.requests, step.extend_lens)] if verify and any(
-                r.draft_parents for r in step.requests) else None
+            step, rows = plan.step, plan.rows  # rows: which rows sample (several per request verifying drafts)
             fb = ForwardBatch.build(
                 req_pool_indices=[r.row for r in step.requests], prefix_lens=step.prefix_lens,
                 extend_lens=step.extend_lens, out_cache_loc=step.out_cache_loc,
                 input_ids=step.input_ids(), device=self.device, table_write_pending=step.table_write_pending,
-                forward_mode=ForwardMode.TARGET_VERIFY if verify else None, draft_parents=trees,
+                forward_mode=ForwardMode.TARGET_VERIFY if plan.verify else None, draft_parents=plan.trees,
             )
             if self.prefix_groups is not None and fb.forward_mode.is_decode():
                 fb.shared_prefix = self.prefix_groups.groups_for(fb)

@@ -17,11 +17,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from itertools import accumulate
-
-from collections.abc import Mapping
 from typing import Any
 
-from compile_attn.config import GraphConfig
 from compile_attn.draft_tree import depths, is_chain
 from compile_attn.engine.execution.speculative.acceptance import accept_chain, accept_tree
 from compile_attn.engine.execution.speculative.draft_model import DraftModelProposer
@@ -226,13 +223,3 @@ class Speculator:
             self.stats.verify_steps += 1
         return done
 
-
-def verify_graph_sizes(options: Mapping[str, Any] | None, rows: int) -> Mapping[str, Any] | None:
-    """``options`` with decode graphs up to ``rows`` rows (the default sizes continued in steps of 8) where they
-    leave ``decode_batch_sizes`` to its default and verify steps (``rows``: requests x (1 + K)) need more rows."""
-    options = dict(options or {})
-    default = GraphConfig.decode_batch_sizes
-    if "decode_batch_sizes" in options or rows <= default[-1]:
-        return options or None
-    options["decode_batch_sizes"] = (*default, *range(default[-1] + 8, rows + 8, 8))
-    return options

@@ -1,0 +1,47 @@
+"""What the engine builds for a speculative config: the draft model of a "draft_model" config (its KV cache is built
+once the target's size is known), and the decode graphs' rows, which a verify step's tokens fill (requests x
+(1 + K)). It owns no step logic: proposing, scheduling and accepting drafts are ``speculator.py``'s,
+``step_plan.py``'s and ``acceptance.py``'s."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from compile_attn.config import GraphConfig
+from compile_attn.engine.execution.speculative.draft_model import DraftEngineOptions, DraftModelProposer
+from compile_attn.engine.requests.config import EngineConfig
+
+
+def load_draft(config: EngineConfig, max_context: int, vocab_size: int | None) -> DraftModelProposer | None:
+    """The draft model of a "draft_model" speculative config, loaded on the engine's device with the engine's options
+    (its KV cache is built by ``DraftModelProposer.build`` once the target's size is known); None for other methods
+    and without speculation."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return None
+    options = DraftEngineOptions(
+        device=config.device, dtype=config.dtype, attn_backend=config.attn_backend, page_size=config.page_size,
+        graph_mode=config.graph_mode, compile=config.compile, compile_options=config.compile_options,
+        max_batch_size=config.max_batch_size, max_num_tokens=config.max_num_tokens, max_context=max_context)
+    return DraftModelProposer(spec.model, spec.num_speculative_tokens, options, vocab_size)
+
+
+def decode_graph_rows(config: EngineConfig) -> tuple[int, Mapping[str, Any] | None]:
+    """``(rows, compile_options)`` for the engine's step runner: a verify step runs each request's tokens as rows of
+    a decode graph, so graphs of up to ``max_batch_size x (1 + K)`` rows (``max_batch_size`` without speculation),
+    and the compile options with decode graph sizes that reach them (``verify_graph_sizes``)."""
+    spec = config.speculative_config
+    rows = config.max_batch_size * (1 + (spec.num_speculative_tokens if spec is not None else 0))
+    return rows, verify_graph_sizes(config.compile_options, rows)
+
+
+def verify_graph_sizes(options: Mapping[str, Any] | None, rows: int) -> Mapping[str, Any] | None:
+    """``options`` with decode graphs up to ``rows`` rows (the default sizes continued in steps of 8) where they
+    leave ``decode_batch_sizes`` to its default and verify steps (``rows``: requests x (1 + K)) need more rows."""
+    options = dict(options or {})
+    default = GraphConfig.decode_batch_sizes
+    if "decode_batch_sizes" in options or rows <= default[-1]:
+        return options or None
+    options["decode_batch_sizes"] = (*default, *range(default[-1] + 8, rows + 8, 8))
+    return options
