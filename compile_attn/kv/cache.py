@@ -29,6 +29,7 @@ from compile_attn.errors import InvalidBatchError, KVCacheExhaustedError
 from compile_attn.host_tensors import int_tensor, ragged_arange, repeat_each, to_device_groups
 from compile_attn.kv.batch_checks import BatchChecks
 from compile_attn.kv.allocator import PageAllocator
+from compile_attn.kv.kv_scales import FirstPrefillCalibration
 from compile_attn.kv.pools import PagedKVPool, ReqToTokenPool
 
 from compile_attn.kv.prefix_cache import PrefixCache
@@ -98,6 +99,8 @@ class KVCache(BatchChecks):
             num_pages=num_pages, page_size=page_size, num_layers=num_layers, num_kv_heads=num_kv_heads,
             head_dim=head_dim, v_head_dim=v_head_dim, dtype=dtype, device=device,
         )
+        if self.pool.quantized:  # scales that nothing gives are set by the first prefill (kv/kv_scales.py)
+            self.pool.scale_calibration = FirstPrefillCalibration(self.pool)
         self.allocator = PageAllocator(num_pages)
         self._pages: dict[int, array.array] = {}  # request row -> its pages, in order (int64)
         self._lens: dict[int, int] = {}  # request row -> tokens allocated

@@ -8,6 +8,7 @@ there. These classes hold tensors and free rows only; which pages a request hold
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -16,7 +17,6 @@ from compile_attn.batch import PAD_REQUEST, PAD_SLOT
 from compile_attn.errors import KVCacheExhaustedError
 from compile_attn.host_tensors import to_device
 from compile_attn.kv.fp8 import is_fp8, quantize
-from compile_attn.kv.kv_scales import FirstPrefillCalibration
 
 
 class ReqToTokenPool:
@@ -63,7 +63,8 @@ class PagedKVPool:
     """Per-layer K and V buffers ``[num_slots, num_kv_heads, head_dim]``; page 0 is the scratch page. An fp8 pool
     also holds per-layer, per-KV-head float32 scales for K and V (``kv_scales``; see ``kv/fp8.py``), updated in
     place so that captured graphs read their current values. Until a layer's scales are set (``kv_scales.
-    apply_scales``) the first prefill through a backend sets them (``scale_calibration``, None once all are set)."""
+    apply_scales``) the first prefill through a backend sets them (``scale_calibration``, which ``KVCache`` attaches;
+    None once all are set). Where the scales come from is ``kv/kv_scales.py``'s, not the pool's."""
 
     def __init__(
         self,
@@ -97,9 +98,7 @@ class PagedKVPool:
         self.quantized = is_fp8(dtype)
         self.k_scales = [torch.ones(num_kv_heads, dtype=torch.float32, device=device) for _ in range(num_layers)]
         self.v_scales = [torch.ones(num_kv_heads, dtype=torch.float32, device=device) for _ in range(num_layers)]
-        self.scale_calibration: FirstPrefillCalibration | None = (
-            FirstPrefillCalibration(self) if self.quantized else None
-        )
+        self.scale_calibration: Any = None  # a kv_scales.FirstPrefillCalibration while an fp8 layer has no scales
 
     def get_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_buffers[layer_id], self.v_buffers[layer_id]
