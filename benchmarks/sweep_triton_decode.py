@@ -73,6 +73,8 @@ def main() -> None:
     parser.add_argument("--tiles-only", action="store_true",
                         help="the default split policy; only BLOCK_N 32/64, 2/4 warps, 2/3 stages (8 per case)")
     parser.add_argument("--kv-dtype", default="bf16", choices=list(KV_DTYPES), help="the cache's dtype")
+    parser.add_argument("--grid", default=None,
+                        help="the grid itself, e.g. 'pps=8,16;split=64;block_n=64,128;warps=2,4;stages=1,2,3'")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     require_cuda("sweep_triton_decode.py")
@@ -84,6 +86,10 @@ def main() -> None:
     if args.tiles_only:
         grid = list(itertools.product((decode_mod.PROGRAMS_PER_SM,), (decode_mod.DEFAULT_SPLIT_SIZE,), (32, 64), (2, 4),
                                       (2, 3)))
+    if args.grid:
+        axes = dict(part.split("=") for part in args.grid.split(";"))
+        grid = list(itertools.product(*(tuple(int(x) for x in axes[k].split(","))
+                                        for k in ("pps", "split", "block_n", "warps", "stages"))))
     results = {}
     for name in args.cases.split(","):
         bs, ctx = (int(x) for x in name.split("x"))
@@ -91,7 +97,8 @@ def main() -> None:
         kv_bytes = 2 * bs * ctx * NUM_KV_HEADS * HEAD_DIM * element_size
         case = as_kv_dtype(copies_of(make_case(bs, ctx, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, True, gen)),
                            KV_DTYPES[args.kv_dtype])
-        default = run_case(case, args.max_kv_splits, num_sms, decode_mod.PROGRAMS_PER_SM,
+        default_pps = decode_mod.FP8_PROGRAMS_PER_SM if args.kv_dtype.startswith("fp8") else decode_mod.PROGRAMS_PER_SM
+        default = run_case(case, args.max_kv_splits, num_sms, default_pps,
                            decode_mod.DEFAULT_SPLIT_SIZE, None, args.one_launch)
         rows = []
         for pps, split, block_n, warps, stages in grid:
@@ -106,9 +113,10 @@ def main() -> None:
         results[name] = dict(default_us=default, kv_bytes=kv_bytes, rows=rows)
         print(f"\n## {name}: default {default:.1f} us ({kv_bytes / default / 1e6 / PEAK_TB_S:.0%} of {PEAK_TB_S} TB/s)")
         print("| programs/SM | min split | BLOCK_N | warps | stages | us | % BW |\n|---|---|---|---|---|---|---|")
-        for r in ok[:8 if args.tiles_only else 6]:
+        for r in ok[:8 if args.tiles_only else 10]:
             print(f"| {r['programs_per_sm']} | {r['split_size']} | {r['BLOCK_N']} | {r['num_warps']} | "
-                  f"{r['num_stages']} | {r['us']:.1f} | {kv_bytes / r['us'] / 1e6 / PEAK_TB_S:.0%} |", flush=True)
+                  f"{r['num_stages']} | {r['us']:.1f} | "
+                  f"{kv_bytes / r['us'] / 1e6 / PEAK_TB_S:.0%} |", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

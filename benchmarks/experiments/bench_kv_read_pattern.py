@@ -82,12 +82,13 @@ def _read_per_token(K, V, Indptr, Indices, Out, split_len, stride_t, num_splits,
     tl.store(Out + b * num_splits + s, tl.sum(tl.sum(acc, 1), 0))
 
 
-def make_kv(bs: int, ctx: int, num_heads: int, head_dim: int, shuffled: bool, device: str, seed: int = 0) -> dict:
+def make_kv(bs: int, ctx: int, num_heads: int, head_dim: int, shuffled: bool, device: str, seed: int = 0,
+            dtype: torch.dtype = torch.bfloat16) -> dict:
     """K/V pools of ``bs * ctx`` slots (+ scratch slot 0) and each request's ``ctx`` slots, in order or shuffled."""
     gen = torch.Generator().manual_seed(seed)
     num_slots = bs * ctx + 1
     slots = torch.randperm(num_slots - 1, generator=gen) + 1 if shuffled else torch.arange(1, num_slots)
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16  # the interpreter has no bf16 arithmetic
+    dtype = torch.float32 if device == "cpu" else dtype  # the interpreter has no bf16 arithmetic
     return {
         "k": torch.randn(num_slots, num_heads, head_dim, generator=gen).to(device, dtype),
         "v": torch.randn(num_slots, num_heads, head_dim, generator=gen).to(device, dtype),
@@ -152,6 +153,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=LLAMA_1B["num_key_value_heads"])
     parser.add_argument("--head-dim", type=int, default=LLAMA_1B["head_dim"])
     parser.add_argument("--check", action="store_true", help="only check the sums against torch (tiny sizes)")
+    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp8"), help="the cache's element type")
     parser.add_argument("--out", default="kv_read_pattern.json")
     args = parser.parse_args()
     if args.check:
@@ -161,7 +163,7 @@ def main() -> None:
     from common import PEAK_TB_S, graph_us, num_copies
 
     grid = {
-        "per_head": list(itertools.product((1, 2, 4, 8, 16), (16, 32, 64), (1, 2, 4))),
+        "per_head": list(itertools.product((1, 2, 4, 8, 16), (16, 32, 64, 128), (1, 2, 4))),
         "per_token": list(itertools.product((1, 2, 4, 8, 16, 32), (8, 16, 32), (2, 4, 8))),
     }
     results = []
@@ -170,8 +172,9 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for case, slots in itertools.product(args.cases.split(","), args.slots.split(",")):
         bs, ctx = (int(x) for x in case.split("x"))
-        nbytes = 2 * bs * ctx * args.heads * args.head_dim * 2  # bf16
-        kvs = [make_kv(bs, ctx, args.heads, args.head_dim, slots == "shuffled", "cuda", seed=i)
+        dtype = torch.float8_e4m3fn if args.dtype == "fp8" else torch.bfloat16
+        nbytes = 2 * bs * ctx * args.heads * args.head_dim * dtype.itemsize
+        kvs = [make_kv(bs, ctx, args.heads, args.head_dim, slots == "shuffled", "cuda", seed=i, dtype=dtype)
                for i in range(num_copies(nbytes))]
         best = {}
         for pattern, configs in grid.items():
