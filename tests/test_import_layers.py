@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 # The layers the library reads in, lowest first; a module may import from its own layer and the ones below.
 # Top-level modules (config, context, batch, errors, ...) are the lowest layer, "base"; the KV cache sits on it.
 # The applications on top of the library come last: the HTTP server, then the benchmarks (which may start a server).
-LAYER_ORDER = ("base", "kv", "ops", "passes", "attention", "compiler", "graph_runner", "hf", "engine", "server", "bench")
+LAYER_ORDER = ("base", "kv", "ops", "passes", "attention", "compiler", "graph_runner", "hf", "distributed", "engine",
+               "server", "bench")
 APPLICATIONS = ("server", "bench")  # the root modules only they import (cli_options) are not "base"
 BACKENDS = ("torch_native", "triton", "flashinfer", "fa3")  # attention/<name>/: one folder per backend
 MAX_ROOT_MODULES = 14  # the package root keeps the base and the CLI; every other concept is a folder
@@ -165,8 +166,8 @@ def layer_ranks(edges: dict[str, set[str]]) -> dict[str, int]:
 
 def test_no_layer_imports_a_layer_above_it() -> None:
     """base (config, context, batch, ...) -> kv -> ops -> passes -> attention -> compiler -> graph_runner -> hf ->
-    engine -> server -> bench: every import between ranked layers points down (or stays in the layer); the server
-    imports nothing of the benchmarks."""
+    distributed -> engine -> server -> bench: every import between ranked layers points down (or stays in the
+    layer); the server imports nothing of the benchmarks."""
     edges = import_edges()
     rank = layer_ranks(edges)
     assert rank[f"{PACKAGE}.config"] == 0 and rank[f"{PACKAGE}.context"] == 0

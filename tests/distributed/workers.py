@@ -1,0 +1,101 @@
+"""What each rank runs in the distributed tests (module level, so spawned processes can import it).
+
+Every rank builds the same seeded tiny model, keeps an unsharded HF eager copy as the reference, shards its own
+copy, runs the three-step ragged scenario of ``tests.hf.hf_steps`` through the compile_attn attention path (its
+own KV cache, sized by the sharded model's per-rank heads) and compares the logits with the reference's.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from tests.hf.hf_steps import random_sequences, run_scenario
+from tests.hf.hf_tiny_models import build_pair
+from tests.reference import max_rel_error
+
+from compile_attn.distributed import all_reduce, load_sharded, shard_model, tp_rank
+from compile_attn.hf import HFModelAdapter
+
+TOL = 1e-5
+
+
+def reference_logits(ref: torch.nn.Module, sequences: list[torch.Tensor]) -> list[torch.Tensor]:
+    with torch.no_grad():
+        return [ref(seq[None]).logits[0] for seq in sequences]
+
+
+def check_close(what: str, got: list[torch.Tensor], want: list[torch.Tensor], tol: float = TOL) -> None:
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.shape == w.shape, f"{what} request {i}: logits {tuple(g.shape)} vs reference {tuple(w.shape)}"
+        err = max_rel_error(g, w)
+        assert err <= tol, f"rank {tp_rank()}, {what} request {i}: relative error {err:.2e} > {tol}"
+
+
+def run_adapter(adapter: Any, model: Any = None, seed: int = 1) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(the scenario's sequences, their logits from ``model`` or the adapter itself) on a fresh KV cache."""
+    kv = adapter.make_kv_cache(max_batch_size=8, max_context=64, kv_cache_tokens=256)
+    sequences = random_sequences(adapter.vocab_size, seed=seed)
+    return sequences, run_scenario(adapter if model is None else model, kv, "torch_native", adapter.attention_layers(), sequences)
+
+
+def sharded_families(rank: int, world_size: int, cases: list[tuple[str, dict[str, Any]]]) -> None:
+    """Each (family, config overrides): the sharded model's logits equal the unsharded HF eager model's."""
+    for family, overrides in cases:
+        ours, ref = build_pair(family, attn="eager", **overrides)
+        heads, kv_heads = ours.config.num_attention_heads, ours.config.num_key_value_heads
+        adapter = HFModelAdapter(shard_model(copy.deepcopy(ours), rank, world_size))
+        layer = adapter.attention_layers()[0]
+        assert (layer.num_heads, layer.num_kv_heads) == (heads // world_size, max(1, kv_heads // world_size))
+        assert adapter.make_kv_cache(max_batch_size=1, max_context=8, kv_cache_tokens=8).pool.num_kv_heads == layer.num_kv_heads
+        sequences, logits = run_adapter(adapter)
+        check_close(f"{family} {overrides}", logits, reference_logits(ref, sequences))
+
+
+def compiled_family(rank: int, world_size: int, family: str, compiler: str) -> None:
+    """``torch.compile(backend="compile_attn", fullgraph=True)`` of the sharded model: the all-reduces stay in the
+    compiled pieces, attention alone is split out, and the logits equal the unsharded HF eager model's."""
+    from compile_attn.compiler.backend import compile_attn_backend
+    from compile_attn.passes.split import split_graph
+
+    torch._dynamo.reset()
+    ours, ref = build_pair(family, attn="eager")
+    adapter = HFModelAdapter(shard_model(copy.deepcopy(ours), rank, world_size))
+    graphs: list[list[tuple[bool, list[str]]]] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        split = split_graph(copy.deepcopy(gm))
+        graphs.append([(p.is_split_op, p.op_labels) for p in split.pieces])
+        return compile_attn_backend(gm, example_inputs, options={"compiler": compiler, "cache_dir": None})
+
+    compiled = torch.compile(adapter, backend=backend, fullgraph=True)
+    sequences, logits = run_adapter(adapter, compiled, seed=5)
+    check_close(f"compiled {family}", logits, reference_logits(ref, sequences))
+    layers = ours.config.num_hidden_layers
+    assert len(graphs) == 2, f"one static and one dynamic graph expected, got {len(graphs)}"  # tokens 21, 41, 4
+    for graph in graphs:
+        split_ops = [labels for is_split, labels in graph if is_split]
+        assert split_ops == [["compile_attn::attention"]] * layers, split_ops
+        in_pieces = sum(labels.count("compile_attn::tp_all_reduce") for is_split, labels in graph if not is_split)
+        # per layer: o_proj and down_proj; plus the embedding
+        assert in_pieces == 2 * layers + 1, graph
+        gathers = sum(labels.count("compile_attn::tp_all_gather") for _, labels in graph)
+        assert gathers == 1, graph
+
+
+def loaded_checkpoint(rank: int, world_size: int, path: str, family: str) -> None:
+    """``load_sharded`` of a checkpoint directory gives the unsharded model's logits."""
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+    adapter = load_sharded(path, rank, world_size)
+    sequences, logits = run_adapter(adapter)
+    check_close(f"loaded {family}", logits, reference_logits(ref, sequences))
+
+
+def failing_rank(rank: int, world_size: int) -> None:
+    """Rank 1 raises before the first collective; the others wait in an all-reduce that never completes."""
+    if rank == 1:
+        raise RuntimeError("rank 1 failed on purpose")
+    all_reduce(torch.ones(4))
