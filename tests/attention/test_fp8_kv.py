@@ -26,9 +26,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compile_attn import AttentionLayer, ForwardBatch, ForwardMode, KVCache, create_backend, forward_context
-from compile_attn.batch import PAD_REQUEST, PAD_SLOT
-from compile_attn.kv.fp8 import dequantize, fp8_max, quantize
+from compile_attn import AttentionLayer, KVCache, create_backend, forward_context
+from compile_attn.kv.fp8 import fp8_max, quantize
+from tests.attention.fp8_pool import as_stored, dequantized_pool
+from tests.attention.harness import LENGTHS, padded_decode_batch
+from tests.batch_factory import random_step
 from tests.reference import max_rel_error, reference_attention
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -67,6 +69,7 @@ def run_fp8_case(target: Target, kv_dtype: torch.dtype, prefix: list[int], exten
     backend's static graph buffers); returns (error vs dequantised KV, error vs original KV)."""
     gen = torch.Generator().manual_seed(seed)
     dev = target.device
+    prefix, extend = list(prefix), list(extend)
     seq = [p + e for p, e in zip(prefix, extend)]
     kv = KVCache(num_layers=1, num_kv_heads=num_kv_heads, head_dim=head_dim, max_batch_size=len(seq) + 1,
                  max_context=max(seq) + 1, kv_cache_tokens=sum(seq) + len(seq) * page_size, page_size=page_size,
@@ -74,30 +77,19 @@ def run_fp8_case(target: Target, kv_dtype: torch.dtype, prefix: list[int], exten
     pool = kv.pool
     k_gain = torch.linspace(0.3, 1.5, num_kv_heads)[None, :, None]  # KV heads 5x apart
     v_gain = torch.logspace(-1, 1, num_kv_heads)[None, :, None]  # 100x apart
-
-    def rand_kv(n: int, gain: torch.Tensor) -> torch.Tensor:
-        return (torch.randn(n, num_kv_heads, head_dim, generator=gen) * gain).to(dev)
-
     # per-head scales as calibration would set them (margin 2 over this data's amax, ~4.5 sigma), before any store
     k_scale = 2 * k_gain.flatten() * 4.5 / fp8_max(kv_dtype)
     v_scale = 2 * v_gain.flatten() * 4.5 / fp8_max(kv_dtype)
     pool.k_scales[0].copy_(k_scale)
     pool.v_scales[0].copy_(v_scale)
     pool.scale_calibration = None  # scales given
-    rows = [kv.alloc_request() for _ in prefix]
-    slots = kv.alloc_extend(rows, prefix)
-    k_orig = torch.zeros(pool.num_slots, num_kv_heads, head_dim, device=dev)
-    v_orig = torch.zeros_like(k_orig)
-    k_pre, v_pre = rand_kv(slots.shape[0], k_gain), rand_kv(slots.shape[0], v_gain)
-    pool.set_kv(0, slots, k_pre, v_pre)
-    k_orig[slots], v_orig[slots] = k_pre, v_pre
-    loc = kv.alloc_extend(rows, extend)
-    mode = None
-    fb = ForwardBatch.build(req_pool_indices=rows, prefix_lens=prefix, extend_lens=extend, out_cache_loc=loc,
-                            forward_mode=mode, device=dev)
     n, hq = sum(extend), num_kv_heads * group
-    q = torch.randn(n, hq, head_dim, generator=gen).to(dev, target.q_dtype)
-    k, v = rand_kv(n, k_gain).to(target.q_dtype), rand_kv(n, v_gain).to(target.q_dtype)
+    step = random_step(kv, prefix, extend, hq, gen, dtype=target.q_dtype, shuffle_pages=False,
+                       gains=(k_gain, v_gain))
+    q, k, v, fb, loc = step.q, step.k, step.v, step.batch, step.batch.out_cache_loc
+    k_orig = torch.zeros(pool.num_slots, num_kv_heads, head_dim, device=dev)  # the prefixes before quantising
+    v_orig = torch.zeros_like(k_orig)
+    k_orig[step.prefix_loc], v_orig[step.prefix_loc] = step.prefix_kv[0]
     layer = AttentionLayer(0, hq, num_kv_heads, head_dim, sliding_window=window)
     backend = create_backend(target.backend, kv, [layer])
     pad = 0
@@ -105,11 +97,7 @@ def run_fp8_case(target: Target, kv_dtype: torch.dtype, prefix: list[int], exten
         backend.init_forward_metadata(fb)
     else:  # a decode graph bucket: padded rows on the scratch request and slot, static buffers
         pad = bucket - n
-        fb = ForwardBatch.build(req_pool_indices=rows + [PAD_REQUEST] * pad, prefix_lens=prefix + [0] * pad,
-                                extend_lens=[1] * bucket, out_cache_loc=torch.cat([loc, torch.full(
-                                    (pad,), PAD_SLOT, dtype=loc.dtype, device=dev)]),
-                                forward_mode=ForwardMode.DECODE, device=dev)
-        fb.graph_bucket, fb.real_batch_size = bucket, n
+        fb = padded_decode_batch(step, bucket)
         backend.init_cuda_graph_state(bucket, bucket)
         backend.init_forward_metadata_out_graph(fb, in_capture=True)
         backend.init_forward_metadata_in_graph(fb)
@@ -122,31 +110,20 @@ def run_fp8_case(target: Target, kv_dtype: torch.dtype, prefix: list[int], exten
     # the step's K/V reached the pool quantised with the layer's scales
     stored = pool.k_buffers[0].view(torch.uint8)[loc].view(kv_dtype)
     assert torch.equal(stored.view(torch.uint8), quantize(k, k_scale.to(dev), kv_dtype).view(torch.uint8))
-    args = (kv.req_to_token, rows, prefix, extend)
+    args = (kv.req_to_token, step.rows, prefix, extend)
     opts = dict(scaling=layer.scaling, sliding_window=window)
-    k_deq = dequantize(pool.k_buffers[0], pool.k_scales[0])
-    v_deq = dequantize(pool.v_buffers[0], pool.v_scales[0])
-    k_new = dequantize(quantize(k, pool.k_scales[0], kv_dtype), pool.k_scales[0])
-    v_new = dequantize(quantize(v, pool.v_scales[0], kv_dtype), pool.v_scales[0])
-    tight = reference_attention(q, k_new, v_new, k_deq, v_deq, *args, **opts)
+    k_new, v_new = as_stored(k, pool.k_scales[0], kv_dtype), as_stored(v, pool.v_scales[0], kv_dtype)
+    tight = reference_attention(q, k_new, v_new, *dequantized_pool(kv, 0), *args, **opts)
     loose = reference_attention(q, k, v, k_orig, v_orig, *args, **opts)
     return max_rel_error(out, tight), max_rel_error(out, loose)
 
 
-CASES = {
-    "decode": ([5, 33, 70, 17], [1, 1, 1, 1]),
-    "extend": ([0, 0, 0], [7, 20, 1]),
-    "prefix": ([12, 40, 3], [9, 5, 17]),
-    "mixed": ([9, 0, 31, 16], [1, 13, 1, 6]),
-}
-
-
 @pytest.mark.parametrize("kv_dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("kind", list(CASES))
+@pytest.mark.parametrize("kind", list(LENGTHS))
 @pytest.mark.parametrize("window", [None, 9])
 def test_fp8_cache_cpu(kv_dtype: torch.dtype, page_size: int, kind: str, window: int | None) -> None:
-    tight, loose = run_fp8_case(CPU, kv_dtype, *CASES[kind], page_size=page_size, window=window)
+    tight, loose = run_fp8_case(CPU, kv_dtype, *LENGTHS[kind], page_size=page_size, window=window)
     assert tight < CPU.tight, f"vs the dequantised KV: {tight}"
     assert loose < QUANT_BOUND[kv_dtype], f"vs the original KV: {loose}"
 
@@ -173,19 +150,19 @@ def test_fp8_cache_random_batches_cpu(reqs: list[tuple[int, int]], page_size: in
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_fp8_decode_over_graph_buffers_cpu(kv_dtype: torch.dtype, page_size: int) -> None:
     """torch_native's graph-bucket decode (static slot table, padded rows) reads the fp8 pool dequantised too."""
-    tight, loose = run_fp8_case(CPU, kv_dtype, *CASES["decode"], page_size=page_size, window=9, bucket=6)
+    tight, loose = run_fp8_case(CPU, kv_dtype, *LENGTHS["decode"], page_size=page_size, window=9, bucket=6)
     assert tight < CPU.tight and loose < QUANT_BOUND[kv_dtype]
 
 
 @pytest.mark.parametrize("target", GPU_TARGETS)
 @pytest.mark.parametrize("kv_dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("kind", list(CASES))
+@pytest.mark.parametrize("kind", list(LENGTHS))
 def test_fp8_cache_gpu(target: Target, kv_dtype: torch.dtype, page_size: int, kind: str) -> None:
     if target.backend == "fa3" and kv_dtype is E5M2:
         pytest.skip("fa3 has no e5m2 kernels (refused by name: test_fa3_refuses_e5m2)")
     for window in (None, 9):
-        tight, loose = run_fp8_case(target, kv_dtype, *CASES[kind], page_size=page_size, window=window)
+        tight, loose = run_fp8_case(target, kv_dtype, *LENGTHS[kind], page_size=page_size, window=window)
         assert tight < target.tight, f"window {window}: vs the dequantised KV: {tight}"
         assert loose < QUANT_BOUND[kv_dtype] + target.tight, f"window {window}: vs the original KV: {loose}"
 

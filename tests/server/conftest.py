@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -49,18 +50,26 @@ class Served:
                              f"{self.llm.kv_cache.available_tokens} of {self.fresh_kv_tokens} KV tokens free")
 
 
-def _llm(path: str) -> LLM:
-    llm = LLM(path, **ENGINE)
+def _llm(path: str, options: dict[str, Any]) -> LLM:
+    llm = LLM(path, **{**ENGINE, **options})
     llm.tokenizer.chat_template = TEMPLATE
     return llm
 
 
+@pytest.fixture(scope="module")
+def engine_options() -> dict[str, Any]:
+    """Engine options beyond ENGINE for ``served``'s LLM and its reference; a test module overrides this fixture to
+    serve another engine (e.g. ``{"kv_cache_dtype": "fp8_e4m3"}``)."""
+    return {}
+
+
 @pytest.fixture(scope="module", params=FRONTENDS)
-def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+           engine_options: dict[str, Any]) -> Iterator[Served]:
     """The server with its HTTP front end in a process of its own (as ``compile-attn serve`` runs it) and in a
     thread of the engine's process (the app on an AsyncLLM, as a library user may embed it)."""
     path = str(tiny_llama(tmp_path_factory.mktemp("tiny") / "model", steps=60))
-    llm, reference = _llm(path), _llm(path)
+    llm, reference = _llm(path, engine_options), _llm(path, engine_options)
     engine = AsyncLLM(llm, max_pending=64)
     try:
         with serving(engine, MODEL, request.param) as front:

@@ -104,6 +104,20 @@ def reference_attention(
     return torch.einsum("hmn,nhd->mhd", probs, v)
 
 
+def reference_decode(cache: PagedCache, q: torch.Tensor, starts: list[int], sm_scale: float, logit_cap: float = 0.0,
+                     kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Each request's query (``q[b]``, one token) over its cached positions ``starts[b]`` on, in float64: over the
+    cache's own buffers, or over ``kv`` (keys, values laid out like them: an fp8 cache's dequantised or original
+    values)."""
+    keys, values = kv if kv is not None else (cache.k_buffer, cache.v_buffer)
+    outs = []
+    for b in range(q.shape[0]):
+        slots = cache.slots(b, starts[b])
+        allowed = torch.ones(1, len(slots), dtype=torch.bool, device=q.device)
+        outs.append(reference_attention(q[b:b + 1], keys[slots], values[slots], allowed, sm_scale, logit_cap))
+    return torch.cat(outs)
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """max |out - ref| / max |ref| (0 when both are zero)."""
     err = (out.double() - ref.double()).abs().max().item()

@@ -8,7 +8,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tests.attention.kernels.kernel_reference import DEVICE, TOLERANCE, make_paged_cache, reference_attention, rel_err, take_new_tokens
+from tests.attention.kernels.kernel_reference import (
+    DEVICE, TOLERANCE, make_paged_cache, reference_attention, reference_decode, rel_err, take_new_tokens)
 
 from compile_attn.attention.kernels import (
     SUPPORTED_HEAD_DIMS,
@@ -55,19 +56,6 @@ def run_decode(cache, q, starts, num_kv_splits, max_kv_splits, sm_scale, logit_c
     if one_launch:
         assert not semaphores.any(), "the one-launch merge left a counter set"
     return out
-
-
-def reference_decode(cache, q, starts, sm_scale, logit_cap=0.0):
-    outs = []
-    for b in range(q.shape[0]):
-        slots = cache.slots(b, starts[b])
-        allowed = torch.ones(1, len(slots), dtype=torch.bool, device=DEVICE)
-        outs.append(
-            reference_attention(
-                q[b : b + 1], cache.k_buffer[slots], cache.v_buffer[slots], allowed, sm_scale, logit_cap
-            )
-        )
-    return torch.cat(outs)
 
 
 @st.composite

@@ -23,6 +23,7 @@ from tests.attention.kernels.kernel_reference import (
     csr_from_lengths,
     make_paged_cache,
     reference_attention,
+    reference_decode,
     rel_err,
 )
 
@@ -50,7 +51,7 @@ def amax_scales(x: torch.Tensor, dtype: torch.dtype, spread: float = 1.0) -> tor
 
 class Fp8Cache:
     """A paged cache (``make_paged_cache``) whose K/V are quantised into ``dtype`` with per-head scales; keeps the
-    original values (``k_real``/``v_real``) and the dequantised ones (``k_deq``/``v_deq``) for the references.
+    original values (``real``: ``k_real``/``v_real``) and the dequantised ones (``deq``) for the references.
     KV head h's values are multiplied by ``head_gain[h]`` first, so the heads' scales differ."""
 
     def __init__(self, lengths: list[int], num_kv_heads: int, head_dim: int, v_head_dim: int, page_size: int,
@@ -66,12 +67,14 @@ class Fp8Cache:
         self.dtype = dtype
 
     @property
-    def k_deq(self) -> torch.Tensor:
-        return dequantize(self.k_buffer, self.k_scale)
+    def deq(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, values) as the kernels read them: the stored bytes dequantised."""
+        return dequantize(self.k_buffer, self.k_scale), dequantize(self.v_buffer, self.v_scale)
 
     @property
-    def v_deq(self) -> torch.Tensor:
-        return dequantize(self.v_buffer, self.v_scale)
+    def real(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, values) before quantising."""
+        return self.k_real, self.v_real
 
     @property
     def scales(self) -> dict:
@@ -142,7 +145,7 @@ def test_decode_fused_store_quantises_as_kv_fp8(dtype: torch.dtype) -> None:
                      new_tokens=(k_new, v_new, new_loc), one_launch=True)
     assert same_bits(cache.k_buffer[new_loc], quantize(k_new, cache.k_scale, dtype))
     assert same_bits(cache.v_buffer[new_loc], quantize(v_new, cache.v_scale, dtype))
-    assert rel_err(out, reference_decode(cache, q, [0] * bs, 0.125, dequantised=True)) <= TOLERANCE[torch.float32]
+    assert rel_err(out, reference_decode(cache, q, [0] * bs, 0.125, kv=cache.deq)) <= TOLERANCE[torch.float32]
 
 
 # ---------------------------------------------------------------------------------------------- decode
@@ -162,16 +165,6 @@ def run_decode(cache: Fp8Cache, q, starts, num_kv_splits, max_kv_splits, sm_scal
     if one_launch:
         assert not semaphores.any()
     return out
-
-
-def reference_decode(cache: Fp8Cache, q, starts, sm_scale, logit_cap=0.0, *, dequantised: bool) -> torch.Tensor:
-    keys, values = (cache.k_deq, cache.v_deq) if dequantised else (cache.k_real, cache.v_real)
-    outs = []
-    for b in range(q.shape[0]):
-        slots = cache.slots(b, starts[b])
-        allowed = torch.ones(1, len(slots), dtype=torch.bool, device=DEVICE)
-        outs.append(reference_attention(q[b:b + 1], keys[slots], values[slots], allowed, sm_scale, logit_cap))
-    return torch.cat(outs)
 
 
 @st.composite
@@ -206,9 +199,9 @@ def test_decode_over_fp8_matches_reference(case: dict) -> None:
     out = run_decode(cache, q, starts, splits, case["max_kv_splits"], 0.125, case["logit_cap"],
                      one_launch=case["one_launch"])
     assert not out.isnan().any()
-    exact = reference_decode(cache, q, starts, 0.125, case["logit_cap"], dequantised=True)
+    exact = reference_decode(cache, q, starts, 0.125, case["logit_cap"], kv=cache.deq)
     assert rel_err(out, exact) <= TOLERANCE[case["q_dtype"]]
-    original = reference_decode(cache, q, starts, 0.125, case["logit_cap"], dequantised=False)
+    original = reference_decode(cache, q, starts, 0.125, case["logit_cap"], kv=cache.real)
     assert rel_err(out, original) <= QUANT_ERROR[case["kv_dtype"]]
 
 
@@ -223,14 +216,14 @@ def test_decode_reads_scales_when_it_runs() -> None:
     cache.k_scale.mul_(0.5)
     cache.v_scale.mul_(3.0)
     out = run_decode(cache, q, [0, 0], splits, 2, 0.125)
-    assert rel_err(out, reference_decode(cache, q, [0, 0], 0.125, dequantised=True)) <= TOLERANCE[torch.float32]
+    assert rel_err(out, reference_decode(cache, q, [0, 0], 0.125, kv=cache.deq)) <= TOLERANCE[torch.float32]
 
 
 # ---------------------------------------------------------------------------------------------- extend
 def extend_reference(cache: Fp8Cache, q, k, v, prefix, ext, sm_scale, *, dequantised: bool, causal=True,
                      window=-1, logit_cap=0.0, allowed_fn=None) -> torch.Tensor:
     """Per request: its prefix from the cache (dequantised, or the original values), then its new tokens as given."""
-    keys_all, vals_all = (cache.k_deq, cache.v_deq) if dequantised else (cache.k_real, cache.v_real)
+    keys_all, vals_all = cache.deq if dequantised else cache.real
     outs, t0 = [], 0
     for b, (p, e) in enumerate(zip(prefix, ext)):
         slots = cache.slots(b, 0, p)
@@ -333,9 +326,9 @@ def test_cascade_over_fp8_matches_reference(kv_dtype, split_levels) -> None:
     out = torch.full_like(q, float("nan"))
     cascade_decode_fwd(q, cache.k_buffer, cache.v_buffer, out, index, 0.125, num_prefix_splits=2,
                        split_levels=split_levels, **cache.scales)
-    exact = reference_decode(cache, q, [0, 0, 0], 0.125, dequantised=True)
+    exact = reference_decode(cache, q, [0, 0, 0], 0.125, kv=cache.deq)
     assert rel_err(out, exact) <= TOLERANCE[torch.float32]
-    assert rel_err(out, reference_decode(cache, q, [0, 0, 0], 0.125, dequantised=False)) <= QUANT_ERROR[kv_dtype]
+    assert rel_err(out, reference_decode(cache, q, [0, 0, 0], 0.125, kv=cache.real)) <= QUANT_ERROR[kv_dtype]
 
 
 # ---------------------------------------------------------------------------------------------- argument errors
@@ -370,8 +363,8 @@ def test_gpu_decode_over_fp8_at_serving_sizes(kv_dtype, bs, ctx, page_size) -> N
     splits = compute_num_kv_splits(torch.tensor(lengths, device=DEVICE), 132, 16, num_kv_heads=8)
     out = run_decode(cache, q, [0] * bs, splits, 16, 0.125, new_tokens=(k_new, v_new, new_loc), one_launch=True)
     assert same_bits(cache.k_buffer[new_loc], quantize(k_new, cache.k_scale, kv_dtype))
-    over_stored = reference_decode(cache, q, [0] * bs, 0.125, dequantised=True)
-    over_real = reference_decode(cache, q, [0] * bs, 0.125, dequantised=False)
+    over_stored = reference_decode(cache, q, [0] * bs, 0.125, kv=cache.deq)
+    over_real = reference_decode(cache, q, [0] * bs, 0.125, kv=cache.real)
     assert rel_err(out, over_stored) <= TOLERANCE[torch.bfloat16]
     # Against the original values the kernel adds nothing to the quantisation's own effect (which grows with the
     # context relative to an output that averages thousands of random values: 0.13 at 64 x 4096 for e4m3).

@@ -13,13 +13,14 @@ import math
 
 import pytest
 import torch
+from tests.attention.fp8_pool import as_stored, dequantized_pool
 from tests.attention.harness import TOL, Case, padded_decode_batch
 from tests.attention.verify_harness import VerifyCase, reference_verify
 from tests.batch_factory import fill_prefixes, random_step
 from tests.reference import max_rel_error, reference_attention
 
 from compile_attn import ForwardBatch, ForwardMode, create_backend, forward_context
-from compile_attn.kv.fp8 import dequantize, fp8_max, quantize
+from compile_attn.kv.fp8 import fp8_max, quantize
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -42,16 +43,6 @@ def set_scales(kv, dtype: torch.dtype) -> None:
         k_scale, v_scale = kv.pool.kv_scales(layer_id)
         k_scale.copy_(torch.linspace(4.0, 6.0, heads) * (layer_id + 1) / fp8_max(dtype))
         v_scale.copy_(torch.linspace(5.0, 3.0, heads) / fp8_max(dtype))
-
-
-def dequantized_pool(kv, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    k_pool, v_pool = kv.pool.get_kv(layer_id)
-    k_scale, v_scale = kv.pool.kv_scales(layer_id)
-    return dequantize(k_pool, k_scale), dequantize(v_pool, v_scale)
-
-
-def as_stored(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return dequantize(quantize(x, scale, dtype), scale)
 
 
 def run_fp8_case(case: Case, kv_dtype: torch.dtype, q_dtype: torch.dtype, seed: int = 0,
