@@ -1,4 +1,4 @@
-"""Paged decode attention (one query token per request) over a token-level KV cache.
+"""Paged decode attention (one query token per request, or a chain verify step's few) over a token-level KV cache.
 
 Stage 1 splits each request's KV range into ``num_kv_splits[b]`` tile-aligned chunks; one program
 handles one (request, KV head, split) and all query heads of that KV head's group, so every KV tile
@@ -15,6 +15,11 @@ more, each split program stores its partial, then counts itself in with an atomi
 last one to arrive merges the partials in split order and sets the counter back to zero. Nobody waits on anyone,
 and the merge order does not depend on which program came last, so the result is deterministic. Without them
 stage 2 is its own launch.
+
+A chain verify step (``tokens_per_request`` Q > 1, the ``Q_PER_REQ`` constexpr) runs as decode of the requests with
+Q query tokens each, their K/V already in the cache: a program's rows are the request's tokens x the group's heads,
+so a KV tile is read once per request for all its tokens, and token t sees the request's first ``seq_len - Q + 1 + t``
+keys. A row whose keys end before a split takes no part in it (no partial; the merge skips it).
 
 An fp8 cache (``k_scale``/``v_scale``: float32 per KV head, stored = real / scale) is read as fp8 and converted
 to the query's dtype in registers (exact: fp8 values are bf16/fp16 values); the scales cost nothing per element:
@@ -55,6 +60,7 @@ from compile_attn.attention.kernels._common import (
     quantize_fp8,
     softcap,
 )
+from compile_attn.attention.kernels.decode_checks import check_decode_shapes, check_new_tokens, check_semaphores
 from compile_attn.attention.kernels.launch import BoundLaunch, CachedLaunch
 
 # Split boundaries are multiples of this many tokens; every stage-1 BLOCK_N divides it.
@@ -136,17 +142,21 @@ def _decode_split_kernel(
     KV_FP8: tl.constexpr,
     FP8_MAX: tl.constexpr,
     FP8_EMULATE: tl.constexpr,
+    Q_PER_REQ: tl.constexpr,
 ):
     if USE_PDL:
         # A programmatic dependent launch starts while the kernel before it finishes: wait for that kernel (and,
         # since every kernel waits before it lets its dependents start, all before it) before reading anything.
         tl.extra.cuda.gdc_wait()
-    b = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(0).to(tl.int64)  # the request
     kv_head = tl.program_id(1) // H_BLOCKS
-    offs_g = (tl.program_id(1) % H_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
+    # Row r of the head block is the request's token r // GROUP and query head r % GROUP of the KV head's group.
+    offs_r = (tl.program_id(1) % H_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
-    mask_h = offs_g < GROUP
-    offs_h = kv_head * GROUP + offs_g
+    mask_h = offs_r < Q_PER_REQ * GROUP
+    tok = offs_r // GROUP
+    offs_h = kv_head * GROUP + offs_r % GROUP
+    rows = b * Q_PER_REQ + tok  # rows of q, out and the scratch
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -157,6 +167,8 @@ def _decode_split_kernel(
     split_len = _split_len(seq_len, tl.load(Num_Kv_Splits + b), max_kv_splits, SPLIT_ALIGN)
     lo = split * split_len
     hi = tl.minimum(lo + split_len, seq_len)
+    # Keys each row sees: all of them in decode; token t of Q_PER_REQ sees seq_len - Q_PER_REQ + 1 + t (causal).
+    row_len = seq_len - (Q_PER_REQ - 1) + tok
     # FUSE_NEW: the split holding the last position (the step's new token) reads that token from K_New/V_New.
     has_new = (hi == seq_len) & (hi > lo)
     hi_cache = hi
@@ -164,7 +176,7 @@ def _decode_split_kernel(
         hi_cache = tl.where(has_new, hi - 1, hi)
 
     q = tl.load(
-        Q + b * stride_qb + offs_h[:, None] * stride_qh + offs_d[None, :],
+        Q + rows[:, None] * stride_qb + offs_h[:, None] * stride_qh + offs_d[None, :],
         mask=mask_h[:, None] & mask_d[None, :],
         other=0.0,
     )
@@ -195,11 +207,18 @@ def _decode_split_kernel(
         qk = qk * qk_scale
         if HAS_CAP:
             qk = softcap(qk, logit_cap)
-        qk = tl.where(mask_n[None, :], qk * 1.4426950408889634, float("-inf"))
+        if Q_PER_REQ > 1:
+            mask_qk = mask_n[None, :] & (offs_n[None, :] < row_len[:, None])
+        else:
+            mask_qk = mask_n[None, :]
+        qk = tl.where(mask_qk, qk * 1.4426950408889634, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
+        m_ref = m_new
+        if Q_PER_REQ > 1:  # a row may have seen no key yet (its keys end before this tile): weights 0, not NaN
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(qk - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(
             V_Buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_dv[None, :],
@@ -247,57 +266,63 @@ def _decode_split_kernel(
     if KV_FP8:  # the values were summed as stored: once per program, not per element
         acc = acc * tl.load(V_Scale + kv_head)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
-    part_ptrs = Part_Out + b * stride_pb + offs_h[:, None] * stride_ph + split * stride_ps + offs_dv[None, :]
-    lse_ptrs = Part_Lse + b * stride_lb + offs_h * stride_lh + split * stride_ls
+    part_ptrs = (Part_Out + rows[:, None] * stride_pb + offs_h[:, None] * stride_ph + split * stride_ps
+                 + offs_dv[None, :])
+    lse_ptrs = Part_Lse + rows * stride_lb + offs_h * stride_lh + split * stride_ls
+    # A row's splits are those holding one of its keys (a prefix of the request's): the others write nothing and
+    # stage 2 skips them. Empty splits (past the end of the request, or seq_len 0) hold no row's keys.
+    has_keys = mask_h & (row_len > lo)
+    row_splits = tl.cdiv(tl.maximum(row_len, 0), tl.maximum(split_len, 1))
     if FUSE_MERGE:
         num_valid = tl.cdiv(seq_len, tl.maximum(split_len, 1))
         mask_out = mask_h[:, None] & mask_dv[None, :]
         if num_valid <= 1:
             # One split (or no KV: zeros): its normalised output is the answer; no partials, no counter.
             if split == 0:
-                out_ptrs = Out + b * stride_ob + offs_h[:, None] * stride_oh + offs_dv[None, :]
+                out_ptrs = Out + rows[:, None] * stride_ob + offs_h[:, None] * stride_oh + offs_dv[None, :]
                 tl.store(out_ptrs, (acc / l_safe[:, None]).to(Out.dtype.element_ty), mask=mask_out)
         elif split < num_valid:
-            tl.store(part_ptrs, acc / l_safe[:, None], mask=mask_out)
-            tl.store(lse_ptrs, m_i + tl.log2(l_safe), mask=mask_h)
+            tl.store(part_ptrs, acc / l_safe[:, None], mask=has_keys[:, None] & mask_dv[None, :])
+            tl.store(lse_ptrs, m_i + tl.log2(l_safe), mask=has_keys)
             tl.debug_barrier()  # every thread's partial is written before the release below
             counter = Semaphores + b * stride_sem + tl.program_id(1)
             arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if arrived == num_valid - 1:
                 tl.store(counter, 0)  # ready for the next launch (or graph replay)
-                _merge_partials(Part_Out, Part_Lse, Out, b, offs_h, mask_h, offs_dv, mask_out, num_valid, stride_pb,
-                                stride_ph, stride_ps, stride_lb, stride_lh, stride_ls, stride_ob, stride_oh,
-                                BLOCK_H, BLOCK_DV)
+                _merge_partials(Part_Out, Part_Lse, Out, rows, offs_h, mask_h, row_splits, offs_dv, mask_out,
+                                num_valid, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ls, stride_ob,
+                                stride_oh, BLOCK_H, BLOCK_DV)
     else:
-        # Empty splits (past the end of the request, or seq_len 0) write nothing; stage 2 skips them.
-        store_h = offs_g < tl.where(hi > lo, GROUP, 0)
-        tl.store(part_ptrs, acc / l_safe[:, None], mask=store_h[:, None] & mask_dv[None, :])
-        tl.store(lse_ptrs, m_i + tl.log2(l_safe), mask=store_h)
+        tl.store(part_ptrs, acc / l_safe[:, None], mask=has_keys[:, None] & mask_dv[None, :])
+        tl.store(lse_ptrs, m_i + tl.log2(l_safe), mask=has_keys)
 
 
 @triton.jit
-def _merge_partials(Part_Out, Part_Lse, Out, b, offs_h, mask_h, offs_dv, mask_out, num_valid, stride_pb, stride_ph,
-                    stride_ps, stride_lb, stride_lh, stride_ls, stride_ob, stride_oh,
+def _merge_partials(Part_Out, Part_Lse, Out, rows, offs_h, mask_h, row_splits, offs_dv, mask_out, num_valid,
+                    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ls, stride_ob, stride_oh,
                     BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr):
     """Stage 2 for one request and head block inside stage 1 (the last split program to finish): combine the
-    ``num_valid`` (>= 2) partials in split order. Loads go to L2 (``.cg``): other programs wrote them."""
+    ``num_valid`` (>= 2) partials in split order, each row's first ``row_splits`` only (the splits holding its keys;
+    padding rows none). Loads go to L2 (``.cg``): other programs wrote them."""
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     for s in range(0, num_valid):
-        # Padding rows of the head block load lse 0 (not -inf) so their arithmetic stays finite; never stored.
-        lse = tl.load(Part_Lse + b * stride_lb + offs_h * stride_lh + s * stride_ls, mask=mask_h, other=0.0,
-                      cache_modifier=".cg")
-        part = tl.load(Part_Out + b * stride_pb + offs_h[:, None] * stride_ph + s * stride_ps + offs_dv[None, :],
-                       mask=mask_out, other=0.0, cache_modifier=".cg")
+        has = mask_h & (s < row_splits)  # a row's splits come first: once one is missing, the rest are
+        lse = tl.load(Part_Lse + rows * stride_lb + offs_h * stride_lh + s * stride_ls, mask=has,
+                      other=float("-inf"), cache_modifier=".cg")
+        part = tl.load(Part_Out + rows[:, None] * stride_pb + offs_h[:, None] * stride_ph + s * stride_ps
+                       + offs_dv[None, :], mask=has[:, None] & mask_out, other=0.0, cache_modifier=".cg")
         m_new = tl.maximum(m, lse)
-        alpha = tl.exp2(m - m_new)
-        w = tl.exp2(lse - m_new)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no split yet: weight 0, not NaN
+        alpha = tl.exp2(m - m_ref)
+        w = tl.exp2(lse - m_ref)
         acc = acc * alpha[:, None] + w[:, None] * part
         l_sum = l_sum * alpha + w
         m = m_new
-    tl.store(Out + b * stride_ob + offs_h[:, None] * stride_oh + offs_dv[None, :],
-             (acc / l_sum[:, None]).to(Out.dtype.element_ty), mask=mask_out)
+    out = tl.where(l_sum[:, None] > 0, acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None], 0.0)  # no keys: zeros
+    tl.store(Out + rows[:, None] * stride_ob + offs_h[:, None] * stride_oh + offs_dv[None, :],
+             out.to(Out.dtype.element_ty), mask=mask_out)
 
 
 _LAUNCH_SPLIT = CachedLaunch(_decode_split_kernel)
@@ -323,18 +348,21 @@ def _decode_merge_kernel(
     BLOCK_DV: tl.constexpr,
     BLOCK_S: tl.constexpr,
     SPLIT_ALIGN: tl.constexpr,
+    Q_PER_REQ: tl.constexpr,
 ):
-    b = tl.program_id(0).to(tl.int64)
+    row = tl.program_id(0).to(tl.int64)
+    b = row // Q_PER_REQ  # the request
     h = tl.program_id(1)
     offs_dv = tl.arange(0, BLOCK_DV)
     mask_dv = offs_dv < V_HEAD_DIM
 
     seq_len = tl.load(Kv_Indptr + b + 1) - tl.load(Kv_Indptr + b)
     split_len = _split_len(seq_len, tl.load(Num_Kv_Splits + b), max_kv_splits, SPLIT_ALIGN)
-    num_valid = tl.cdiv(seq_len, tl.maximum(split_len, 1))
+    row_len = seq_len - (Q_PER_REQ - 1 - row % Q_PER_REQ)  # the keys this row sees (all of them in decode)
+    num_valid = tl.cdiv(tl.maximum(row_len, 0), tl.maximum(split_len, 1))  # the splits holding them
 
-    part_base = Part_Out + b * stride_pb + h * stride_ph
-    lse_base = Part_Lse + b * stride_lb + h * stride_lh
+    part_base = Part_Out + row * stride_pb + h * stride_ph
+    lse_base = Part_Lse + row * stride_lb + h * stride_lh
     m = tl.full([], float("-inf"), tl.float32)
     l_sum = tl.full([], 0.0, tl.float32)
     acc = tl.zeros([BLOCK_DV], tl.float32)
@@ -353,9 +381,9 @@ def _decode_merge_kernel(
         acc = acc * alpha + tl.sum(w[:, None] * part, 0)
         l_sum = l_sum * alpha + tl.sum(w, 0)
         m = m_new
-    # A request with no KV (seq_len 0) gets zeros, not NaN.
+    # A row with no KV (seq_len 0) gets zeros, not NaN.
     out = tl.where(l_sum > 0, acc / tl.where(l_sum > 0, l_sum, 1.0), 0.0)
-    tl.store(Out + b * stride_ob + h * stride_oh + offs_dv, out.to(Out.dtype.element_ty), mask=mask_dv)
+    tl.store(Out + row * stride_ob + h * stride_oh + offs_dv, out.to(Out.dtype.element_ty), mask=mask_dv)
 
 
 _LAUNCH_MERGE = CachedLaunch(_decode_merge_kernel)
@@ -399,26 +427,30 @@ def _fp8_split_kernel_config(widest: int, use_dot: bool, small_batch: bool) -> d
 def _launch_meta(
     num_q_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: int, dtype: torch.dtype, max_kv_splits: int,
     has_cap: bool, pdl: bool, small_batch: bool = False, kv_dtype: torch.dtype | None = None,
+    tokens_per_request: int = 1,
 ) -> tuple[int, dict, dict]:
     """(head blocks per KV head, stage-1 constexprs and options, stage-2 ones): a function of the shapes only,
     computed once per shape (decode runs once per layer per step)."""
     group = num_q_heads // num_kv_heads
-    use_dot = group > 1
-    block_h = min(64, max(16, next_pow2(group))) if use_dot else 1
-    h_blocks = triton.cdiv(group, block_h)
+    rows = group * tokens_per_request  # a KV head's query rows per request: tokens x heads
+    use_dot = rows > 1
+    block_h = min(64, max(16, next_pow2(rows))) if use_dot else 1
+    h_blocks = triton.cdiv(rows, block_h)
     block_d, block_dv = next_pow2(head_dim), next_pow2(v_head_dim)
+    tiles = _split_kernel_config(block_d, block_dv, use_dot, small_batch, kv_dtype in FP8_KV_DTYPES)
+    if tokens_per_request > 1 and block_h > 16 and tiles.get("num_warps", 4) < 4:
+        tiles["num_warps"] = 4  # 32-64 rows of scores and output per program: more registers than 2 warps hold
     split = dict(
         GROUP=group, BLOCK_H=block_h, H_BLOCKS=h_blocks, BLOCK_D=block_d, BLOCK_DV=block_dv, HEAD_DIM=head_dim,
         V_HEAD_DIM=v_head_dim, SPLIT_ALIGN=SPLIT_ALIGN, USE_DOT=use_dot, HAS_CAP=has_cap,
         DOT_PRECISION=dot_precision(_decode_split_kernel, dtype),
-        **kv_fp8_constexprs(_decode_split_kernel, kv_dtype or dtype),
-        **_split_kernel_config(block_d, block_dv, use_dot, small_batch, kv_dtype in FP8_KV_DTYPES),
+        **kv_fp8_constexprs(_decode_split_kernel, kv_dtype or dtype), Q_PER_REQ=tokens_per_request, **tiles,
     )
     if pdl:
         split["launch_pdl"] = True
     merge = dict(
         V_HEAD_DIM=v_head_dim, BLOCK_DV=block_dv, BLOCK_S=min(next_pow2(max_kv_splits), 16), SPLIT_ALIGN=SPLIT_ALIGN,
-        num_warps=2 if block_dv <= 128 else 4,
+        Q_PER_REQ=tokens_per_request, num_warps=2 if block_dv <= 128 else 4,
     )
     return h_blocks, split, merge
 
@@ -428,40 +460,9 @@ def _use_pdl(q: torch.Tensor) -> bool:
     return q.is_cuda and not is_interpreted(_decode_split_kernel) and pdl_supported(q.device.index)
 
 
-def _check_new_tokens(
-    k_new: torch.Tensor | None, v_new: torch.Tensor | None, new_loc: torch.Tensor | None, bs: int,
-    num_kv_heads: int, head_dim: int, v_head_dim: int,
-) -> None:
-    if k_new is None or v_new is None:
-        raise ValueError("the fused K/V store needs both k_new and v_new (new_loc alone has nothing to store)")
-    check_device(_decode_split_kernel, k_new, v_new, new_loc)
-    ks, vs = k_new.shape, v_new.shape  # torch.Size compares equal to plain tuples
-    if len(ks) != 3 or ks[0] < bs or ks[1:] != (num_kv_heads, head_dim):
-        raise ValueError(f"k_new has shape {tuple(ks)}, expected (>= {bs}, {num_kv_heads}, {head_dim})")
-    if len(vs) != 3 or vs[0] < bs or vs[1:] != (num_kv_heads, v_head_dim):
-        raise ValueError(f"v_new has shape {tuple(vs)}, expected (>= {bs}, {num_kv_heads}, {v_head_dim})")
-    if new_loc is not None and (new_loc.dim() != 1 or new_loc.shape[0] < bs):
-        raise ValueError(f"new_loc has shape {tuple(new_loc.shape)}, expected one slot per request (>= {bs})")
-    if k_new.stride(-1) != 1 or v_new.stride(-1) != 1:
-        check_last_dim_contiguous("k_new", k_new)
-        check_last_dim_contiguous("v_new", v_new)
-
-
 def decode_semaphores(batch_size: int, num_q_heads: int, device: torch.device | str) -> torch.Tensor:
-    """Zeroed counters for :func:`decode_attention_fwd`'s one-launch mode, for up to ``batch_size`` requests."""
+    """Zeroed counters for :func:`decode_attention_fwd`'s one-launch mode, for up to ``batch_size`` query rows."""
     return torch.zeros(batch_size, num_q_heads, dtype=torch.int32, device=device)
-
-
-def _check_semaphores(semaphores: torch.Tensor, bs: int, num_q_heads: int, device: torch.device) -> None:
-    shape = tuple(semaphores.shape)
-    if semaphores.dtype != torch.int32 or len(shape) != 2 or shape[0] < bs or shape[1] < num_q_heads:
-        raise ValueError(
-            f"semaphores must be int32 of shape (>= {bs}, >= {num_q_heads}) (see decode_semaphores), got "
-            f"{semaphores.dtype} {shape}"
-        )
-    if semaphores.stride(1) != 1 or semaphores.device != device:
-        raise ValueError(f"semaphores must be row-contiguous on {device}, got strides {semaphores.stride()} on "
-                         f"{semaphores.device}")
 
 
 def check_split_options(split_size: int, max_kv_splits: int) -> None:
@@ -528,6 +529,7 @@ def decode_attention_fwd(
     batch_invariant: bool = False,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    tokens_per_request: int = 1,
 ) -> None:
     """Decode attention of ``q[B, Hq, D]`` over the cache into ``out[B, Hq, Dv]``.
 
@@ -553,11 +555,18 @@ def decode_attention_fwd(
     An fp8 cache (``float8_e4m3fn``/``float8_e5m2``) needs its float32 ``k_scale``/``v_scale`` ``[Hkv]`` (stored =
     real / scale), read on the device at launch time (graph replays see their current values); the fused store
     quantises the new token as ``store_kv`` does, and the request attends to it as stored.
+
+    ``tokens_per_request=Q > 1`` (a chain verify step): ``q``/``out`` hold ``B * Q`` rows, request ``b``'s tokens at
+    rows ``b*Q .. b*Q+Q-1`` in position order, while ``kv_indptr``/``kv_indices``/``num_kv_splits`` describe the
+    ``B`` requests, whose KV already holds all ``Q`` tokens (stored before: no ``k_new``/``v_new``/``new_loc``).
+    Token ``t`` attends to its request's first ``seq_len - Q + 1 + t`` keys (causal; none: zeros). One program reads
+    each KV tile once for all ``Q`` tokens x the GQA group (at most 64 rows). ``attn_logits``/``attn_lse``/
+    ``semaphores`` are per query row, as in decode with ``B * Q`` rows. ``tokens_per_request=1`` is decode.
     """
     for launch, grid, args, kwargs in _decode_launches(
         q, k_buffer, v_buffer, out, kv_indptr, kv_indices, num_kv_splits, max_kv_splits, attn_logits, attn_lse,
         sm_scale, logit_cap, k_new=k_new, v_new=v_new, new_loc=new_loc, semaphores=semaphores,
-        batch_invariant=batch_invariant, k_scale=k_scale, v_scale=v_scale,
+        batch_invariant=batch_invariant, k_scale=k_scale, v_scale=v_scale, tokens_per_request=tokens_per_request,
     ):
         launch(grid, *args, **kwargs)
 
@@ -609,31 +618,13 @@ def _decode_launches(
     batch_invariant: bool = False,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    tokens_per_request: int = 1,
 ) -> list[tuple[CachedLaunch, tuple, tuple, dict]]:
     """The checked launches (launcher, grid, positional and keyword arguments) of one decode_attention_fwd."""
     check_device(_decode_split_kernel, q, k_buffer, v_buffer, out, kv_indptr, kv_indices)
-    bs, num_q_heads, head_dim = q.shape
-    _, num_kv_heads, k_dim = k_buffer.shape
-    v_head_dim = v_buffer.shape[-1]
-    if k_dim != head_dim or v_buffer.shape[1] != num_kv_heads:
-        raise ValueError(
-            f"k_buffer {tuple(k_buffer.shape)} / v_buffer {tuple(v_buffer.shape)} do not match q {tuple(q.shape)}"
-        )
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    if tuple(out.shape) != (bs, num_q_heads, v_head_dim):
-        raise ValueError(f"out has shape {tuple(out.shape)}, expected {(bs, num_q_heads, v_head_dim)}")
-    if (
-        attn_logits.shape[0] < bs
-        or attn_logits.shape[1] != num_q_heads
-        or attn_logits.shape[2] < max_kv_splits
-        or attn_logits.shape[3] != v_head_dim
-        or attn_lse.shape[2] < max_kv_splits
-    ):
-        raise ValueError(
-            f"attn_logits {tuple(attn_logits.shape)} / attn_lse {tuple(attn_lse.shape)} are too small for "
-            f"batch {bs}, {num_q_heads} heads, max_kv_splits {max_kv_splits}, v_head_dim {v_head_dim}"
-        )
+    bs = check_decode_shapes(q, k_buffer, v_buffer, out, attn_logits, attn_lse, max_kv_splits, tokens_per_request)
+    num_rows, num_q_heads, head_dim = q.shape
+    num_kv_heads, v_head_dim = k_buffer.shape[1], v_buffer.shape[-1]
     # Strides read once per tensor: this runs once per layer per step, on the host's critical path.
     qs, ks, vs, os_, ls, lses = q.stride(), k_buffer.stride(), v_buffer.stride(), out.stride(), attn_logits.stride(), \
         attn_lse.stride()
@@ -644,10 +635,14 @@ def _decode_launches(
     fuse_new = k_new is not None or v_new is not None or new_loc is not None
     new_strides = (0, 0, 0, 0)
     if fuse_new:
-        _check_new_tokens(k_new, v_new, new_loc, bs, num_kv_heads, head_dim, v_head_dim)
+        check_new_tokens(k_new, v_new, new_loc, bs, num_kv_heads, head_dim, v_head_dim, tokens_per_request)
+        check_device(_decode_split_kernel, k_new, v_new, new_loc)
+        if k_new.stride(-1) != 1 or v_new.stride(-1) != 1:
+            check_last_dim_contiguous("k_new", k_new)
+            check_last_dim_contiguous("v_new", v_new)
         new_strides = (*k_new.stride()[:2], *v_new.stride()[:2])
     if semaphores is not None:
-        _check_semaphores(semaphores, bs, num_q_heads, q.device)
+        check_semaphores(semaphores, num_rows, num_q_heads, q.device)
     fp8 = check_kv_scales(k_buffer, v_buffer, k_scale, v_scale)
     if bs == 0:
         return []
@@ -657,7 +652,8 @@ def _decode_launches(
     pdl = fuse_merge and _use_pdl(q)
     h_blocks, split_meta, merge_meta = _launch_meta(num_q_heads, num_kv_heads, head_dim, v_head_dim, q.dtype,
                                                     max_kv_splits, logit_cap > 0, pdl,
-                                                    not batch_invariant and bs <= SMALL_BATCH, k_buffer.dtype)
+                                                    not batch_invariant and bs <= SMALL_BATCH, k_buffer.dtype,
+                                                    tokens_per_request)
     split_args = (
         q,
         k_buffer,
@@ -702,5 +698,5 @@ def _decode_launches(
         *os_[:2],
         max_kv_splits,
     )
-    launches.append((_LAUNCH_MERGE, (bs, num_q_heads), merge_args, merge_meta))
+    launches.append((_LAUNCH_MERGE, (num_rows, num_q_heads), merge_args, merge_meta))
     return launches

@@ -113,6 +113,20 @@ def record_launches() -> list[tuple[object, tuple, dict, str]]:
             torch.empty(bs, hq, splits, dv), torch.empty(bs, hq, splits), 1 / math.sqrt(d), cap, **new,
             semaphores=torch.zeros(bs, hq, dtype=torch.int32) if fused == "store" else None,  # one launch
             batch_invariant=kv_dtype == torch.float8_e5m2, **scales)  # e5m2: the large-batch tiles
+    # Chain verify (tokens_per_request 5): the Llama shape with the merge in the kernel and as its own launch, group 1
+    # over an fp8 cache
+    for hq, hkv, kv_dtype, one_launch in ((32, 8, torch.bfloat16, True), (32, 8, torch.bfloat16, False),
+                                          (8, 8, torch.float8_e4m3fn, True)):
+        label[0] = f"verify Q5 Hq{hq} Hkv{hkv} one_launch{one_launch} kv {kv_dtype}"
+        rows, splits = 10, 4
+        scales = {} if kv_dtype == torch.bfloat16 else dict(k_scale=torch.ones(hkv), v_scale=torch.ones(hkv))
+        triton_ops.decode_attention_fwd(
+            torch.randn(rows, hq, 64).to(torch.bfloat16), torch.randn(slots, hkv, 64).to(kv_dtype),
+            torch.randn(slots, hkv, 64).to(kv_dtype), torch.empty(rows, hq, 64, dtype=torch.bfloat16),
+            torch.tensor([0, ctx, 2 * ctx], dtype=torch.int32), torch.arange(2 * ctx, dtype=torch.int32),
+            torch.full((2,), 2, dtype=torch.int32), splits, torch.empty(rows, hq, splits, 64),
+            torch.empty(rows, hq, splits), 0.125, tokens_per_request=5,
+            semaphores=torch.zeros(rows, hq, dtype=torch.int32) if one_launch else None, **scales)
     # (q heads, kv heads, head dim, dtype, causal, window, softcap, custom mask: False, True or "tree" (over the new
     # keys only, with the new tokens' positions for the window))
     extend_cases = [
