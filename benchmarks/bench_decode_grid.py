@@ -18,6 +18,7 @@ speed-up over the first; ``--cases 64x4096,256x4096`` picks the shapes.
 from __future__ import annotations
 
 import argparse
+import array
 import json
 
 import torch
@@ -58,7 +59,7 @@ def bench_backend(name: str, page_size: int, kv_dtype: str = "bf16", cases: list
     _fill(kv)
     gen = torch.Generator().manual_seed(0)
     perm = torch.randperm(kv.allocator.available, generator=gen).tolist()  # scatter pages over the pool
-    kv.allocator._free = [kv.allocator._free[i] for i in perm]
+    kv.allocator._free = array.array("q", [kv.allocator._free[i] for i in perm])
     backend = create_backend(name, kv, [layer])
     backend.init_cuda_graph_state(max_bs, max_bs)
     rows = []
