@@ -12,7 +12,7 @@ import torch
 if TYPE_CHECKING:
     from compile_attn.engine.requests.config import EngineConfig
 
-_SIZES = ("max_batch_size", "max_num_tokens", "kv_cache_tokens", "page_size", "max_context")
+_SIZES = ("max_batch_size", "max_num_tokens", "kv_cache_tokens", "page_size", "max_context", "tensor_parallel_size")
 
 
 def add_engine_options(p: argparse.ArgumentParser, *, device_help: str, max_batch_size: int, max_num_tokens: int,
@@ -20,7 +20,7 @@ def add_engine_options(p: argparse.ArgumentParser, *, device_help: str, max_batc
                        max_context_help: str = "tokens per request at most (default: the model's)") -> None:
     """--device, --backend, --graph-mode, --no-compile, --max-batch-size, --max-num-tokens, --kv-cache-tokens,
     --gpu-memory-utilization, --page-size, --max-context, --cascade-decode, --speculative-config, --no-overlap,
-    --kv-cache-dtype, --kv-scales-path: one flag per EngineConfig field."""
+    --kv-cache-dtype, --kv-scales-path, --tensor-parallel-size: one flag per EngineConfig field."""
     p.add_argument("--device", default=None, help=device_help)
     p.add_argument("--backend", default="auto",
                    help="attention backend, or '<prefill>+<decode>' (see `compile-attn info`)")
@@ -50,6 +50,8 @@ def add_engine_options(p: argparse.ArgumentParser, *, device_help: str, max_batc
     p.add_argument("--kv-scales-path", default=None, metavar="JSON",
                    help="fp8 KV scales, {\"k_scale\": [per layer], \"v_scale\": [...]} (default: the checkpoint's, "
                         "else calibrated on the first prefill)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="split the model over N processes, one per GPU (docs/tensor_parallel.md; default: 1)")
     p.add_argument("--no-overlap", action="store_true",
                    help="run each step to completion before scheduling the next (default: keep one step in flight)")
 

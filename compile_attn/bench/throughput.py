@@ -46,6 +46,7 @@ class ThroughputConfig:
     speculative_config: str | dict | None = None  # EngineConfig.speculative_config (None: off)
     kv_cache_dtype: str = "auto"  # EngineConfig.kv_cache_dtype: "auto", "fp8_e4m3", "fp8_e5m2"
     kv_scales_path: str | None = None  # EngineConfig.kv_scales_path (fp8 only)
+    tensor_parallel_size: int = 1  # EngineConfig.tensor_parallel_size
     max_batch_size: int = 256
     max_num_tokens: int = 8192
     kv_cache_tokens: int | None = None  # None: sized from gpu_memory_utilization
@@ -67,7 +68,8 @@ class ThroughputConfig:
                     max_context=self.max_context or workload.longest, page_size=self.page_size, device=self.device,
                     dtype=dtype, overlap=self.overlap, enable_prefix_cache=self.prefix_cache,
                     cascade_decode=self.cascade_decode, speculative_config=self.speculative_config,
-                    kv_cache_dtype=self.kv_cache_dtype, kv_scales_path=self.kv_scales_path)
+                    kv_cache_dtype=self.kv_cache_dtype, kv_scales_path=self.kv_scales_path,
+                    tensor_parallel_size=self.tensor_parallel_size)
 
 
 def run(cfg: ThroughputConfig) -> dict:
@@ -142,6 +144,7 @@ def _run_engine(model: object, workload: Workload, cfg: ThroughputConfig, dtype:
         except Exception as exc:  # keep the timed rounds
             logger.exception("the GPU-busy profile failed")
             busy = {"failed": f"{type(exc).__name__}: {exc}"}
+    llm.shutdown()  # tensor parallelism: stop the workers before HF's rounds
     return engine, busy
 
 

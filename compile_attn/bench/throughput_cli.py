@@ -100,7 +100,7 @@ def throughput_config(args: argparse.Namespace, device: str, **fields: object) -
         overlap=not args.no_overlap, prefix_cache=not args.no_prefix_cache,
         cascade_decode=None if args.cascade_decode is None else args.cascade_decode == "on",
         speculative_config=args.speculative_config, kv_cache_dtype=args.kv_cache_dtype,
-        kv_scales_path=args.kv_scales_path, **fields,
+        kv_scales_path=args.kv_scales_path, tensor_parallel_size=args.tensor_parallel_size, **fields,
     )
 
 

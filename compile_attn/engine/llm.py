@@ -8,6 +8,7 @@ import contextlib
 import logging
 import threading
 import time
+import weakref
 from collections import Counter, deque
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -67,7 +68,24 @@ class LLM:
     def __init__(self, model: Any, *, tokenizer: Any = None, config: EngineConfig | None = None,
                  **options: Any) -> None:
         self.config = config = EngineConfig.from_options(config, **options)
-        loaded: LoadedModel = load_for_engine(model, tokenizer=tokenizer, dtype=config.dtype, device=config.device)
+        self._tp: Any = None  # tensor parallelism: the workers' EngineGroup (engine/tensor_parallel)
+        if config.tensor_parallel_size == 1:
+            self._build(load_for_engine(model, tokenizer=tokenizer, dtype=config.dtype, device=config.device))
+            return
+        from compile_attn.engine.tensor_parallel.engine_group import EngineGroup
+
+        self._tp, loaded = EngineGroup.start(model, tokenizer, config)
+        weakref.finalize(self, self._tp.close)  # also at interpreter exit
+        try:
+            self._build(loaded)
+        except BaseException:
+            self._tp.close()
+            raise
+
+    def _build(self, loaded: LoadedModel) -> None:
+        """The KV cache, backend, scheduler and step runner for ``loaded``; with tensor parallelism each worker
+        builds its own in the same order (engine/tensor_parallel/worker.py), collectives included."""
+        config = self.config
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         self.device, self.dtype = device, dtype = config.device, config.dtype
         layers = self.model.attention_layers()
@@ -79,12 +97,16 @@ class LLM:
         kv_cache_tokens = sized.kv_cache_tokens if sized else config.kv_cache_tokens
         if sized and draft is not None:  # the draft's KV holds as many tokens: the two share what was sized
             kv_cache_tokens = draft.share_of(kv_cache_tokens, layers, config.page_size, config.kv_dtype)
+        if self._tp is not None:  # every rank allocates the same pages: the smallest rank's size
+            kv_cache_tokens = self._tp.agree_kv_tokens(kv_cache_tokens)
         self.kv_cache = KVCache.for_layers(layers, max_batch_size=config.max_batch_size, max_context=max_context,
                                            kv_cache_tokens=kv_cache_tokens, page_size=config.page_size,
                                            dtype=config.kv_dtype, device=device)
         # fp8: scales from kv_scales_path, else the checkpoint, else the first prefill (kv/kv_scales.py)
         setup_kv_scales(self.kv_cache.pool, checkpoint_dir=loaded.checkpoint_dir, scales_path=config.kv_scales_path)
         self.kv_cache.enable_prefix_cache(config.enable_prefix_cache)  # reuse computed prompts' KV
+        if self._tp is not None:  # the workers' request tables follow this one
+            self._tp.attach(self.kv_cache)
         self.backend = create_backend(config.attn_backend, self.kv_cache, layers)
         if config.speculative_config is not None:  # chain verify steps then replay the full decode graphs
             self.backend.store_decode_kv_first()
@@ -92,12 +114,14 @@ class LLM:
         self.scheduler = Scheduler(self.kv_cache, config.max_batch_size, config.max_num_tokens,
                                    defer_table_write=True)
         # Shared-prefix groups of decode batches (None: not looked for); see EngineConfig.cascade_decode.
-        self.prefix_groups = engine_prefix_finder(config.cascade_decode, self.kv_cache, self.backend.name,
+        cascade = False if self._tp is not None else config.cascade_decode  # not with tensor parallelism yet
+        self.prefix_groups = engine_prefix_finder(cascade, self.kv_cache, self.backend.name,
                                                   self.backend.takes_shared_prefix_decode())
         rows, compile_options = decode_graph_rows(config)  # a verify step's tokens are rows of a decode graph
         self.step_runner = StepRunner(self.model, self.backend, graph_mode=config.graph_mode, compile=config.compile,
                                       compile_options=compile_options, max_batch_size=rows,
                                       max_num_tokens=config.max_num_tokens)
+        self.step_runner.peers = self._tp  # each step goes to the other ranks first (None: one process)
         logger.info(
             "LLM ready: device %s, dtype %s, backend %s, graph mode %s, KV cache %d tokens (%.1f MiB, %s), page size "
             "%d", device, dtype, self.backend.name, self.step_runner.graph_mode.value, kv_cache_tokens,
@@ -124,6 +148,25 @@ class LLM:
         self._next_id = 0
         self.num_steps = 0
         self.steps_by_mode: Counter[ForwardMode] = Counter()
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.config.tensor_parallel_size
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (bounded: they are terminated if they do not exit); nothing to do in one
+        process. The LLM cannot run steps afterwards. Also on ``with LLM(...) as llm:`` exit, when the LLM is
+        collected, and at interpreter exit."""
+        if self._tp is not None:
+            self._tp.close()
+
+    close = shutdown
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     @property
     def eos_token_ids(self) -> Any:

@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
-def _load_tokenizer(path: Path) -> Any | None:
+def load_tokenizer(path: Path) -> Any | None:
     if not any((path / name).exists() for name in _TOKENIZER_FILES):
         logger.info("no tokenizer files in %s; the adapter has tokenizer=None", path)
         return None
@@ -96,4 +96,4 @@ def load_model(
         local_files_only=True,
         **_device_map(device),
     )
-    return HFModelAdapter(model.to(device).eval(), tokenizer=_load_tokenizer(path))
+    return HFModelAdapter(model.to(device).eval(), tokenizer=load_tokenizer(path))

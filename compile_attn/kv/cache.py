@@ -108,6 +108,9 @@ class KVCache(BatchChecks):
         self._issued: deque[tuple[weakref.ref, list[int], list[int], list[int]]] = deque(maxlen=4)
         self._generation = 0  # see generation
         self.prefix_cache: PrefixCache | None = None  # see enable_prefix_cache
+        # Rows whose table entries were rewritten outside a step, collected while another process mirrors the table
+        # (tensor parallelism: engine/tensor_parallel), which takes them with each step; None: nobody mirrors it.
+        self.rewritten_rows: set[int] | None = None
 
     @classmethod
     def for_layers(cls, layers: Sequence[AttentionLayer], **sizes: Any) -> KVCache:
@@ -375,6 +378,13 @@ class KVCache(BatchChecks):
         own = self._pages[row]
         for i, page in zip(indices, pages):
             own[i] = page
+
+    def rows_rewritten(self, rows: Sequence[int]) -> None:
+        """The table entries of ``rows`` were rewritten outside a step (the prefix cache lent or swapped pages): no
+        batch issued before is trusted, and a mirror of the table is told (``rewritten_rows``)."""
+        self.slots_changed()
+        if self.rewritten_rows is not None:
+            self.rewritten_rows.update(rows)
 
     def slots_changed(self) -> None:
         """A row's slots changed hands (a free, a truncation, a table rewrite): no batch issued before is trusted."""

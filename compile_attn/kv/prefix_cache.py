@@ -38,7 +38,7 @@ class CacheRows(Protocol):
     def row_len(self, row: int) -> int: ...
     def start_row(self, row: int, pages: Sequence[int], num_tokens: int) -> None: ...
     def replace_pages(self, row: int, indices: Sequence[int], pages: Sequence[int]) -> None: ...
-    def slots_changed(self) -> None: ...
+    def rows_rewritten(self, rows: Sequence[int]) -> None: ...
 
 
 @dataclass
@@ -128,7 +128,7 @@ class PrefixCache:
         slots = (np.asarray(pages, dtype=np.int64)[:, None] * ps + offsets).ravel()
         pos_t, slots_t = to_device([positions, slots], torch.int64, kv.device)
         kv.req_to_token[row, pos_t] = slots_t.to(torch.int32)
-        kv.slots_changed()  # as after a free, no issued batch is trusted any more
+        kv.rows_rewritten([row])  # as after a free, no issued batch is trusted any more; a table mirror is told
 
     # ------------------------------------------------------------------ freeing and evicting
     def release(self, row: int, pages: array.array) -> array.array:

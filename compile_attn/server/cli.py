@@ -121,4 +121,5 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     break
     finally:
         engine.shutdown()
+        llm.shutdown()  # tensor parallelism: stop the workers (nothing to do in one process)
     return code

@@ -27,7 +27,7 @@ def _is_protocol_model(model: Any) -> bool:
     return callable(model) and hasattr(model, "attention_layers")
 
 
-def _eos_ids(config: Any, tokenizer: Any) -> set[int]:
+def eos_ids_of(config: Any, tokenizer: Any) -> set[int]:
     ids: set[int] = set()
     for source in (getattr(config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
         if isinstance(source, int):
@@ -71,7 +71,7 @@ def load_for_engine(model: Any, *, tokenizer: Any, dtype: torch.dtype, device: t
     tok = tokenizer if tokenizer is not None else adapter.tokenizer
     config = adapter.config
     max_context = getattr(config, "max_position_embeddings", None)
-    return LoadedModel(adapter, tok, _eos_ids(config, tok), max_context, _local_dir(model, config))
+    return LoadedModel(adapter, tok, eos_ids_of(config, tok), max_context, _local_dir(model, config))
 
 
 def _local_dir(model: Any, config: Any) -> str | None:

@@ -52,6 +52,9 @@ class StepRunner:
         self.runner = GraphRunner(
             self.forward, backend, self.config, max_batch_size=max_batch_size, max_num_tokens=max_num_tokens
         )
+        # Tensor parallelism (rank 0): the workers' group, which sends each step to the other ranks before it runs
+        # here (engine/tensor_parallel/engine_group.py: ``run_step``); None in one process.
+        self.peers: Any = None
 
     def capture(self, shared_prefix: bool = False) -> None:
         """Capture every bucket's graph (progress bar; time and memory logged by the runner), then warm up every
@@ -63,14 +66,21 @@ class StepRunner:
     def _warm_up_step(self, fb: ForwardBatch) -> torch.Tensor:
         """``run`` as the engine calls it: every row of a decode step, else each request's last token."""
         if fb.forward_mode.is_decode():
-            return self.run(fb, None)
+            return self._run(fb, None)
         ends = list(accumulate(fb.extend_seq_lens_cpu))
-        return self.run(fb, to_device([[e - 1 for e in ends]], torch.int64, fb.input_ids.device)[0])
+        return self._run(fb, to_device([[e - 1 for e in ends]], torch.int64, fb.input_ids.device)[0])
 
     @torch.inference_mode()
     def run(self, fb: ForwardBatch, keep: torch.Tensor | None, feed: TokenFeed | None = None) -> torch.Tensor:
         """Logits of the rows ``keep`` of this step (None: every token's row), copied out of graph memory.
-        ``feed``: what the placeholders among the input ids stand for (``GraphRunner.run``)."""
+        ``feed``: what the placeholders among the input ids stand for (``GraphRunner.run``). With tensor parallelism
+        the other ranks get the step first (``peers``); start-up's warm-up steps run on every rank by themselves."""
+        if self.peers is not None:
+            return self.peers.run_step(self._run, fb, keep, feed)
+        return self._run(fb, keep, feed)
+
+    @torch.inference_mode()
+    def _run(self, fb: ForwardBatch, keep: torch.Tensor | None, feed: TokenFeed | None = None) -> torch.Tensor:
         out = self.runner.run(fb, feed)
         if keep is not None:
             rows = out[keep]

@@ -58,6 +58,8 @@ class EngineConfig:
     one byte per element, with per-layer, per-KV-head scales (docs/fp8_kv.md).
     kv_scales_path: a JSON file of fp8 KV scales (kv/kv_scales.py); None: the checkpoint's, else the first
     prefill's.
+    tensor_parallel_size: processes (one per GPU) that split every layer of an HF model (docs/tensor_parallel.md);
+    the engine starts and stops the other ranks' workers itself.
     """
 
     attn_backend: str = "auto"
@@ -79,6 +81,7 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | Mapping[str, Any] | str | None = None
     kv_cache_dtype: str | torch.dtype = "auto"
     kv_scales_path: str | None = None
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         check_backend_name(self.attn_backend)  # a misspelt name or mode fails here, not after the model has loaded
@@ -94,6 +97,7 @@ class EngineConfig:
         if self.kv_scales_path is not None and self.kv_cache_dtype == "auto":
             raise EngineOptionError(f"LLM(kv_scales_path={self.kv_scales_path!r}) scales an fp8 KV cache, but "
                                     f"kv_cache_dtype is 'auto'; pass kv_cache_dtype='fp8_e4m3', or drop kv_scales_path")
+        check_tensor_parallel(self)
 
     @classmethod
     def from_options(cls, config: EngineConfig | None = None, **options: Any) -> EngineConfig:
@@ -182,3 +186,27 @@ def check_kv_cache_dtype(kv_cache_dtype: str | torch.dtype | None) -> str:
         f"LLM(kv_cache_dtype={kv_cache_dtype!r}) is not a KV cache dtype; pass 'auto' (the model's dtype), "
         f"'fp8_e4m3' (or 'fp8'), or 'fp8_e5m2'"
     )
+
+
+def check_tensor_parallel(config: EngineConfig) -> None:
+    """``tensor_parallel_size`` a positive int, at most the CUDA devices on a GPU, and not combined with what tensor
+    parallelism does not support yet (speculative decoding, an fp8 KV cache, cascade decode); refused by name. Whether
+    the model's heads split is checked when it loads (``distributed.plan_for``)."""
+    size = config.tensor_parallel_size
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise EngineOptionError(f"LLM(tensor_parallel_size=...) must be a positive int, got {size!r}")
+    if size == 1:
+        return
+    if config.device.type == "cuda" and size > torch.cuda.device_count():
+        raise EngineOptionError(f"LLM(tensor_parallel_size={size}) needs one GPU per rank, but {torch.cuda.device_count()} "
+                                f"CUDA device(s) exist; pass tensor_parallel_size <= {torch.cuda.device_count()}")
+    if config.device.type == "cuda" and config.device.index not in (None, 0):
+        raise EngineOptionError(f"LLM(tensor_parallel_size={size}) puts rank r on cuda:r; pass device='cuda', not "
+                                f"{str(config.device)!r} (set CUDA_VISIBLE_DEVICES to choose the GPUs)")
+    unsupported = [("speculative_config", config.speculative_config is not None),
+                   ("kv_cache_dtype", config.kv_cache_dtype != "auto"), ("cascade_decode", config.cascade_decode is True)]
+    for name, used in unsupported:
+        if used:
+            raise EngineOptionError(f"LLM({name}=...) does not work with tensor_parallel_size={size} yet (see "
+                                    f"docs/tensor_parallel.md); leave {name} at its default, or use "
+                                    f"tensor_parallel_size=1")

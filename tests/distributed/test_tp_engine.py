@@ -1,0 +1,122 @@
+"""``LLM(..., tensor_parallel_size=N)`` on the CPU (gloo, spawned workers): greedy tokens equal
+``tensor_parallel_size=1``'s for three families and several graph modes, through chunked prefill, mixed
+prefill/decode steps, overlap and prefix-cache hits (a second call of the same prompts); a worker killed mid-run
+ends in one error naming its rank, with no process left; shutdown leaves no process; a model whose heads do not
+split is refused before any worker starts."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from tests.hf.hf_tiny_models import build_pair
+
+from compile_attn.batch import ForwardMode
+from compile_attn.distributed import tp_size
+from compile_attn.engine import LLM, SamplingParams
+from compile_attn.engine.requests.errors import EngineOptionError
+from compile_attn.engine.tensor_parallel.engine_group import TensorParallelError
+from compile_attn.errors import UnsupportedConfigError
+
+SHARED = [(7 * j + 3) % 96 for j in range(13)]
+PROMPTS = [SHARED + [(5 * i + 3 * j + 1) % 96 for j in range(n)] for i, n in enumerate([2, 17, 5, 30, 9])]
+PARAMS = SamplingParams(max_new_tokens=6, ignore_eos=True)
+OPTIONS = dict(device="cpu", max_batch_size=4, max_num_tokens=32, max_context=64, page_size=4,
+               compile_options={"compiler": "eager"})
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    out = {}
+    for family in ("llama", "qwen3", "gemma2"):
+        model, _ = build_pair(family)
+        out[family] = tmp_path_factory.mktemp(family)
+        model.save_pretrained(out[family])
+    return out
+
+
+def generate_twice(llm: LLM) -> list[list[int]]:
+    """The prompts, then the same prompts again (their prefixes now cached)."""
+    return [o.token_ids for _ in range(2) for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+
+
+def worker_pids(llm: LLM) -> list[int]:
+    return [p.pid for p in llm._tp.processes.values()]
+
+
+def assert_gone(pids: list[int]) -> None:
+    for pid in pids:
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, pid
+    left = [c.cmdline() for c in psutil.Process().children(recursive=True) if c.pid in pids or not _helper(c)]
+    assert not left, f"a child process outlived the LLM: {left}"
+
+
+def _helper(process: psutil.Process) -> bool:
+    """multiprocessing's resource tracker, which lives as long as the test process (not a worker)."""
+    return any("resource_tracker" in part for part in process.cmdline())
+
+
+@pytest.mark.parametrize(("family", "graph_mode", "compile", "overlap"), [
+    ("llama", "none", False, True),
+    ("llama", "piecewise", True, False),
+    ("qwen3", "full_and_piecewise", False, True),
+    ("gemma2", "none", False, True),
+])
+def test_greedy_equals_one_rank(checkpoints: dict[str, Path], family: str, graph_mode: str, compile: bool,
+                                overlap: bool) -> None:
+    options = dict(OPTIONS, graph_mode=graph_mode, compile=compile, overlap=overlap)
+    want = generate_twice(LLM(str(checkpoints[family]), **options))
+    with LLM(str(checkpoints[family]), tensor_parallel_size=2, **options) as llm:
+        pids = worker_pids(llm)
+        got = generate_twice(llm)
+        assert llm.steps_by_mode[ForwardMode.MIXED] > 0, "no step mixed prefill with decode"
+        assert llm.kv_cache.prefix_cache.num_hit_tokens >= len(PROMPTS) * 12, "the second call reused no prefix"
+    assert got == want, f"{family} {graph_mode}"
+    assert_gone(pids)
+    assert tp_size() == 1
+
+
+def test_config_model_on_four_ranks() -> None:
+    """A config (random weights, rank 0 writes them once for every rank) on 4 ranks, one KV head per rank."""
+    model, _ = build_pair("llama")
+    torch.manual_seed(1)
+    want = generate_twice(LLM(model.config, **OPTIONS, graph_mode="none", compile=False))
+    torch.manual_seed(1)
+    with LLM(model.config, tensor_parallel_size=4, **OPTIONS, graph_mode="none", compile=False) as llm:
+        assert llm.model.attention_layers()[0].num_heads == 1
+        got = generate_twice(llm)
+        pids = worker_pids(llm)
+    assert got == want
+    assert_gone(pids)
+
+
+def test_killed_worker_gives_one_error_and_no_process_left(checkpoints: dict[str, Path]) -> None:
+    llm = LLM(str(checkpoints["llama"]), tensor_parallel_size=2, **OPTIONS, graph_mode="none", compile=False)
+    pids = worker_pids(llm)
+    for p in PROMPTS:
+        llm.add_request(p, PARAMS)
+    llm.step()
+    os.kill(pids[0], signal.SIGKILL)
+    with pytest.raises(TensorParallelError, match=r"rank 1: .*died \(killed by SIGKILL\)"):
+        while llm.has_work():
+            llm.step()
+    assert_gone(pids)
+    with pytest.raises(TensorParallelError, match="has stopped"):
+        llm.generate(PROMPTS[:1], PARAMS)
+    llm.shutdown()
+    assert tp_size() == 1
+
+
+def test_refusals_before_any_worker_starts(checkpoints: dict[str, Path]) -> None:
+    with pytest.raises(UnsupportedConfigError, match="num_attention_heads 4 cannot be split over tensor_parallel_size 3"):
+        LLM(str(checkpoints["llama"]), tensor_parallel_size=3, **OPTIONS)
+    with pytest.raises(EngineOptionError, match="speculative_config"):
+        LLM(str(checkpoints["llama"]), tensor_parallel_size=2, **OPTIONS,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(EngineOptionError, match="positive int"):
+        LLM(str(checkpoints["llama"]), tensor_parallel_size=0, **OPTIONS)
+    assert not [c for c in psutil.Process().children(recursive=True) if not _helper(c)]
