@@ -2,8 +2,11 @@
 against without, in one run.
 
 * Step times (``--step-batch-sizes``): a chain verify step of B requests x (1 + K) tokens against the decode step of
-  B requests, both replayed from the engine's full decode graphs on the same KV cache (``context`` cached tokens per
-  request), CUDA-event medians.
+  B requests on the same KV cache (``context`` cached tokens per request), CUDA-event medians. The verify step runs
+  through the engine's route: its full verify graph where the backend has a verify mode (triton: each request's
+  prefix read once for its 1 + K tokens; ``verify_graph_runs`` counts them), and, for comparison, as B x (1 + K)
+  decode rows in the full decode graphs (``verify_rows_ms``: the route before verify graphs, and still the route of
+  steps whose requests verify different draft counts).
 * Output tokens/s (``--batch-sizes``): B random prompts, greedy, ``--max-new-tokens`` each, through ``LLM.generate``:
   no speculation (overlap on, the default a user gets), speculation with a proposer that is always right (it
   replays the greedy continuation of the run before: the mechanism's ceiling, test-only), and prompt lookup
@@ -75,11 +78,19 @@ def step_times(llm: LLM, batch_sizes: list[int], k: int, context: int, iters: in
         verify = ForwardBatch.build(req_pool_indices=rows, prefix_lens=[context] * bs, extend_lens=[k + 1] * bs,
                                     out_cache_loc=kv.alloc_extend(rows, [k + 1] * bs), input_ids=ids, device=device,
                                     forward_mode=ForwardMode.TARGET_VERIFY)
+        graph_runs = runner.runner.stats.verify_runs
         verify_ms = median_ms(lambda: runner.run(verify, None), device, iters)
+        graph_runs = runner.runner.stats.verify_runs - graph_runs
+        buckets, runner.runner.verify_buckets = runner.runner.verify_buckets, ()  # internal: the decode-row route
+        try:
+            rows_ms = median_ms(lambda: runner.run(verify, None), device, iters)
+        finally:
+            runner.runner.verify_buckets = buckets
         full = runner.runner.stats.runs.get("full", 0) - before.get("full", 0)
         kv.free_requests(rows)
         out.append(dict(batch_size=bs, k=k, context=context, decode_ms=decode_ms, verify_ms=verify_ms,
-                        ratio=verify_ms / decode_ms, full_graph_runs=full, runs=2 * (iters + 5)))
+                        verify_rows_ms=rows_ms, ratio=verify_ms / decode_ms, rows_ratio=rows_ms / decode_ms,
+                        verify_graph_runs=graph_runs, full_graph_runs=full, runs=3 * (iters + 5)))
     return out
 
 
@@ -131,9 +142,11 @@ def main() -> None:
     ngram = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
     spec = LLM(make(), speculative_config=ngram, **base)
     result["steps"] = step_times(spec, step_sizes, args.k, args.context, args.iters, device, shape["vocab_size"])
-    print("| B | verify B x (1+K) ms | decode B ms | ratio |\n|---|---|---|---|")
+    print("| B | verify B x (1+K) ms | as decode rows ms | decode B ms | ratio | rows ratio | verify graph runs |\n"
+          "|---|---|---|---|---|---|---|")
     for s in result["steps"]:
-        print(f"| {s['batch_size']} | {s['verify_ms']:.3f} | {s['decode_ms']:.3f} | {s['ratio']:.2f} |", flush=True)
+        print(f"| {s['batch_size']} | {s['verify_ms']:.3f} | {s['verify_rows_ms']:.3f} | {s['decode_ms']:.3f} | "
+              f"{s['ratio']:.2f} | {s['rows_ratio']:.2f} | {s['verify_graph_runs']} |", flush=True)
     lookup = spec.speculator.proposer
     for bs in [] if args.steps_only else sizes:
         prompts = [torch.randint(0, shape["vocab_size"], (args.prompt_len,), generator=gen).tolist() for _ in range(bs)]

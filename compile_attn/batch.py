@@ -283,6 +283,15 @@ class ForwardBatch:
     def device(self) -> torch.device:
         return self.out_cache_loc.device
 
+    def chain_verify_tokens(self) -> int | None:
+        """Q when this is a chain verify batch (``TARGET_VERIFY`` without ``draft_parents``) whose requests all verify
+        the same Q tokens (a graph runner's verify view: its padded requests too), else None. Host lists only."""
+        if not self.forward_mode.is_verify() or self.draft_parents is not None or not self.batch_size:
+            return None
+        lens = self.extend_seq_lens_cpu
+        q = lens[0]
+        return q if q > 0 and lens.count(q) == len(lens) else None
+
     # ------------------------------------------------------------------ validation
     def validate(self, kv_cache: BatchCache | None = None) -> None:
         """Raise InvalidBatchError naming the first inconsistent field and its values.

@@ -86,6 +86,10 @@ class GraphConfig:
     static_inductor_config: Inductor config patches for those static compiles only, over ``inductor_config``.
     ``{"triton.enable_pdl": True, "compile_threads": 1}`` (programmatic dependent launches, Hopper and newer)
     is the opt-in for bs-1 decode latency, paid for in cold-start time (docs/performance.md).
+    verify_tokens: tokens per request (speculative decoding's 1 + K) of the chain verify steps that get full verify
+    graphs of their own, one per decode bucket of requests whose tokens fit, where the attention backend has a
+    verify mode (``AttentionBackend.supports_verify_mode``); None: no verify graphs. The engine sets it for chain
+    speculation. The compiled pieces see those steps' token counts through the symbolic-shape compile.
     """
 
     mode: GraphMode = GraphMode.FULL_AND_PIECEWISE
@@ -101,6 +105,7 @@ class GraphConfig:
     direct_calls: bool = True
     compile_sizes: tuple[int, ...] | None = None
     static_inductor_config: dict[str, Any] = field(default_factory=dict, hash=False)
+    verify_tokens: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", GraphMode.parse(self.mode))
@@ -123,6 +128,9 @@ class GraphConfig:
                                 f"got {type(patches).__name__}")
             object.__setattr__(self, name, dict(patches))
             _check_inductor_options(patches, name)
+        if self.verify_tokens is not None and (not isinstance(self.verify_tokens, int) or self.verify_tokens < 1):
+            raise ValueError(f"GraphConfig.verify_tokens must be a positive integer (speculative decoding's 1 + K) or "
+                             f"None, got {self.verify_tokens!r}")
         if self.compiler not in COMPILERS:
             raise ValueError(f"GraphConfig.compiler must be one of {COMPILERS}, got {self.compiler!r}")
 

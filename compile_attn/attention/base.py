@@ -20,7 +20,10 @@ before any backend stores them (``kv/kv_scales.py``); once set, that is one attr
 (capture or replay); backends then use the buffers from ``init_cuda_graph_state``.
 
 Verification steps (``ForwardMode.TARGET_VERIFY``) take the extend path. Chains of draft tokens are causal extends
-in every backend; draft trees (``fb.draft_parents`` that are not chains) run where ``supports_tree_verify()``.
+in every backend; draft trees (``fb.draft_parents`` that are not chains) run where ``supports_tree_verify()``. A
+backend whose ``supports_verify_mode(Q)`` is True also runs chain verify batches of Q tokens per request in a verify
+mode of its own (each request's prefix read once for its Q tokens), and the graph runner captures full verify graphs
+for them (``graph_runner/runner.py``); the others' chain verify steps replay the full decode graphs as decode rows.
 """
 
 from __future__ import annotations
@@ -89,6 +92,14 @@ class AttentionBackend(ABC):
         """Whether verification steps whose draft tokens form trees (``fb.draft_parents`` that are not chains) run
         here; chains run in every backend, as causal extends. Default: the class's ``tree_verify``."""
         return self.tree_verify
+
+    def supports_verify_mode(self, tokens_per_request: int) -> bool:
+        """Whether chain verify batches (``ForwardMode.TARGET_VERIFY`` without trees) whose requests all verify
+        ``tokens_per_request`` tokens run here in a verify mode that is full-graph capturable: the graph runner then
+        gives them full graphs keyed by their number of requests (padded requests on row ``PAD_REQUEST`` with the
+        seq_len fill value, whose tokens see at most that one scratch key), instead of replaying the decode graphs
+        with one row per token. Default: no."""
+        return False
 
     def check_tree_verify(self, fb: ForwardBatch) -> None:
         """UnsupportedConfigError, naming the backends that can, if ``fb`` verifies a draft tree and this backend

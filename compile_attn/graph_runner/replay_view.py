@@ -3,7 +3,9 @@
 Decode batches are padded to a bucket of requests: padded requests use row ``PAD_REQUEST`` with the
 backend's seq_len fill value and write their token's KV to ``PAD_SLOT``. Extend batches are padded to
 a bucket of tokens: the extra tokens belong to no request, sit at position 0 and write to
-``PAD_SLOT``. Either way padding never touches a live request's KV. Only entries that may hold stale
+``PAD_SLOT``. A chain verify batch of Q tokens per request (``verify_view``) is padded to a bucket of requests as
+decode is, each padded request with Q tokens at position 0 writing to ``PAD_SLOT``. Either way padding never touches
+a live request's KV. Only entries that may hold stale
 live values are re-padded, so a steady decode loop copies the live fields and little else.
 """
 
@@ -145,4 +147,38 @@ class ReplayViews:
         )
         view.draft_parents = fb.draft_parents
         view.req_pool_indices_cpu = fb.req_pool_indices_cpu  # host rows (the fp8 scale calibration reads them)
+        return view
+
+    def verify_view(self, fb: ForwardBatch, bucket: int, tokens_per_request: int) -> ForwardBatch:
+        """``fb`` (a chain verify batch of ``tokens_per_request`` tokens per request, ``batch_size <= bucket``) padded
+        with requests up to ``bucket`` (``bucket x Q`` tokens): padded requests hold decode padding (row PAD_REQUEST,
+        the seq_len fill value), their tokens the token padding (id and position 0, slot PAD_SLOT)."""
+        b, bs, q = self.buffers, fb.batch_size, tokens_per_request
+        n = bs * q
+        int64_targets, int32_targets = self._targets(bs, n)
+        self._copy_int64_fields(fb, n, int64_targets)
+        torch._foreach_copy_(int32_targets, [fb.seq_lens, fb.extend_prefix_lens, fb.extend_seq_lens, fb.extend_start_loc])
+        if self._requests_dirty > bs:
+            pad = slice(bs, self._requests_dirty)
+            b.req_pool_indices[pad].fill_(PAD_REQUEST)
+            b.seq_lens[pad].fill_(self.seq_len_fill)
+            b.extend_prefix_lens[pad].fill_(self.pad_prefix)
+        self._requests_dirty = bs
+        self._extend_dirty = max(self._extend_dirty, bs)
+        npad = bucket - bs
+        seq_lens_cpu = fb.seq_lens_cpu
+        if npad:
+            seq_lens_cpu = torch.cat([seq_lens_cpu, torch.full((npad,), self.seq_len_fill, dtype=seq_lens_cpu.dtype)])
+        view = b.view(
+            forward_mode=fb.forward_mode,
+            batch_size=bucket,
+            num_tokens=bucket * q,
+            seq_lens_cpu=seq_lens_cpu,
+            extend_prefix_lens_cpu=list(fb.extend_prefix_lens_cpu) + [self.pad_prefix] * npad,
+            extend_seq_lens_cpu=[q] * bucket,
+            real_batch_size=bs,
+            bucket=bucket * q,
+            seq_lens_sum=fb.seq_lens_sum + npad * self.seq_len_fill,
+        )
+        view.req_pool_indices_cpu = fb.req_pool_indices_cpu
         return view

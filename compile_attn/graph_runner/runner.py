@@ -8,8 +8,10 @@ backend's piecewise wrappers capture and replay only on piecewise steps, at the 
 runner owns the buckets). A decode batch carrying shared-prefix groups that the backend runs through its
 shared-prefix (cascade) kernels goes to the piecewise graphs of its token count instead of a full decode graph
 (``shared_prefix_route``): the kernels' grid follows the groups, so attention must run eagerly between pieces. A
-chain verify batch (speculative decoding) replays the full decode graph of its token count, its tokens as decode
-rows (``verify_unroll.py``). See docs/graph_runner.md.
+chain verify batch (speculative decoding) whose requests all verify ``GraphConfig.verify_tokens`` tokens runs in a full
+verify graph of its own, keyed by its number of requests (the decode buckets), where the backend supports a verify
+mode (``AttentionBackend.supports_verify_mode``); other chain verify batches replay the full decode graph of their
+token count, their tokens as decode rows (``verify_unroll.py``). See docs/graph_runner.md.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 from torch.utils import _pytree as pytree
 from tqdm import tqdm
 
-from compile_attn.batch import ForwardBatch
+from compile_attn.batch import ForwardBatch, ForwardMode
 from compile_attn.compiler.cuda_graph import frozen_gc, graph_pool
 from compile_attn.config import GraphConfig
 from compile_attn.context import forward_context
@@ -87,17 +89,28 @@ class GraphRunner:
             if self.plan.extend is not GraphMode.NONE
             else ()
         )
+        # Full verify graphs: requests x verify_tokens tokens, for the decode buckets whose tokens fit.
+        self.verify_tokens = q = config.verify_tokens or 0
+        self.verify_buckets: tuple[int, ...] = (
+            tuple(s for s in self.decode_buckets if s * q <= decode_limit)
+            if q and self.plan.decode is GraphMode.FULL and backend.supports_verify_mode(q)
+            else ()
+        )
         self.buffers = StaticBuffers(max_batch_size, max_num_tokens, self.device)
         self.views = ReplayViews(self.buffers, backend.get_cuda_graph_seq_len_fill_value())
         self.stats = GraphRunnerStats()
         self.captured = False
         self.model_calls = ModelCalls(model, config, self.stats, compiled=self.compiled)
         self._graphs: dict[Route, CapturedGraph | RerunGraph] = {}
+        self._verify_graphs: dict[int, CapturedGraph | RerunGraph] = {}  # by request bucket
         self.fallback_logged = False
         logger.info(
-            "GraphRunner: decode -> %s (%d buckets), extend -> %s (%d buckets), backend %r on %s",
+            "GraphRunner: decode -> %s (%d buckets, %d verify graphs of %d tokens per request), extend -> %s (%d "
+            "buckets), backend %r on %s",
             self.plan.decode.value,
             len(self.decode_buckets),
+            len(self.verify_buckets),
+            self.verify_tokens,
             self.plan.extend.value,
             len(self.extend_buckets),
             backend.name,
@@ -143,6 +156,13 @@ class GraphRunner:
             return None
         return mode, bucket
 
+    def verify_route(self, fb: ForwardBatch) -> int | None:
+        """The request bucket of the full verify graph that runs ``fb`` (a chain verify batch whose requests all
+        verify ``verify_tokens`` tokens), or None (the batch takes ``route``'s way: decode rows or an extend)."""
+        if not self.verify_buckets or fb.chain_verify_tokens() != self.verify_tokens:
+            return None
+        return next_bucket(self.verify_buckets, fb.batch_size)
+
     def shared_prefix_route(self, fb: ForwardBatch) -> Route | None:
         """The piecewise ``(mode, token bucket)`` for a decode batch that carries shared-prefix groups the backend
         runs eagerly (``backend.takes_shared_prefix_decode``), or None (the batch takes ``route``'s way, with the
@@ -178,7 +198,10 @@ class GraphRunner:
         if self.captured:
             return self.stats
         keys = self.capture_keys()
-        if keys:
+        # (mode, bucket, verify graph?) by token count, largest first: verify graphs hold bucket x verify_tokens
+        jobs = sorted([(m, b, False) for m, b in keys] + [(_FULL, b, True) for b in self.verify_buckets],
+                      key=lambda j: -j[1] * (self.verify_tokens if j[2] else 1))
+        if jobs:
             self.backend.init_cuda_graph_state(self.buffers.max_batch_size, self.buffers.max_num_tokens)
         cuda = self.device.type == "cuda"
         pool = graph_pool() if cuda else None
@@ -189,9 +212,10 @@ class GraphRunner:
             torch.cuda.empty_cache()
         free_before = torch.cuda.mem_get_info(self.device)[0] if cuda else 0
         with torch.inference_mode(), frozen_gc():  # gc collected once, then frozen for every capture
-            for i, (mode, bucket) in enumerate(tqdm(keys, desc="capturing graphs", unit="graph", leave=False, disable=not keys)):
+            for i, (mode, bucket, verify) in enumerate(tqdm(jobs, desc="capturing graphs", unit="graph", leave=False,
+                                                            disable=not jobs)):
                 begin = time.perf_counter()
-                self._capture_one(mode, bucket, pool, stream)
+                self._capture_one(mode, bucket, pool, stream, verify)
                 seconds = time.perf_counter() - begin
                 self.stats.capture_seconds_by_mode[mode.value] += seconds
                 if i == 0:
@@ -204,10 +228,11 @@ class GraphRunner:
         self.views.mark_all_dirty()
         self.captured = self.model_calls.armed = True
         logger.info(
-            "captured %d graphs (%s) in %.2f s (%s; the first graph, with the model's first call: %.2f s) using "
-            "%.1f MiB of graph memory",
-            len(keys),
+            "captured %d graphs (%s; %d verify graphs) in %.2f s (%s; the first graph, with the model's first call: "
+            "%.2f s) using %.1f MiB of graph memory",
+            len(jobs),
             ", ".join(f"{m}: {n}" for m, n in sorted(self.stats.captures.items())) or "none",
+            self.stats.verify_graphs,
             self.stats.capture_seconds,
             ", ".join(f"{m} {s:.2f} s" for m, s in sorted(self.stats.capture_seconds_by_mode.items())) or "-",
             self.stats.first_capture_seconds,
@@ -228,11 +253,15 @@ class GraphRunner:
             raise RuntimeError("GraphRunner.warm_up() runs after capture(): call runner.capture() first")
         return warm_up(self, run, shared_prefix=shared_prefix)
 
-    def _capture_one(self, mode: GraphMode, bucket: int, pool: Any, stream: Any) -> None:
+    def _capture_one(self, mode: GraphMode, bucket: int, pool: Any, stream: Any, verify: bool = False) -> None:
+        """Capture the graph of ``(mode, bucket)``; ``verify``: the full verify graph of ``bucket`` requests."""
         backend, model = self.backend, self.model
         full = mode is GraphMode.FULL
         fill = backend.get_cuda_graph_seq_len_fill_value()
-        view = self.buffers.dummy_decode(bucket, fill) if full else self.buffers.dummy_extend(bucket)
+        if verify:
+            view = self.views.verify_view(self._scratch_verify(bucket), bucket, self.verify_tokens)
+        else:
+            view = self.buffers.dummy_decode(bucket, fill) if full else self.buffers.dummy_extend(bucket)
         backend.init_forward_metadata_out_graph(view, in_capture=True)
         if not full:  # attention runs eagerly between pieces: its graph-side metadata is eager too
             backend.init_forward_metadata_in_graph(view)
@@ -242,7 +271,7 @@ class GraphRunner:
                 backend.init_forward_metadata_in_graph(view)
             return model(view.input_ids, view.positions)
 
-        with forward_context(view, backend, graph_mode=mode, bucket=bucket):
+        with forward_context(view, backend, graph_mode=mode, bucket=view.graph_bucket):
             if mode is GraphMode.PIECEWISE:  # the compile backend's wrappers warm up and capture this bucket
                 step()
             else:
@@ -253,10 +282,21 @@ class GraphRunner:
                     )
                 else:
                     graph = capture_segments(step, device=self.device, pool=pool, stream=stream, breaks=True)
-                self._graphs[(mode, bucket)] = graph
+                if verify:
+                    self._verify_graphs[bucket] = graph
+                    self.stats.verify_graphs += 1
+                else:
+                    self._graphs[(mode, bucket)] = graph
                 self.stats.segments += graph.num_segments if not full else 0
                 self.stats.breaks += graph.num_breaks
         self.stats.captures[mode.value] += 1
+
+    def _scratch_verify(self, bs: int) -> ForwardBatch:
+        """A chain verify batch of ``bs`` requests x ``verify_tokens`` tokens on scratch memory (capture's)."""
+        q = self.verify_tokens
+        fb = ForwardBatch.build_scratch([0] * bs, [q] * bs, self.device)
+        fb.forward_mode = ForwardMode.TARGET_VERIFY
+        return fb
 
     # ------------------------------------------------------------------ run
     @torch.inference_mode()
@@ -271,6 +311,9 @@ class GraphRunner:
         model's Dynamo guards include the inputs' dispatch keys, which differ between inference-mode and
         no-grad tensors, so a step in another mode than capture would compile the model again (and capture its
         piecewise graphs again, on first use of each bucket)."""
+        verify = self.verify_route(fb) if fb.forward_mode.is_verify() else None
+        if verify is not None:
+            return self._run_verify(fb, verify, feed)
         route = self.shared_prefix_route(fb) if fb.shared_prefix else None
         shared = route is not None
         if not shared:
@@ -311,6 +354,23 @@ class GraphRunner:
                 out = self._graphs[route].replay()
         self.stats.runs[mode.value] += 1
         return _slice_tokens(out, bucket, fb.num_tokens)
+
+    def _run_verify(self, fb: ForwardBatch, bucket: int, feed: TokenFeed | None) -> Any:
+        """Replay the full verify graph of ``bucket`` requests for the chain verify batch ``fb``."""
+        if not self.captured:
+            raise RuntimeError("GraphRunner.run() needs graphs: call runner.capture() once before the first step")
+        if feed is not None:
+            feed.apply(fb.input_ids)
+        kv = self.backend.kv_cache
+        fb.check(kv)
+        fb.write_pending_table(kv)
+        view = self.views.verify_view(fb, bucket, self.verify_tokens)
+        self.backend.init_forward_metadata_out_graph(view)
+        with forward_context(view, self.backend, graph_mode=_FULL, bucket=view.graph_bucket):
+            out = self._verify_graphs[bucket].replay()
+        self.stats.runs[_FULL.value] += 1
+        self.stats.verify_runs += 1
+        return _slice_tokens(out, view.num_tokens, fb.num_tokens)
 
     @torch.inference_mode()
     def run_eager(self, fb: ForwardBatch) -> Any:

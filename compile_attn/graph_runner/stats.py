@@ -20,6 +20,8 @@ class GraphRunnerStats:
     the compile, or the load of cached pieces). direct_calls: piecewise steps that called the compiled graph
     directly, without Dynamo's frame (``GraphConfig.direct_calls``). shared_prefix_runs: decode steps with
     shared-prefix groups run piecewise for the backend's shared-prefix kernels (``GraphRunner.shared_prefix_route``).
+    verify_graphs / verify_runs: full verify graphs captured and chain verify steps replayed in them (both also
+    counted in ``captures`` / ``runs`` under "full"; ``GraphRunner.verify_route``).
     """
 
     captures: Counter = field(default_factory=Counter)
@@ -34,3 +36,5 @@ class GraphRunnerStats:
     graph_memory_bytes: int = 0
     direct_calls: int = 0
     shared_prefix_runs: int = 0
+    verify_graphs: int = 0
+    verify_runs: int = 0

@@ -19,6 +19,7 @@ from tests.batch_factory import fill_prefixes
 from tests.reference import max_rel_error
 
 from compile_attn import AttentionLayer, ForwardBatch, ForwardMode, KVCache, create_backend, forward_context
+from compile_attn.graph_runner import ReplayViews, StaticBuffers
 
 
 @dataclass(frozen=True)
@@ -130,19 +131,24 @@ class VerifyRun:
     outputs: list[torch.Tensor]
 
     def errors(self) -> list[float]:
-        """Per layer: max relative error against ``reference_verify``."""
+        """Per layer: max relative error against ``reference_verify`` (the requests' tokens: a graph view's padding
+        tokens after them are left out)."""
         errs = []
+        n = sum(self.case.extend)
         for layer, (q, k, v), out in zip(self.case.layers(), self.inputs, self.outputs):
             k_pool, v_pool = self.kv.pool.get_kv(layer.layer_id)
-            expected = reference_verify(q, k, v, k_pool, v_pool, self.kv.req_to_token, self.rows, self.case, layer)
-            errs.append(max_rel_error(out, expected))
+            expected = reference_verify(q[:n], k[:n], v[:n], k_pool, v_pool, self.kv.req_to_token, self.rows,
+                                        self.case, layer)
+            errs.append(max_rel_error(out[:n], expected))
         return errs
 
 
 def run_verify(case: VerifyCase, backend_name: str, device: str, dtype: torch.dtype, *, seed: int = 0,
-               backend_kwargs: dict | None = None, tree: bool = True) -> VerifyRun:
+               backend_kwargs: dict | None = None, tree: bool = True, graph_bucket: int | None = None) -> VerifyRun:
     """Build ``case`` as a TARGET_VERIFY batch (``tree=False``: without draft_parents, so only chains are meant) and
-    run every layer through the attention op on ``backend_name``."""
+    run every layer through the attention op on ``backend_name``. ``graph_bucket`` (chains of one length Q): run it
+    as a graph runner's verify view padded to that many requests (``ReplayViews.verify_view``), its metadata through
+    out_graph and in_graph over the backend's static buffers; ``VerifyRun.batch`` is then the view."""
     gen = torch.Generator().manual_seed(seed)
     kv = case.make_kv(device, dtype)
     rows = [kv.alloc_request() for _ in case.parents]
@@ -152,7 +158,10 @@ def run_verify(case: VerifyCase, backend_name: str, device: str, dtype: torch.dt
                             out_cache_loc=loc, forward_mode=ForwardMode.TARGET_VERIFY,
                             draft_parents=case.parents if tree else None, device=device)
     backend = create_backend(backend_name, kv, case.layers(), **(backend_kwargs or {}))
-    backend.init_forward_metadata(fb)
+    if graph_bucket is None:
+        backend.init_forward_metadata(fb)
+    else:
+        fb = verify_graph_view(backend, fb, graph_bucket)
     n = fb.num_tokens
 
     def rand(*shape: int) -> torch.Tensor:
@@ -207,3 +216,16 @@ def path_chain_outputs(run: VerifyRun, backend_name: str, backend_kwargs: dict |
         per_token[torch.tensor(owners, device=device)] = out[last]
         results.append(per_token)
     return results
+
+
+def verify_graph_view(backend: object, fb: ForwardBatch, bucket: int) -> ForwardBatch:
+    """``fb`` (chains of one length Q) as a graph runner's verify view of ``bucket`` requests over fresh static
+    buffers (the backend's sized for them), its metadata prepared as a graph replay does (out_graph, then in_graph)."""
+    q = fb.chain_verify_tokens()
+    assert q is not None, "a verify view needs chains of one length"
+    buffers = StaticBuffers(bucket * q, bucket * q, fb.device)
+    view = ReplayViews(buffers, backend.get_cuda_graph_seq_len_fill_value()).verify_view(fb, bucket, q)
+    backend.init_cuda_graph_state(buffers.max_batch_size, buffers.max_num_tokens)
+    backend.init_forward_metadata_out_graph(view)
+    backend.init_forward_metadata_in_graph(view)
+    return view

@@ -1,7 +1,9 @@
 """Test helpers for the graph runner: a tiny model, a call-counting backend, and a driver that runs the
 same random steps on two KV caches in lockstep (one through the GraphRunner, one plainly eager).
 
-The counting backend subclasses torch_native and only records calls (kernels are real). The eager
+The counting backend subclasses torch_native and only records calls (kernels are real); ``VerifyModeNative`` adds a
+graph-recordable verify mode to it, standing in on the CPU for the triton backend's (whose kernels are interpreted
+there, so never in a full graph). The eager
 reference never touches the runner: it calls ``init_forward_metadata`` and the model directly.
 """
 
@@ -13,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from compile_attn import ForwardBatch, ForwardMode, KVCache, forward_context, get_forward_context
-from compile_attn.attention.torch_native.backend import TorchNativeBackend
+from compile_attn.attention.torch_native.backend import TorchNativeBackend, _gather, _masked_attention, _visibility
 from compile_attn.models import ToyDecoder, ToyDecoderConfig
 
 SMALL = ToyDecoderConfig(
@@ -75,6 +77,48 @@ class CountingBackend(TorchNativeBackend):
 
     def names(self) -> list[str]:
         return [c[0] for c in self.calls]
+
+
+class VerifyModeNative(CountingBackend):
+    """torch_native with a verify mode: a graph runner's verify view (Q tokens per request) attends like decode with Q
+    rows per request over the static slot table, filled in graph, so CPU op tapes replay it like a CUDA graph.
+    Other batches (eager verify batches included) take torch_native's own paths."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.verify_table: torch.Tensor | None = None
+        self.verify_forwards = 0
+
+    def supports_verify_mode(self, tokens_per_request: int) -> bool:
+        return True
+
+    def init_forward_metadata_out_graph(self, fb: ForwardBatch, in_capture: bool = False) -> None:
+        super().init_forward_metadata_out_graph(fb, in_capture)
+        q = fb.chain_verify_tokens()
+        view = fb.graph_bucket is not None and q is not None and fb.num_tokens == fb.batch_size * q
+        self.verify_table = self._cg_table[: fb.batch_size] if view else None
+
+    def init_forward_metadata_in_graph(self, fb: ForwardBatch) -> None:
+        super().init_forward_metadata_in_graph(fb)
+        if self.verify_table is not None:
+            width = self.verify_table.shape[1]
+            self.verify_table.copy_(self.kv_cache.req_to_token[fb.req_pool_indices, :width])
+
+    def forward_extend(self, q, k, v, layer, fb, out, save_kv_cache) -> None:  # noqa: ANN001
+        table = self.verify_table
+        if table is None:
+            return super().forward_extend(q, k, v, layer, fb, out, save_kv_cache)
+        self.verify_forwards += 1
+        if save_kv_cache:
+            self.save_kv(layer, fb, k, v)
+        bs, width = table.shape
+        nq = fb.num_tokens // bs
+        k_all, v_all = _gather(self.kv_cache.pool, layer.layer_id, table.long())
+        k_pos = torch.arange(width, device=q.device).expand(bs, width)
+        q_pos = fb.seq_lens.long()[:, None] - nq + torch.arange(nq, device=q.device)
+        allowed = _visibility(q_pos, k_pos, k_pos < fb.seq_lens[:, None], layer)
+        qh = q.float().view(bs, nq, layer.num_kv_heads, layer.group_size, layer.head_dim)
+        out.copy_(_masked_attention(qh, k_all, v_all, allowed, layer).reshape(out.shape))
 
 
 def eager_reference(model, backend, fb: ForwardBatch) -> torch.Tensor:

@@ -14,7 +14,10 @@ An eager decode batch whose requests share a cached prefix (``fb.shared_prefix``
 runs the shared-prefix (cascade) kernels instead, and so does a decode batch the graph
 runner routes to its piecewise graphs because it carries groups: see ``triton/cascade.py``.
 
-Verification steps run as extends. Draft trees (``fb.draft_parents``) add, prepared on the host in out_graph and
+Chain verify steps whose requests all verify the same Q tokens run in the decode kernel's verify mode
+(``triton/verify_mode.py``): each request's prefix read once for its Q tokens, eagerly or, in a graph runner's verify
+view, over the static decode buffers inside a full verify graph (``supports_verify_mode``). Other verification steps
+run as extends. Draft trees (``fb.draft_parents``) add, prepared on the host in out_graph and
 uploaded with the extend offsets, each request's ancestor mask over its new keys and the new tokens' positions
 (``prefix + depth``, so a sliding window counts along the token's path, as a chain of that path would).
 
@@ -38,6 +41,7 @@ from compile_attn.attention.base import AttentionBackend
 from compile_attn.attention.kernel_loader import kernels_interpreted, load_triton_ops
 from compile_attn.attention.registry import register_backend
 from compile_attn.attention.triton.cascade import CascadePlanner, CascadeStep
+from compile_attn.attention.triton.verify_mode import VerifyPlanner, VerifyStep
 from compile_attn.attention.triton.metadata import (
     DecodeGraphBuffers,
     DecodeIndex,
@@ -138,9 +142,12 @@ class TritonBackend(AttentionBackend):
         )
         self._graph: DecodeGraphBuffers | None = None
         self._eager_scratch: dict[tuple[int, int], SplitScratch] = {}
-        self._step: DecodeStep | ExtendStep | CascadeStep | None = None
+        self._step: DecodeStep | ExtendStep | CascadeStep | VerifyStep | None = None
         # Shared-prefix decode needs every layer to see the whole sequence (no sliding window).
         self.cascade = CascadePlanner(kv_cache, self._ops) if self.windows == [None] else None
+        self.verify = VerifyPlanner(kv_cache, self._ops, ordered, dict(
+            num_sms=self.num_sms, max_kv_splits=self.max_kv_splits, deterministic=deterministic,
+            split_size=self.split_size, programs_per_sm=self._programs_per_sm), self.one_launch_decode, deterministic)
         # Graph-bound decode layers' launches, per (layer, batch size, save_kv_cache): see forward_decode.
         self._decode_plans: dict[tuple[int, int, bool], DecodePlan] = {}
         self.bound_decode_launches = 0  # decode layers launched through a DecodePlan (tests, debugging)
@@ -182,6 +189,11 @@ class TritonBackend(AttentionBackend):
         of in it, so that rows of one request see each other's new tokens (chain verify steps as decode rows)."""
         self.decode_stores_kv_first = True
         return True
+
+    def supports_verify_mode(self, tokens_per_request: int) -> bool:
+        """Chain verify steps of Q tokens per request run in the decode kernel's verify mode (full-graph capturable)
+        where no layer has a sliding window and Q x the GQA group fits one program (``triton/verify_mode.py``)."""
+        return self.verify.supports(tokens_per_request)
 
     def supported_graph_mode(self) -> GraphMode:
         """Piecewise only with interpreted kernels: they run on the host, so no CUDA graph (or CPU op tape) can
@@ -249,12 +261,29 @@ class TritonBackend(AttentionBackend):
                 self._step = cascade
             else:
                 self._step = self._alloc_eager_decode(fb) if eager else self._bind_graph_decode(fb)
+        elif (verify := self._prepare_verify(fb)) is not None:
+            self._step = verify
         else:
             self._step = self._prepare_extend(fb)
+
+    def _prepare_verify(self, fb: ForwardBatch) -> VerifyStep | None:
+        """Verify-mode metadata for a chain verify batch of uniform Q (None: the batch runs as an extend); a graph
+        view of exactly its B x Q tokens binds the static decode buffers (a full verify graph reads them)."""
+        q = fb.chain_verify_tokens()
+        if q is None or not self.verify.supports(q):
+            return None
+        graph = self._graph
+        bind = fb.graph_bucket is not None and graph is not None and fb.num_tokens == fb.batch_size * q <= graph.max_bs
+        if bind:
+            self.check_graph_view(fb, graph.max_bs, self.graph_max_context)
+        return self.verify.prepare(fb, q, graph if bind else None, self._scratch_for)
 
     def init_forward_metadata_in_graph(self, fb: ForwardBatch) -> None:
         """Fill the decode token CSR and split counts on the device: static shapes, no host sync."""
         step = self._step
+        if isinstance(step, VerifyStep):
+            self.verify.fill(step, fb, self.kv_cache.pool.num_kv_heads)
+            return
         if not isinstance(step, DecodeStep):
             return  # extend metadata is prepared in out_graph
         for idx in step.indexes.values():  # one launch per window
@@ -394,6 +423,10 @@ class TritonBackend(AttentionBackend):
             out[bs:].zero_()
 
     def forward_extend(self, q, k, v, layer, fb, out, save_kv_cache) -> None:
+        step = self._step
+        if isinstance(step, VerifyStep) and step.filled and step.batch_size == fb.batch_size:
+            self.verify.forward(step, q, k, v, layer, fb, out, save_kv_cache, self.max_kv_splits)
+            return
         step = self._require_step(decode=False, fb=fb)
         assert isinstance(step, ExtendStep)
         k_buf, v_buf = self.kv_cache.pool.get_kv(layer.layer_id)

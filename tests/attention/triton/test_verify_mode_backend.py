@@ -1,0 +1,82 @@
+"""The triton backend's verify mode (``attention/triton/verify_mode.py``): chain verify batches whose requests all
+verify Q tokens run in the decode kernel's ``tokens_per_request`` mode, eagerly and as a graph runner's padded verify
+view, against the float64 reference of tests/attention/verify_harness.py; other verify batches keep the extend path.
+CPU only, kernels under TRITON_INTERPRET (small cases: the interpreter is slow)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tests.attention.harness import TOL
+from tests.attention.verify_harness import VerifyCase, run_verify
+
+from compile_attn import KVCache, create_backend
+from compile_attn.attention.kernels.decode_checks import MAX_VERIFY_ROWS
+from compile_attn.attention.triton.metadata import ExtendStep
+from compile_attn.attention.triton.verify_mode import VerifyStep
+from compile_attn.layer import AttentionLayer
+
+F32 = torch.float32
+# Small splits so that prefixes of a few dozen tokens take several KV splits per request.
+_TRITON_CPU = {"split_size": 32, "max_kv_splits": 4}
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton interpreter runs where there is no GPU")
+
+
+def _chains(prefix: tuple[int, ...], q: int, **kw: object) -> VerifyCase:
+    return VerifyCase(prefix, tuple(tuple(range(-1, q - 1)) for _ in prefix), **kw)
+
+
+@st.composite
+def uniform_chain_cases(draw: st.DrawFn) -> VerifyCase:
+    """1-3 requests verifying the same 1-5 tokens over prefixes of 0-70 tokens, GQA 1 or 4, page 1 or 4, softcap."""
+    prefix = tuple(draw(st.lists(st.integers(0, 70), min_size=1, max_size=3)))
+    return _chains(prefix, draw(st.integers(1, 5)), group=draw(st.sampled_from([1, 4])),
+                   page_size=draw(st.sampled_from([1, 4])), logit_cap=draw(st.sampled_from([0.0, 0.0, 5.0])))
+
+
+@settings(max_examples=8, deadline=None)
+@given(case=uniform_chain_cases(), seed=st.integers(0, 2**16))
+def test_uniform_chains_run_in_verify_mode_like_the_reference(case: VerifyCase, seed: int) -> None:
+    run = run_verify(case, "triton", "cpu", F32, seed=seed, backend_kwargs=_TRITON_CPU, tree=False)
+    step = run.backend.step_metadata
+    assert isinstance(step, VerifyStep) and not step.graph_bound
+    assert (step.batch_size, step.tokens_per_request) == (len(case.prefix), case.extend[0])
+    assert max(run.errors()) <= TOL[F32], run.errors()
+
+
+@pytest.mark.parametrize("case, bucket", [
+    pytest.param(_chains((45, 0, 9), 4), 8, id="3-of-8-requests-q4"),
+    pytest.param(_chains((70,), 3, group=4, page_size=4, logit_cap=5.0), 2, id="1-of-2-gqa4-p4-cap"),
+    pytest.param(_chains((33, 64), 5), 2, id="unpadded-q5"),
+])
+def test_a_padded_verify_graph_view_binds_the_static_buffers(case: VerifyCase, bucket: int) -> None:
+    """The runner's verify view (requests padded to the bucket on the scratch row): metadata over the static decode
+    buffers, real tokens like the reference, padded rows finite (run_verify refuses NaN) and live KV untouched."""
+    run = run_verify(case, "triton", "cpu", F32, backend_kwargs=_TRITON_CPU, tree=False, graph_bucket=bucket)
+    step = run.backend.step_metadata
+    assert isinstance(step, VerifyStep) and step.graph_bound
+    assert step.batch_size == bucket and run.batch.num_tokens == bucket * case.extend[0]
+    assert step.index.kv_indptr.data_ptr() == run.backend.graph_buffers.indexes[None].kv_indptr.data_ptr()
+    assert max(run.errors()) <= TOL[F32], run.errors()  # reads the live requests' KV after the padded stores
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(VerifyCase((7, 3), ((-1, 0, 1), (-1, 0))), id="chains-of-two-lengths"),
+    pytest.param(_chains((7, 3), 3, window=2), id="sliding-window"),
+])
+def test_other_chain_verify_batches_keep_the_extend_path(case: VerifyCase) -> None:
+    run = run_verify(case, "triton", "cpu", F32, backend_kwargs=_TRITON_CPU, tree=False)
+    assert isinstance(run.backend.step_metadata, ExtendStep) and run.backend.verify.steps == 0
+    assert max(run.errors()) <= TOL[F32]
+
+
+def test_verify_mode_support_is_declared_per_backend() -> None:
+    kv = KVCache(num_layers=2, num_kv_heads=2, head_dim=64, max_batch_size=2, max_context=16, kv_cache_tokens=64)
+    gqa8 = [AttentionLayer(0, 16, 2, 64), AttentionLayer(1, 16, 2, 64)]
+    triton = create_backend("triton", kv, gqa8)
+    assert triton.supports_verify_mode(MAX_VERIFY_ROWS // 8) and not triton.supports_verify_mode(MAX_VERIFY_ROWS // 8 + 1)
+    windowed = [AttentionLayer(0, 4, 2, 64, sliding_window=8), AttentionLayer(1, 4, 2, 64)]
+    assert not create_backend("triton", kv, windowed).supports_verify_mode(2)
+    assert not create_backend("torch_native", kv, gqa8).supports_verify_mode(2)  # the base class's default

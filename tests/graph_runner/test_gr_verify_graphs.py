@@ -1,0 +1,74 @@
+"""Full verify graphs (``GraphConfig.verify_tokens``): chain verify batches whose requests all verify Q tokens replay
+a graph of their own, keyed by requests and padded like decode views, where the backend has a verify mode; other
+verify batches replay the decode graphs as decode rows (``verify_unroll.py``). On the CPU the triton backend's
+kernels are interpreted (no full graphs), so a torch_native test double with a graph-recordable verify mode stands in
+for it; the outputs are checked against plain eager steps on a twin cache, and the routes through the runner's
+counters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tests.graph_runner.gr_helpers import CountingBackend, Twin, VerifyModeNative, eager_reference, make_model
+
+from compile_attn import ForwardMode
+from compile_attn.config import GraphConfig
+from compile_attn.graph_runner import GraphRunner
+
+
+Q = 3  # tokens per request of the verify graphs
+DECODE = (1, 2, 4, 8)  # rows: up to 4 requests x Q, as the engine sizes them (decode_graph_rows)
+BUCKETS = (1, 2, 4)  # the verify graphs: the decode buckets whose requests' tokens fit
+
+
+def _runner(backend_cls: type, twin: Twin, model) -> GraphRunner:  # noqa: ANN001
+    backend = backend_cls(twin.caches[0], model.attention_layers())
+    runner = GraphRunner(model, backend, GraphConfig(mode="full", decode_batch_sizes=DECODE, cache_dir=None,
+                                                     verify_tokens=Q), max_batch_size=4 * Q, max_num_tokens=32)
+    runner.capture()
+    return runner
+
+
+def _prefill(twin: Twin, runner: GraphRunner, model, ref_backend, n: int) -> list[int]:  # noqa: ANN001
+    ids = twin.new_requests(n)
+    step = twin.step(ids, [5 + 3 * i for i in range(n)])
+    torch.testing.assert_close(runner.run(step.runner_batch), eager_reference(model, ref_backend, step.ref_batch))
+    return ids
+
+
+def test_uniform_chain_verify_steps_replay_verify_graphs_padded_like_decode() -> None:
+    model, twin = make_model(), Twin(seed=5)
+    runner = _runner(VerifyModeNative, twin, model)
+    assert runner.verify_buckets == BUCKETS
+    assert runner.stats.verify_graphs == len(BUCKETS) and runner.stats.captures["full"] == len(DECODE) + len(BUCKETS)
+    ref_backend = CountingBackend(twin.caches[1], model.attention_layers())
+    ids = _prefill(twin, runner, model, ref_backend, 3)
+    for _ in range(2):  # 3 requests in the 4-request graph (one padded request), twice: stale buffers would show
+        step = twin.step(ids, [Q] * 3, ForwardMode.TARGET_VERIFY)
+        assert runner.verify_route(step.runner_batch) == 4
+        out = runner.run(step.runner_batch)
+        assert out.shape[0] == 3 * Q
+        torch.testing.assert_close(out, eager_reference(model, ref_backend, step.ref_batch), atol=1e-5, rtol=1e-5)
+    assert runner.stats.verify_runs == 2 and runner.backend.verify_forwards > 0
+    decode = twin.step(ids[:2], [1, 1])  # a decode view after verify views: the request padding is restored
+    torch.testing.assert_close(runner.run(decode.runner_batch), eager_reference(model, ref_backend, decode.ref_batch),
+                               atol=1e-5, rtol=1e-5)
+    assert runner.stats.runs["full"] == 3 and runner.stats.verify_runs == 2
+
+
+@pytest.mark.parametrize("backend_cls, lens", [
+    pytest.param(VerifyModeNative, [Q, Q - 1], id="draft-counts-differ"),
+    pytest.param(VerifyModeNative, [Q + 1, Q + 1], id="another-Q"),
+    pytest.param(CountingBackend, [Q, Q], id="backend-without-verify-mode"),
+])
+def test_other_chain_verify_steps_replay_decode_graphs_as_rows(backend_cls: type, lens: list[int]) -> None:
+    model, twin = make_model(), Twin(seed=6)
+    runner = _runner(backend_cls, twin, model)
+    assert runner.stats.verify_graphs == (len(BUCKETS) if backend_cls is VerifyModeNative else 0)
+    ref_backend = CountingBackend(twin.caches[1], model.attention_layers())
+    ids = _prefill(twin, runner, model, ref_backend, 2)
+    step = twin.step(ids, lens, ForwardMode.TARGET_VERIFY)
+    assert runner.verify_route(step.runner_batch) is None
+    out = runner.run(step.runner_batch)
+    torch.testing.assert_close(out, eager_reference(model, ref_backend, step.ref_batch), atol=1e-5, rtol=1e-5)
+    assert runner.stats.runs["full"] == 1 and runner.stats.verify_runs == 0  # the decode graph of its token count
