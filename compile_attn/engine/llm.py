@@ -92,7 +92,7 @@ class LLM:
         max_context = config.max_context or loaded.max_context or 4096
         self.vocab_size = find_vocab_size(self.model)  # None: prompts' token ids are only checked to be >= 0
         spec = config.speculative_config
-        draft = load_draft(config, max_context, self.vocab_size)  # None without a draft model; before sizing the KV
+        draft = load_draft(config, max_context, self.vocab_size, self.model)  # None without one; before sizing the KV
         sized = size_kv_cache(self.model, layers, config, max_context) if not config.kv_cache_tokens else None
         kv_cache_tokens = sized.kv_cache_tokens if sized else config.kv_cache_tokens
         if sized and draft is not None:  # the draft's KV holds as many tokens: the two share what was sized
@@ -141,6 +141,7 @@ class LLM:
         if config.capture:  # the step's own kernels (the feed of in-flight tokens), before traffic
             step_kernels.warm_up(device, self.vocab_size)
         self.speculator = Speculator(spec, max_context, draft) if spec is not None else None
+        self.step_runner.on_hidden = getattr(draft, "observe", None)  # EAGLE reads the target's hidden states
         self.overlap = config.overlap  # with speculation, steps that verify run serially (see _step)
         self.penalties: PenaltyState | None = None  # made when the first request with penalties arrives
         self._in_flight: deque[InFlightStep] = deque()  # launched steps whose tokens are not read yet (<= 1)

@@ -9,6 +9,7 @@ sampled rows only (a prefill of 8k tokens would otherwise compute and store 8k x
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from itertools import accumulate
 from typing import Any
 
@@ -55,6 +56,10 @@ class StepRunner:
         # Tensor parallelism (rank 0): the workers' group, which sends each step to the other ranks before it runs
         # here (engine/tensor_parallel/engine_group.py: ``run_step``); None in one process.
         self.peers: Any = None
+        # Called with (batch, output [T, hidden]) after every step of a model whose LM head is split off, before
+        # the head runs: a proposer reading the target's hidden states (EAGLE) sets it. The output may be graph
+        # memory, overwritten by the next step: copy what is kept.
+        self.on_hidden: Callable[[ForwardBatch, torch.Tensor], None] | None = None
 
     def capture(self, shared_prefix: bool = False) -> None:
         """Capture every bucket's graph (progress bar; time and memory logged by the runner), then warm up every
@@ -82,6 +87,8 @@ class StepRunner:
     @torch.inference_mode()
     def _run(self, fb: ForwardBatch, keep: torch.Tensor | None, feed: TokenFeed | None = None) -> torch.Tensor:
         out = self.runner.run(fb, feed)
+        if self.on_hidden is not None and self.compute_logits is not None:
+            self.on_hidden(fb, out)
         if keep is not None:
             rows = out[keep]
         else:  # decode: every row is sampled, no gather (the LM head's output is fresh memory already)

@@ -4,7 +4,9 @@
 K tokens per decoding request by prompt lookup (the tokens that followed the latest earlier occurrence of the
 request's last ``a`` .. ``b`` tokens; no second model); ``{"method": "draft_model", "model": <HF directory, config or
 module>, "num_speculative_tokens": K}`` drafts K tokens with a smaller model of the target's tokenizer
-(engine/execution/speculative/draft_model.py). ``"topk"`` (default 1: a chain) and ``"num_draft_tokens"``
+(engine/execution/speculative/draft_model.py); ``{"method": "eagle", "model": <EAGLE-1/2 head directory>, ...}``
+drafts with an EAGLE head over the target's hidden states (engine/execution/speculative/eagle.py; chains only,
+"eagle3" is refused by name). ``"topk"`` (default 1: a chain) and ``"num_draft_tokens"``
 describe trees: the draft model's top-``topk`` tokens at each depth of its greedy chain, or the continuations of
 up to ``topk`` earlier occurrences of the matched n-gram, at most ``num_draft_tokens`` nodes (default K x topk).
 Checked here, once, before a model loads; a bad key or value is refused by name.
@@ -20,7 +22,7 @@ from typing import Any
 
 from compile_attn.engine.requests.errors import EngineOptionError
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "eagle")
 # vLLM's defaults: with neither bound given, both are 5; with one given, the other takes its value.
 DEFAULT_PROMPT_LOOKUP = 5
 MAX_SPECULATIVE_TOKENS = 64
@@ -28,10 +30,10 @@ MAX_SPECULATIVE_TOKENS = 64
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """method: how drafts are proposed ("ngram", "draft_model"). num_speculative_tokens: draft tokens per request and
-    step (K). prompt_lookup_min / prompt_lookup_max: the n-gram lengths "ngram" matches, longest first.
+    """method: how drafts are proposed ("ngram", "draft_model", "eagle"). num_speculative_tokens: draft tokens per
+    request and step (K). prompt_lookup_min / prompt_lookup_max: the n-gram lengths "ngram" matches, longest first.
     model: the draft model of "draft_model" (an HF directory or hub-cache id, a transformers config, an HF model or
-    a protocol model).
+    a protocol model), or the EAGLE-1/2 head directory of "eagle".
     topk: candidates per depth of a tree (1: a chain of K). num_draft_tokens: a tree's draft tokens at most (default
     K x topk; its depth is at most K)."""
 
@@ -44,6 +46,10 @@ class SpeculativeConfig:
     model: Any = None
 
     def __post_init__(self) -> None:
+        if self.method == "eagle3":
+            raise EngineOptionError("speculative_config: method 'eagle3' is not supported (an EAGLE-3 head reads "
+                                    "hidden states of three target layers and drafts over its own vocabulary); "
+                                    "supported: 'eagle' (EAGLE-1/2 heads), 'draft_model', 'ngram'")
         if self.method not in METHODS:
             raise EngineOptionError(f"speculative_config: method {self.method!r} is not one of {METHODS}; "
                                     f"e.g. {{'method': 'ngram', 'num_speculative_tokens': 4}}")
@@ -59,6 +65,13 @@ class SpeculativeConfig:
             raise EngineOptionError("speculative_config: method 'draft_model' needs 'model' (the draft model's HF "
                                     "directory, config or module), e.g. {'method': 'draft_model', 'model': "
                                     "'/models/Llama-3.2-1B', 'num_speculative_tokens': 4}")
+        if self.method == "eagle" and self.model is None:
+            raise EngineOptionError("speculative_config: method 'eagle' needs 'model' (the EAGLE head's checkpoint "
+                                    "directory), e.g. {'method': 'eagle', 'model': '/models/EAGLE-LLaMA3-Instruct-8B', "
+                                    "'num_speculative_tokens': 4}")
+        if self.method == "eagle" and self.topk > 1:
+            raise EngineOptionError(f"speculative_config: topk={self.topk} (trees) is not built for method 'eagle'; "
+                                    f"use topk 1 (a chain), or method 'draft_model' / 'ngram' for trees")
         if self.method == "ngram" and self.model is not None:
             raise EngineOptionError(f"speculative_config: method 'ngram' takes no 'model' (got {self.model!r:.60}); "
                                     f"use method 'draft_model' to draft with a model")
