@@ -10,20 +10,24 @@ from typing import Any
 
 from compile_attn.config import GraphConfig
 from compile_attn.engine.execution.speculative.draft_model import DraftEngineOptions, DraftModelProposer
+from compile_attn.engine.execution.speculative.eagle import EagleProposer
 from compile_attn.engine.requests.config import EngineConfig
 
 
-def load_draft(config: EngineConfig, max_context: int, vocab_size: int | None) -> DraftModelProposer | None:
-    """The draft model of a "draft_model" speculative config, loaded on the engine's device with the engine's options
-    (its KV cache is built by ``DraftModelProposer.build`` once the target's size is known); None for other methods
-    and without speculation."""
+def load_draft(config: EngineConfig, max_context: int, vocab_size: int | None,
+               target: Any = None) -> DraftModelProposer | None:
+    """The draft model of a "draft_model" speculative config, or the EAGLE head of an "eagle" one over ``target``,
+    loaded on the engine's device with the engine's options (its KV cache is built by ``DraftModelProposer.build``
+    once the target's size is known); None for other methods and without speculation."""
     spec = config.speculative_config
-    if spec is None or spec.method != "draft_model":
+    if spec is None or spec.method not in ("draft_model", "eagle"):
         return None
     options = DraftEngineOptions(
         device=config.device, dtype=config.dtype, attn_backend=config.attn_backend, page_size=config.page_size,
         graph_mode=config.graph_mode, compile=config.compile, compile_options=config.compile_options,
         max_batch_size=config.max_batch_size, max_num_tokens=config.max_num_tokens, max_context=max_context)
+    if spec.method == "eagle":
+        return EagleProposer(spec.model, spec.num_speculative_tokens, options, target)
     return DraftModelProposer(spec.model, spec.num_speculative_tokens, options, vocab_size)
 
 
