@@ -23,6 +23,7 @@ from compile_attn.engine.execution.in_flight import InFlightStep, has_placeholde
 from compile_attn.engine.execution.memory_profile import check_memory_after_capture, size_kv_cache
 from compile_attn.engine.execution.model_loading import LoadedModel, load_for_engine
 from compile_attn.engine.execution.sampling import sampler
+from compile_attn.engine.execution.speculative.penalties import drafts_before, record_accepted
 from compile_attn.engine.execution.speculative.setup import decode_graph_rows, load_draft
 from compile_attn.engine.execution.speculative.speculator import Speculator
 from compile_attn.engine.execution.speculative.step_plan import schedule_step
@@ -377,7 +378,8 @@ class LLM:
             reqs = [step.requests[i] for i in sampled] if rows is None else rows.reqs
             if self.penalties is not None:
                 start_penalty_rows(reqs, self.penalties, in_flight, self.vocab_size, self.device)
-            extras = StepExtras.for_step(reqs, self.penalties, self.device)
+            before = drafts_before(rows) if rows is not None and self.penalties is not None else None
+            extras = StepExtras.for_step(reqs, self.penalties, self.device, before)  # penalties, logprobs
             tokens, logprobs = forward_and_sample(self.step_runner, fb, reqs, sampled, self.device, extras, feed,
                                                   rows=rows and rows.rows, positions=rows and rows.positions)
         except BaseException:
@@ -413,6 +415,8 @@ class LLM:
             assert self.speculator is not None
             done = self.speculator.resolve(launched.verify, tokens, logprobs, self.writer, self.kv_cache)
             self.scheduler.finish_all(done)
+            if self.penalties is not None:  # the accepted tokens only (the verify step recorded none)
+                record_accepted(self.penalties, launched.verify, self.device)
             return [r for r, _ in done]
         done = []
         for i, (r, at, tok) in enumerate(zip(launched.requests, launched.at, tokens)):

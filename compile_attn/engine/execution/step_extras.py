@@ -3,8 +3,11 @@ penalties on their logits before sampling, and the log-probabilities of their sa
 
 Both stay on the device. Penalties read per-request-row token statistics (``PenaltyState``) that a step updates
 with its sampled tokens without a host sync; a request's row is (re)filled from its prompt and outputs when it
-first samples in that row (after admission or a preemption). Log-probabilities are packed into one float64 tensor
-that the engine copies to the host with the step's tokens (see engine/execution/in_flight.py) and unpacks when it reads them.
+first samples in that row (after admission or a preemption). In a verify step (several rows per request) each row
+also counts the drafts before it, for that row only, and the step records nothing: the engine counts the accepted
+tokens once they are known (engine/execution/speculative/penalties.py). Log-probabilities are packed into one
+float64 tensor that the engine copies to the host with the step's tokens (see engine/execution/in_flight.py) and
+unpacks when it reads them.
 """
 
 from __future__ import annotations
@@ -33,17 +36,28 @@ class StepExtras:
     penalty_values: torch.Tensor | None = None  # [3, P] presence, frequency, repetition
     logprob_index: torch.Tensor | None = None  # [L]
     num_top: int = 0
+    draft_counts: tuple[torch.Tensor, torch.Tensor] | None = None  # (indices into penalty_rows, draft tokens) [N]
+    record: bool = True  # count the sampled tokens after sampling (a plain step); a verify step counts on acceptance
 
     @classmethod
-    def for_step(cls, reqs: list[Request], state: PenaltyState | None, device: torch.device) -> StepExtras | None:
-        """None when no sampled request uses penalties or logprobs (the common case: nothing is uploaded)."""
+    def for_step(cls, reqs: list[Request], state: PenaltyState | None, device: torch.device,
+                 drafts_before: list[list[int]] | None = None) -> StepExtras | None:
+        """None when no sampled request uses penalties or logprobs (the common case: nothing is uploaded).
+        ``drafts_before`` (a verify step): the draft tokens on the path before each sampled row ``reqs[i]``."""
         penalty_at = [i for i, r in enumerate(reqs) if r.params.has_penalties] if state is not None else []
         logprob_at = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         if not penalty_at and not logprob_at:
             return None
-        extras = cls(penalty_at, logprob_at, state)
-        longs = to_device([penalty_at, [reqs[i].row for i in penalty_at], logprob_at], torch.int64, device)
-        extras.penalty_index, extras.penalty_rows, extras.logprob_index = longs
+        extras = cls(penalty_at, logprob_at, state, record=drafts_before is None)
+        at, tokens = [], []  # each penalty row's preceding drafts: (its index among the penalty rows, the token)
+        for p, i in enumerate(penalty_at if drafts_before is not None else ()):
+            at += [p] * len(drafts_before[i])
+            tokens += drafts_before[i]
+        longs = to_device([penalty_at, [reqs[i].row for i in penalty_at], logprob_at]
+                          + ([at, tokens] if tokens else []), torch.int64, device)
+        extras.penalty_index, extras.penalty_rows, extras.logprob_index = longs[:3]
+        if tokens:
+            extras.draft_counts = (longs[3], longs[4])
         if penalty_at:
             values = [[reqs[i].params.presence_penalty for i in penalty_at],
                       [reqs[i].params.frequency_penalty for i in penalty_at],
@@ -59,12 +73,13 @@ class StepExtras:
             return logits
         assert self.state is not None and self.penalty_index is not None and self.penalty_values is not None
         penalised = self.state.apply(logits.index_select(0, self.penalty_index), self.penalty_rows,
-                                     *self.penalty_values)
+                                     *self.penalty_values, extra=self.draft_counts)
         return logits.index_copy(0, self.penalty_index, penalised.to(logits.dtype))
 
     def after_sampling(self, raw_logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor | None:
-        """Count the penalty rows' new tokens; return the logprob rows' log-probabilities, packed (``logprobs.pack``)."""
-        if self.penalty_at:
+        """Count the penalty rows' new tokens (not in a verify step); return the logprob rows' log-probabilities,
+        packed (``logprobs.pack``)."""
+        if self.penalty_at and self.record:
             assert self.state is not None
             self.state.record(self.penalty_rows, tokens.index_select(0, self.penalty_index))
         if not self.logprob_at:

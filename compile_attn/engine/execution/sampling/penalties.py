@@ -83,7 +83,11 @@ class PenaltyState:
         add_tokens(self.output_counts, rows, token_ids)
 
     def apply(self, logits: torch.Tensor, rows: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor,
-              repetition: torch.Tensor) -> torch.Tensor:
-        """``apply_penalties`` for the step's ``logits[B, V]``, whose row i belongs to request row ``rows[i]``."""
-        return apply_penalties(logits, self.output_counts[rows], self.prompt_mask[rows], presence, frequency,
-                               repetition)
+              repetition: torch.Tensor, extra: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """``apply_penalties`` for the step's ``logits[B, V]``, whose row i belongs to request row ``rows[i]``.
+        ``extra``: tokens ``extra[1][N]`` counted into the step's rows ``extra[0][N]`` (indices into ``rows``) on top
+        of their requests' statistics, for this step only (a verify row: the drafts before it)."""
+        counts = self.output_counts[rows]  # a gathered copy: the correction leaves the request rows as they are
+        if extra is not None:
+            add_tokens(counts, *extra)
+        return apply_penalties(logits, counts, self.prompt_mask[rows], presence, frequency, repetition)

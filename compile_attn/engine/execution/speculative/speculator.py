@@ -2,9 +2,8 @@
 rows of the step sample at which positions, and keeps the counts that ``/metrics`` and the benchmarks report.
 
 A request verifying K drafts runs K + 1 tokens in the step (its last token, then the drafts: a chain, causal like
-an extend) and samples all K + 1 rows; ``acceptance.accept_chain`` keeps what the target agrees with. Requests with
-presence / frequency / repetition penalties are not given drafts (their statistics would have to follow each draft
-row); neither are requests within one token of their length limit.
+an extend) and samples all K + 1 rows; ``acceptance.accept_chain`` keeps what the target agrees with. Penalties
+hold row by row (``speculative/penalties.py``). Requests within one token of their length limit get no drafts.
 
 Steps: one that verifies runs to completion before the next is scheduled (its accepted tokens decide the next
 drafts); one in which nothing was proposed is a plain step and may overlap the next as without speculation: while
@@ -123,7 +122,7 @@ class Speculator:
         (with a tree config): propose trees; else chains (a step that may mix prefill chunks in runs causally)."""
         drafting, rooms = [], []
         for r in running:
-            if r.is_decoding and not r.unresolved and not r.params.has_penalties and (room := self.room(r)) > 0:
+            if r.is_decoding and not r.unresolved and (room := self.room(r)) > 0:
                 drafting.append(r)
                 rooms.append(room)
             elif r.draft_ids:

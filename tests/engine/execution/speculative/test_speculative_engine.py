@@ -156,13 +156,14 @@ def test_logprobs_of_accepted_tokens_match_plain_decoding(model) -> None:  # noq
                 assert ey[tok].logprob == pytest.approx(ex[tok].logprob, abs=1e-5)
 
 
-def test_penalised_requests_decode_without_drafts(model) -> None:  # noqa: ANN001
+def test_penalised_requests_get_drafts(model) -> None:  # noqa: ANN001
+    """Penalties hold row by row (more in test_speculative_penalties.py)."""
     params = SamplingParams(max_new_tokens=12, repetition_penalty=1.3)
     a = make_llm(model).generate(PROMPTS, params)
     spec = make_llm(model, speculative_config=NGRAM)
     b = spec.generate(PROMPTS, params)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
-    assert spec.speculator.stats.draft_tokens == 0
+    assert spec.speculator.stats.draft_tokens > 0
 
 
 def test_nothing_compiles_on_speculative_traffic_after_warm_up(model) -> None:  # noqa: ANN001
