@@ -21,6 +21,7 @@ import torch
 from compile_attn.attention.kernels.decode_checks import MAX_VERIFY_ROWS
 from compile_attn.attention.triton.metadata import DecodeGraphBuffers, DecodeIndex, SplitScratch
 from compile_attn.batch import ForwardBatch
+from compile_attn.env import verify_mode
 from compile_attn.kv.cache import KVCache
 from compile_attn.layer import AttentionLayer
 
@@ -56,11 +57,14 @@ class VerifyPlanner:
         self.split_options, self.one_launch, self.deterministic = split_options, one_launch, deterministic
         self.full_attention = all(layer.sliding_window is None for layer in layers)
         self.max_group = max(layer.num_heads // layer.num_kv_heads for layer in layers)
+        self.enabled = verify_mode()  # opt-in (COMPILE_ATTN_VERIFY_MODE=1) until measured on a GPU
         self.steps = 0
 
     def supports(self, tokens_per_request: int) -> bool:
-        """Every layer attends to the whole sequence and one program takes a request's Q tokens x the GQA group."""
-        return self.full_attention and 1 <= tokens_per_request and tokens_per_request * self.max_group <= MAX_VERIFY_ROWS
+        """Switched on (``env.verify_mode``), every layer attends to the whole sequence and one program takes a
+        request's Q tokens x the GQA group."""
+        return (self.enabled and self.full_attention and 1 <= tokens_per_request
+                and tokens_per_request * self.max_group <= MAX_VERIFY_ROWS)
 
     def prepare(self, fb: ForwardBatch, tokens_per_request: int, graph: DecodeGraphBuffers | None,
                 scratch_for: Callable[[int], dict[tuple[int, int], SplitScratch]]) -> VerifyStep:

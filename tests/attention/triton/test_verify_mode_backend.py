@@ -24,6 +24,14 @@ _TRITON_CPU = {"split_size": 32, "max_kv_splits": 4}
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton interpreter runs where there is no GPU")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _verify_mode_on():  # noqa: ANN202
+    """The verify mode is opt-in (``COMPILE_ATTN_VERIFY_MODE``); these tests are about it."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("COMPILE_ATTN_VERIFY_MODE", "1")
+        yield
+
+
 def _chains(prefix: tuple[int, ...], q: int, **kw: object) -> VerifyCase:
     return VerifyCase(prefix, tuple(tuple(range(-1, q - 1)) for _ in prefix), **kw)
 
@@ -80,3 +88,12 @@ def test_verify_mode_support_is_declared_per_backend() -> None:
     windowed = [AttentionLayer(0, 4, 2, 64, sliding_window=8), AttentionLayer(1, 4, 2, 64)]
     assert not create_backend("triton", kv, windowed).supports_verify_mode(2)
     assert not create_backend("torch_native", kv, gqa8).supports_verify_mode(2)  # the base class's default
+
+
+def test_verify_mode_is_off_unless_switched_on(monkeypatch) -> None:  # noqa: ANN001
+    """Without ``COMPILE_ATTN_VERIFY_MODE`` the triton backend declares no verify mode: chain verify steps run as
+    decode rows (the route measured on GPUs) and no verify graphs are captured."""
+    monkeypatch.delenv("COMPILE_ATTN_VERIFY_MODE", raising=False)
+    kv = KVCache(num_layers=1, num_kv_heads=2, head_dim=64, max_batch_size=2, max_context=16, kv_cache_tokens=64)
+    assert not create_backend("triton", kv, [AttentionLayer(0, 8, 2, 64)]).supports_verify_mode(2)
+

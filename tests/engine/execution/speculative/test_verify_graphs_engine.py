@@ -30,6 +30,14 @@ PROMPTS = [[(7 * i + j) % 11 for j in range(n)] for i, n in enumerate([3, 17, 9,
 _CPU = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU test (the engine runs on the CPU)")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _verify_mode_on():  # noqa: ANN202
+    """The verify mode is opt-in (``COMPILE_ATTN_VERIFY_MODE``); these tests are about it."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("COMPILE_ATTN_VERIFY_MODE", "1")
+        yield
+
+
 def _toy(cfg: ToyDecoderConfig = CFG, seed: int = 0) -> ToyDecoder:
     torch.manual_seed(seed)
     return ToyDecoder(cfg).eval()
