@@ -22,6 +22,7 @@ from tests.server import conftest as server_conftest
 from tests.server.conftest import MODEL, Served
 
 served = server_conftest.served  # the running server of tests/server (fixture)
+engine_options = server_conftest.engine_options  # the fixture ``served`` takes (no extra engine options here)
 
 
 def test_percentile_and_summary_against_numpy() -> None:
