@@ -50,8 +50,8 @@ class Served:
                              f"{self.llm.kv_cache.available_tokens} of {self.fresh_kv_tokens} KV tokens free")
 
 
-def _llm(path: str, options: dict[str, Any]) -> LLM:
-    llm = LLM(path, **{**ENGINE, **options})
+def _llm(path: str, options: dict[str, Any] | None = None) -> LLM:
+    llm = LLM(path, **{**ENGINE, **(options or {})})
     llm.tokenizer.chat_template = TEMPLATE
     return llm
 
