@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compile_attn import ForwardBatch, KVCache, create_backend, forward_context
 from compile_attn.engine import LLM, SamplingParams
 from compile_attn.engine.execution.speculative.penalties import drafts_before
 from compile_attn.engine.execution.speculative.speculator import SampleRows
@@ -17,6 +16,7 @@ from compile_attn.models import ToyDecoder
 from tests.engine.execution.speculative.test_draft_model_engine import draft_config
 from tests.engine.execution.speculative.test_draft_trees import NGRAM_TREE, noisy_copy
 from tests.engine.execution.speculative.test_speculative_engine import CFG, NGRAM, PROMPTS, make_llm
+from tests.greedy_reference import last_logits_by_recompute
 
 # (presence, frequency, repetition): each alone, and all three; strong enough that a row missing a draft before it
 # picks another token.
@@ -50,17 +50,9 @@ def references(model: ToyDecoder) -> list[list[int]]:
 def penalised_by_recompute(model: ToyDecoder, prompt: list[int], n: int, presence: float, frequency: float,
                            repetition: float) -> list[int]:
     """float64 reference: each token from a fresh full prefill, penalised by the OpenAI / vLLM definition."""
-    tokens, cfg = list(prompt), model.cfg
+    tokens = list(prompt)
     for _ in range(n):
-        kv = KVCache(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                     max_batch_size=1, max_context=len(tokens), kv_cache_tokens=len(tokens), dtype=torch.float32)
-        backend = create_backend("torch_native", kv, model.attention_layers())
-        row = kv.alloc_request()
-        fb = ForwardBatch.build(req_pool_indices=[row], prefix_lens=[0], extend_lens=[len(tokens)],
-                                out_cache_loc=kv.alloc_extend([row], [len(tokens)]), input_ids=tokens)
-        backend.init_forward_metadata(fb)
-        with forward_context(fb, backend), torch.no_grad():
-            logits = model(fb.input_ids, fb.positions)[-1].double()
+        logits = last_logits_by_recompute(model, tokens).double()
         out = tokens[len(prompt):]
         for t in set(tokens):
             logits[t] = logits[t] / repetition if logits[t] > 0 else logits[t] * repetition
