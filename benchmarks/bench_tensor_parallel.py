@@ -1,0 +1,230 @@
+"""Tensor parallelism on one host: the all-reduce per message and the engine's decode step, TP N beside TP 1.
+
+Three subcommands, each a separate process (a TP 1 and a TP N engine are measured in separate runs, same machine):
+
+    python benchmarks/bench_tensor_parallel.py checkpoint --out DIR [--shape llama-8b]
+        writes a random-weight bf16 HF checkpoint of the Llama-3.1-8B shape (seed 0) that both runs load;
+    python benchmarks/bench_tensor_parallel.py all-reduce --world-size 2 [--out JSON]
+        per-message latency of a bf16 sum over the GPUs at a decode step's sizes: NCCL launched eagerly, NCCL inside a
+        CUDA graph, the library's op (``compile_attn::tp_all_reduce``, what the model runs) inside a graph, and torch's
+        symmetric-memory one-shot all-reduce (no multicast) eagerly and inside a graph;
+    python benchmarks/bench_tensor_parallel.py decode --model DIR --tp N [--batch-sizes 1,64] [--out JSON]
+        the engine's decode step at each batch size: ``LLM.generate`` of B prompts of ``--context`` random ids with
+        ``ignore_eos``, run for two output lengths; the step is the difference of the wall times over the difference
+        of the steps (prefill cancels; host work, the step broadcast and the graph replay are all in it).
+
+Keep multicast off on machines where it must be (``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``,
+``NVSHMEM_DISABLE_NVLS=1``): the script sets these defaults in its own environment before any process starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                      ("NVSHMEM_DISABLE_NVLS", "1")):
+    os.environ.setdefault(_name, _value)
+
+LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
+                max_position_embeddings=8192, rope_theta=500000.0)
+SHAPES = {"llama-8b": LLAMA_8B}
+# A decode step's all-reduce message is tokens x hidden bf16 values: 8 KiB at batch 1 and 512 KiB at batch 64 for
+# hidden 4096; 2 KiB (hidden 1024) and 2 MiB (batch 256) bracket them.
+SIZES_BYTES = (2048, 8192, 131072, 524288, 2097152)
+
+
+def cmd_checkpoint(args: argparse.Namespace) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    start = time.perf_counter()
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = LlamaForCausalLM(LlamaConfig(**SHAPES[args.shape])).to(torch.bfloat16).eval()
+    model.save_pretrained(args.out, safe_serialization=True)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"wrote {args.shape} ({params / 1e9:.2f} B parameters) to {args.out} in {time.perf_counter() - start:.1f} s")
+
+
+# ---------------------------------------------------------------------------------------------- all-reduce
+def _per_op_us(fn, reps: int = 7) -> float:  # noqa: ANN001
+    """Median over ``reps`` of the CUDA-event time of ``fn()`` (which runs ``n`` ops) divided by ``n``."""
+    times = []
+    for _ in range(reps):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.distributed.barrier()
+        torch.cuda.synchronize()
+        begin.record()
+        n = fn()
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end) * 1e3 / n)
+    return statistics.median(times)
+
+
+def _graph_of(op, n: int) -> torch.cuda.CUDAGraph:  # noqa: ANN001
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            op()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(n):
+            op()
+    torch.cuda.synchronize()
+    return graph
+
+
+def _all_reduce_rank(rank: int, world_size: int, port: int, out_path: str | None) -> None:
+    import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symm_mem
+
+    from compile_attn.distributed import init_tensor_parallel
+    from compile_attn.distributed.state import tp_group, tp_group_name
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
+    torch.cuda.set_device(rank)
+    init_tensor_parallel(rank, world_size, backend="nccl", timeout_s=120)
+    group, name = tp_group(), tp_group_name()
+    n = 100
+    rows = []
+    for nbytes in SIZES_BYTES:
+        numel = nbytes // 2
+        x = torch.randn(numel, device="cuda", dtype=torch.bfloat16)
+        expect = x.float() * world_size  # every rank holds the same values (same seed below)
+        row = dict(bytes=nbytes)
+
+        def eager() -> int:
+            for _ in range(n):
+                dist.all_reduce(x, group=group)
+            return n
+
+        torch.manual_seed(0)
+        x.copy_(torch.randn(numel, device="cuda", dtype=torch.bfloat16))
+        row["nccl_eager_us"] = _per_op_us(eager)
+        graph = _graph_of(lambda: dist.all_reduce(x, group=group), n)
+        row["nccl_graph_us"] = _per_op_us(lambda: (graph.replay(), n)[1])
+        del graph
+        src = torch.randn(numel, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(1))
+        got: list[torch.Tensor] = []
+        graph = _graph_of(lambda: got.append(torch.ops.compile_attn.tp_all_reduce(src, name)), n)
+        row["library_op_graph_us"] = _per_op_us(lambda: (graph.replay(), n)[1])
+        row["library_op_max_err"] = float((got[-1].float() - src.float() * world_size).abs().max())
+        del graph, got
+        try:
+            buf = symm_mem.empty(numel, device="cuda", dtype=torch.bfloat16)
+            symm_mem.rendezvous(buf, name)
+            one_shot = lambda: torch.ops.symm_mem.one_shot_all_reduce_copy(buf, src, "sum", name)  # noqa: E731
+            out = one_shot()
+            row["symm_one_shot_max_err"] = float((out.float() - src.float() * world_size).abs().max())
+            row["symm_one_shot_eager_us"] = _per_op_us(lambda: ([one_shot() for _ in range(n)], n)[1])
+            graph = _graph_of(one_shot, n)
+            row["symm_one_shot_graph_us"] = _per_op_us(lambda: (graph.replay(), n)[1])
+            del graph
+        except Exception as exc:  # noqa: BLE001  (reported, not fatal: NCCL's numbers stand)
+            row["symm_one_shot_error"] = f"{type(exc).__name__}: {exc}"[:300]
+        del expect
+        rows.append(row)
+    if rank == 0:
+        print(f"\nall-reduce of bf16 over {world_size} x {torch.cuda.get_device_name()} (per message, median us)")
+        print("| bytes | NCCL eager | NCCL in graph | library op in graph | symm-mem one-shot eager | one-shot in graph |")
+        print("|---|---|---|---|---|---|")
+        for r in rows:
+            cells = [f"{r.get(k, float('nan')):.1f}" for k in ("nccl_eager_us", "nccl_graph_us", "library_op_graph_us",
+                                                             "symm_one_shot_eager_us", "symm_one_shot_graph_us")]
+            print(f"| {r['bytes']} | " + " | ".join(cells) + " |")
+            if "symm_one_shot_error" in r:
+                print("  one-shot:", r["symm_one_shot_error"])
+        if out_path:
+            Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+            Path(out_path).write_text(json.dumps(dict(world_size=world_size, device=torch.cuda.get_device_name(),
+                                                      torch=torch.__version__, rows=rows), indent=1))
+    dist.barrier()
+    # A process group torn down after a symmetric-memory rendezvous can hang: leave it to the interpreter's exit.
+
+
+def cmd_all_reduce(args: argparse.Namespace) -> None:
+    import torch.multiprocessing as mp
+
+    from compile_attn.engine.tensor_parallel.engine_group import _free_port
+
+    mp.start_processes(_all_reduce_rank, args=(args.world_size, _free_port(), args.out), nprocs=args.world_size,
+                       start_method="spawn", join=True)
+
+
+# ---------------------------------------------------------------------------------------------- decode step
+def cmd_decode(args: argparse.Namespace) -> None:
+    from compile_attn import LLM, SamplingParams
+    from compile_attn.bench.run_info import run_info
+
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    short, long = args.output_lens
+    start = time.perf_counter()
+    llm = LLM(args.model, tensor_parallel_size=args.tp, attn_backend=args.backend, dtype=torch.bfloat16,
+              max_batch_size=max(sizes), max_num_tokens=max(2048, max(sizes)), max_context=args.context + long + 16,
+              kv_cache_tokens=max(sizes) * (args.context + long + 16) + 4096)
+    startup_s = time.perf_counter() - start
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    try:
+        for bs in sizes:
+            prompts = [torch.randint(0, 32000, (args.context,), generator=gen).tolist() for _ in range(bs)]
+            walls = {}
+            for new in (4, short, long, short, long):  # the first warms; the rest timed twice, the minimum kept
+                steps = llm.num_steps
+                t0 = time.perf_counter()
+                llm.generate(prompts, SamplingParams(max_new_tokens=new, ignore_eos=True), use_tqdm=False)
+                torch.cuda.synchronize()
+                walls.setdefault(new, []).append((time.perf_counter() - t0, llm.num_steps - steps))
+            (t_s, n_s), (t_l, n_l) = min(walls[short]), min(walls[long])
+            step_ms = (t_l - t_s) / (n_l - n_s) * 1e3
+            rows.append(dict(batch_size=bs, context=args.context, step_ms=step_ms, steps=(n_s, n_l)))
+            print(f"TP {args.tp} batch {bs}: decode step {step_ms:.3f} ms ({n_l - n_s} steps apart)", flush=True)
+    finally:
+        llm.shutdown()
+    result = dict(run_info=run_info(sys.argv), tp=args.tp, startup_s=startup_s, rows=rows,
+                  device=torch.cuda.get_device_name())
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("checkpoint")
+    p.add_argument("--out", required=True)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="llama-8b")
+    p.set_defaults(func=cmd_checkpoint)
+    p = sub.add_parser("all-reduce")
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--out")
+    p.set_defaults(func=cmd_all_reduce)
+    p = sub.add_parser("decode")
+    p.add_argument("--model", required=True)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--batch-sizes", default="1,64")
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--output-lens", type=int, nargs=2, default=(32, 160))
+    p.add_argument("--backend", default="triton")
+    p.add_argument("--out")
+    p.set_defaults(func=cmd_decode)
+    args = ap.parse_args()
+    if args.cmd != "checkpoint" and not torch.cuda.is_available():
+        raise SystemExit(f"bench_tensor_parallel.py {args.cmd} needs CUDA GPUs")
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()
