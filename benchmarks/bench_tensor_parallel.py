@@ -102,7 +102,6 @@ def _all_reduce_rank(rank: int, world_size: int, port: int, out_path: str | None
     for nbytes in SIZES_BYTES:
         numel = nbytes // 2
         x = torch.randn(numel, device="cuda", dtype=torch.bfloat16)
-        expect = x.float() * world_size  # every rank holds the same values (same seed below)
         row = dict(bytes=nbytes)
 
         def eager() -> int:
@@ -115,13 +114,11 @@ def _all_reduce_rank(rank: int, world_size: int, port: int, out_path: str | None
         row["nccl_eager_us"] = _per_op_us(eager)
         graph = _graph_of(lambda: dist.all_reduce(x, group=group), n)
         row["nccl_graph_us"] = _per_op_us(lambda: (graph.replay(), n)[1])
-        del graph
         src = torch.randn(numel, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(1))
         got: list[torch.Tensor] = []
         graph = _graph_of(lambda: got.append(torch.ops.compile_attn.tp_all_reduce(src, name)), n)
         row["library_op_graph_us"] = _per_op_us(lambda: (graph.replay(), n)[1])
         row["library_op_max_err"] = float((got[-1].float() - src.float() * world_size).abs().max())
-        del graph, got
         try:
             buf = symm_mem.empty(numel, device="cuda", dtype=torch.bfloat16)
             symm_mem.rendezvous(buf, name)
@@ -131,10 +128,8 @@ def _all_reduce_rank(rank: int, world_size: int, port: int, out_path: str | None
             row["symm_one_shot_eager_us"] = _per_op_us(lambda: ([one_shot() for _ in range(n)], n)[1])
             graph = _graph_of(one_shot, n)
             row["symm_one_shot_graph_us"] = _per_op_us(lambda: (graph.replay(), n)[1])
-            del graph
         except Exception as exc:  # noqa: BLE001  (reported, not fatal: NCCL's numbers stand)
             row["symm_one_shot_error"] = f"{type(exc).__name__}: {exc}"[:300]
-        del expect
         rows.append(row)
     if rank == 0:
         print(f"\nall-reduce of bf16 over {world_size} x {torch.cuda.get_device_name()} (per message, median us)")
@@ -184,12 +179,13 @@ def cmd_decode(args: argparse.Namespace) -> None:
             for new in (4, short, long, short, long):  # the first warms; the rest timed twice, the minimum kept
                 steps = llm.num_steps
                 t0 = time.perf_counter()
-                llm.generate(prompts, SamplingParams(max_new_tokens=new, ignore_eos=True), use_tqdm=False)
+                outs = llm.generate(prompts, SamplingParams(max_new_tokens=new, ignore_eos=True), use_tqdm=False)
                 torch.cuda.synchronize()
                 walls.setdefault(new, []).append((time.perf_counter() - t0, llm.num_steps - steps))
             (t_s, n_s), (t_l, n_l) = min(walls[short]), min(walls[long])
             step_ms = (t_l - t_s) / (n_l - n_s) * 1e3
-            rows.append(dict(batch_size=bs, context=args.context, step_ms=step_ms, steps=(n_s, n_l)))
+            rows.append(dict(batch_size=bs, context=args.context, step_ms=step_ms, steps=(n_s, n_l),
+                             first_tokens=list(outs[0].token_ids[:16])))  # greedy: compare TP N with TP 1
             print(f"TP {args.tp} batch {bs}: decode step {step_ms:.3f} ms ({n_l - n_s} steps apart)", flush=True)
     finally:
         llm.shutdown()

@@ -115,6 +115,9 @@ class ForwardBatch:
     # device before the forward reads the table (write_pending_table; a decode graph's input copy does it on the
     # way). Set by build(..., table_write_pending=True) for slots from kv.alloc_extend(..., defer_table_write=True).
     table_write_pending: bool = False
+    # The per-token fields (input_ids, positions, out_cache_loc) as build was given them when all three were host
+    # values, else None: what a tensor-parallel step message sends without reading the device.
+    host_tokens: tuple[object, object, object] | None = field(default=None, repr=False, compare=False)
     # Set by build (whose host and device views agree by construction); a batch assembled field by field, or
     # changed with dataclasses.replace, is checked in full (see check()).
     _built: bool = field(default=False, init=False, repr=False, compare=False)
@@ -240,6 +243,8 @@ class ForwardBatch:
             table_write_pending=table_write_pending, draft_parents=draft_parents,
         )
         fb._built = True
+        if all(_on_host(v) for v in (input_ids, positions, out_cache_loc)):
+            fb.host_tokens = (input_ids, positions, out_cache_loc)
         fb._given_loc = out_cache_loc if isinstance(out_cache_loc, torch.Tensor) else None
         return fb
 
@@ -402,3 +407,8 @@ class ForwardBatch:
         kv_cache.check_rows(rows, prefix, extend)
         kv_cache.check_slots(rows, prefix, extend, loc)
         self._checked_against = (kv_cache, loc, kv_cache.generation)
+
+
+def _on_host(values: object) -> bool:
+    """Whether ``values`` (a step's per-token field as given to ``ForwardBatch.build``) is on the host."""
+    return not isinstance(values, torch.Tensor) or values.is_cpu

@@ -27,16 +27,21 @@ logger = logging.getLogger(__name__)
 class TensorParallelState:
     """``group`` is None at size 1 and ``group_name`` its registered name (the collective ops' argument, "" at
     size 1); ``owns_process_group``: ``init_tensor_parallel`` started torch.distributed (so
-    ``destroy_tensor_parallel`` ends it)."""
+    ``destroy_tensor_parallel`` ends it). ``host_group`` carries host-side messages (the engine's step metadata)
+    between the ranks' processes without touching a device stream: a gloo group over the same ranks next to an NCCL
+    ``group`` (with no timeout of its own: a worker waits in it for as long as rank 0 is idle), ``group`` itself on
+    gloo."""
 
     rank: int = 0
     world_size: int = 1
     group: ProcessGroup | None = None
     group_name: str = ""
     owns_process_group: bool = False
+    host_group: ProcessGroup | None = None
 
 
 _STATE = TensorParallelState()
+HOST_GROUP_TIMEOUT = datetime.timedelta(days=365)  # a worker waits for rank 0's next step while the engine idles
 
 
 def _env_int(name: str, given: int | None) -> int | None:
@@ -103,19 +108,30 @@ def init_tensor_parallel(
         )
     group = dist.group.WORLD
     assert group is not None  # initialised above
-    _STATE = TensorParallelState(rank, world_size, group, group.group_name, owns)
+    host_group = group
+    if dist.get_backend(group) != "gloo":  # every rank creates it here, in the same order
+        host_group = dist.new_group(backend="gloo", timeout=HOST_GROUP_TIMEOUT)
+    _STATE = TensorParallelState(rank, world_size, group, group.group_name, owns, host_group)
     logger.info("tensor parallel: rank %d of %d (%s)", rank, world_size, dist.get_backend())
     return _STATE
 
 
 def destroy_tensor_parallel() -> None:
-    """Back to size 1; ends the process group if ``init_tensor_parallel`` started it."""
+    """Back to size 1; ends the process group if ``init_tensor_parallel`` started it. An NCCL group is aborted
+    (each rank frees its communicators without waiting for the others; graceful destruction of an NCCL group can
+    wait on a peer that already left), a gloo one destroyed."""
     global _STATE
     state, _STATE = _STATE, TensorParallelState()
     if state.owns_process_group:
         import torch.distributed as dist
 
-        if dist.is_initialized():
+        if not dist.is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            from torch.distributed.distributed_c10d import _abort_process_group
+
+            _abort_process_group()
+        else:
             dist.destroy_process_group()
 
 
@@ -134,6 +150,11 @@ def tp_size() -> int:
 def tp_group() -> ProcessGroup | None:
     """The process group (None at size 1)."""
     return _STATE.group
+
+
+def tp_host_group() -> ProcessGroup | None:
+    """The group for host-side messages (None at size 1; see ``TensorParallelState``)."""
+    return _STATE.host_group
 
 
 def tp_group_name() -> str:

@@ -1,13 +1,15 @@
-"""One engine step sent from tensor-parallel rank 0 to the other ranks as two int64 broadcasts, without pickling.
+"""One engine step sent from tensor-parallel rank 0 to the other ranks, without pickling and without a device sync
+on the receiving side.
 
-Rank 0 (``StepSender``) broadcasts a fixed-size header, then a payload whose layout the header gives: the batch's
-per-token fields (input ids with their placeholders, positions, KV slots), its per-request fields (request rows,
-prefix and extend lengths), the rows whose logits the LM head computes (``keep``), the tokens that the placeholders
-stand for (``feed``: the sampled tokens of the step before, copied on the device, so overlap needs no host read),
-and the request-table rows that rank 0 rewrote outside a step (``table_rows``: the prefix cache lent or swapped
-pages). The payload is assembled on the batch's device (NCCL needs device tensors; gloo takes CPU ones) with one
-upload of the host lists and device-side copies of the device tensors: rank 0 never waits for the device. The other
-ranks (``StepReceiver``) read the header, then the payload, to the host and rebuild the step (``StepMessage``).
+Rank 0 (``StepSender``) sends a fixed-size header, then the step's host metadata, on the host group (gloo between
+the processes: it never enters a device stream): the per-request fields (request rows, prefix and extend lengths),
+the request-table rows that rank 0 rewrote outside a step (``table_rows``: the prefix cache lent or swapped pages)
+and, where the batch was built from host values (every decode step), its per-token fields (input ids with their
+placeholders, positions, KV slots). What exists only on the device follows as one broadcast on the device group, in
+stream order: the per-token fields of a batch built from device tensors, the rows whose logits the LM head computes
+(``keep``) and the tokens the placeholders stand for (``feed``: the sampled tokens of the step before, so overlap
+needs no host read). A worker (``StepReceiver``) therefore reads the next step's metadata while its device still
+runs the step before, and queues the next step behind it: its device never waits for its host.
 """
 
 from __future__ import annotations
@@ -20,10 +22,9 @@ import torch
 import torch.distributed as dist
 
 from compile_attn.batch import ForwardBatch, ForwardMode
-from compile_attn.host_tensors import to_device
 
 HEADER_LEN = 8  # kind, forward mode, batch size, tokens, flags, keep rows (-1: every row), feed tokens, table words
-_PENDING, _FEED = 1, 2  # flag bits: the batch's table write is pending; the step carries feed tokens
+_PENDING, _FEED, _HOST_TOKENS = 1, 2, 4  # flags: table write pending; feed tokens follow; per-token fields on host
 
 
 class MessageKind(enum.IntEnum):
@@ -35,7 +36,8 @@ class MessageKind(enum.IntEnum):
 
 @dataclass
 class StepMessage:
-    """A step as the other ranks receive it, on the host (lists and int64 CPU tensors)."""
+    """A step as the other ranks receive it: per-request fields on the host, per-token fields on the host (int64
+    CPU tensors) or on the device, ``keep`` and ``feed`` on the device."""
 
     forward_mode: ForwardMode
     input_ids: torch.Tensor
@@ -68,62 +70,77 @@ def decode_table_rows(words: np.ndarray) -> list[tuple[int, np.ndarray]]:
     return rows
 
 
+def _longs(values: object) -> np.ndarray:
+    if isinstance(values, torch.Tensor):
+        return values.numpy().astype(np.int64, copy=False)
+    return np.asarray(values, dtype=np.int64)
+
+
 class StepSender:
-    """Rank 0's side: ``send`` broadcasts one step (or ``shutdown`` the end) on ``group`` from rank ``src``."""
+    """Rank 0's side: ``send`` sends one step (``shutdown``: the end) from rank ``src``: metadata on ``host_group``,
+    device values on ``group`` (the same group on the CPU)."""
 
-    def __init__(self, group: object, device: torch.device, src: int = 0) -> None:
-        self.group, self.device, self.src = group, device, src
-
-    def _broadcast(self, t: torch.Tensor) -> None:
-        dist.broadcast(t, self.src, group=self.group)
+    def __init__(self, group: object, host_group: object, device: torch.device, src: int = 0) -> None:
+        self.group, self.host_group, self.device, self.src = group, host_group, device, src
 
     def send(self, fb: ForwardBatch, keep: torch.Tensor | None, feed: torch.Tensor | None,
              table_rows: list[tuple[int, np.ndarray]]) -> None:
-        """Broadcast ``fb`` with the LM head's rows ``keep`` and the placeholders' tokens ``feed`` (device tensors or
+        """Send ``fb`` with the LM head's rows ``keep`` and the placeholders' tokens ``feed`` (device tensors or
         None) and the rewritten table rows (host values)."""
         table = encode_table_rows(table_rows)
-        flags = (_PENDING if fb.table_write_pending else 0) | (_FEED if feed is not None else 0)
+        host_tokens = fb.host_tokens
+        flags = ((_PENDING if fb.table_write_pending else 0) | (_FEED if feed is not None else 0)
+                 | (_HOST_TOKENS if host_tokens is not None else 0))
         header = [int(MessageKind.STEP), int(fb.forward_mode), fb.batch_size, fb.num_tokens, flags,
                   -1 if keep is None else int(keep.shape[0]), 0 if feed is None else int(feed.shape[0]), len(table)]
-        host = [header, fb.req_pool_indices_cpu, fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu, table]
-        uploaded = to_device([np.concatenate([np.asarray(x, dtype=np.int64) for x in host])], torch.int64,
-                             self.device)[0]
-        parts = [fb.input_ids, fb.positions, fb.out_cache_loc.to(self.device), uploaded[HEADER_LEN:]]
+        host = [fb.req_pool_indices_cpu, fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu, table]
+        host += list(host_tokens or ())
+        dist.broadcast(torch.tensor(header, dtype=torch.int64), self.src, group=self.host_group)
+        dist.broadcast(torch.from_numpy(np.concatenate([_longs(x) for x in host])), self.src, group=self.host_group)
+        parts = [] if host_tokens is not None else [fb.input_ids, fb.positions, fb.out_cache_loc.to(self.device)]
         parts += [t.to(self.device, torch.int64) for t in (keep, feed) if t is not None]
-        self._broadcast(uploaded[:HEADER_LEN].clone())
-        self._broadcast(torch.cat(parts))
+        if parts:
+            dist.broadcast(torch.cat(parts), self.src, group=self.group)
 
     def shutdown(self) -> None:
         """Tell the other ranks to leave their step loop."""
-        header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=self.device)
+        header = torch.zeros(HEADER_LEN, dtype=torch.int64)
         header[0] = int(MessageKind.SHUTDOWN)
-        self._broadcast(header)
+        dist.broadcast(header, self.src, group=self.host_group)
 
 
 class StepReceiver:
     """The other ranks' side: ``receive`` waits for rank ``src``'s next message; None means shut down."""
 
-    def __init__(self, group: object, device: torch.device, src: int = 0) -> None:
-        self.group, self.device, self.src = group, device, src
-        self._header = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
+    def __init__(self, group: object, host_group: object, device: torch.device, src: int = 0) -> None:
+        self.group, self.host_group, self.device, self.src = group, host_group, device, src
+        self._header = torch.empty(HEADER_LEN, dtype=torch.int64)
 
     def receive(self) -> StepMessage | None:
-        dist.broadcast(self._header, self.src, group=self.group)
+        dist.broadcast(self._header, self.src, group=self.host_group)
         kind, mode, bs, tokens, flags, num_keep, num_feed, num_table = self._header.tolist()
         if kind == MessageKind.SHUTDOWN:
             return None
         if kind != MessageKind.STEP:
             raise RuntimeError(f"tensor-parallel step message of unknown kind {kind}: the ranks are out of step")
-        size = 3 * tokens + 3 * bs + num_table + max(num_keep, 0) + num_feed
-        payload = torch.empty(size, dtype=torch.int64, device=self.device)
-        dist.broadcast(payload, self.src, group=self.group)
-        host = payload.cpu()
-        cuts = np.cumsum([tokens, tokens, tokens, bs, bs, bs, num_table, max(num_keep, 0), num_feed])
-        ids, pos, loc, rows, prefix, extend, table, keep, feed = np.split(host.numpy(), cuts[:-1])
+        host_tokens = bool(flags & _HOST_TOKENS)
+        host = torch.empty(3 * bs + num_table + (3 * tokens if host_tokens else 0), dtype=torch.int64)
+        dist.broadcast(host, self.src, group=self.host_group)
+        rows, prefix, extend, table, ids, pos, loc = torch.split(
+            host, [bs, bs, bs, num_table] + ([tokens] * 3 if host_tokens else [0] * 3))
+        keep_all, num_keep = num_keep < 0, max(num_keep, 0)
+        size = (0 if host_tokens else 3 * tokens) + num_keep + num_feed
+        if size:
+            payload = torch.empty(size, dtype=torch.int64, device=self.device)
+            dist.broadcast(payload, self.src, group=self.group)
+            device_tokens, keep, feed = torch.split(payload, [size - num_keep - num_feed, num_keep, num_feed])
+            if not host_tokens:
+                ids, pos, loc = torch.split(device_tokens, [tokens] * 3)
+        else:
+            keep = feed = None
         return StepMessage(
-            forward_mode=ForwardMode(mode), input_ids=torch.from_numpy(ids), positions=torch.from_numpy(pos),
-            out_cache_loc=torch.from_numpy(loc), req_pool_indices=rows.tolist(), prefix_lens=prefix.tolist(),
-            extend_lens=extend.tolist(), table_write_pending=bool(flags & _PENDING),
-            keep=None if num_keep < 0 else torch.from_numpy(keep),
-            feed=torch.from_numpy(feed) if flags & _FEED else None, table_rows=decode_table_rows(table),
+            forward_mode=ForwardMode(mode), input_ids=ids, positions=pos, out_cache_loc=loc,
+            req_pool_indices=rows.tolist(), prefix_lens=prefix.tolist(), extend_lens=extend.tolist(),
+            table_write_pending=bool(flags & _PENDING), keep=None if keep_all else keep,
+            feed=feed if flags & _FEED else None, table_rows=decode_table_rows(table.numpy()),
         )

@@ -52,3 +52,9 @@ def test_a_failing_rank_ends_the_run_with_its_error() -> None:
     assert time.monotonic() - start < 45  # the error, not the 60 s collective timeout
     assert multiprocessing.active_children() == []
     assert torch.distributed.is_initialized() is False  # the test process itself never joins a group
+
+
+def test_step_messages_arrive_as_sent() -> None:
+    """Decode (host per-token fields with placeholders and feed), extend with device-side slots, verify with keep
+    rows and a rewritten table row, then shutdown."""
+    run_ranks(workers.step_messages, 2)

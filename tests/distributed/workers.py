@@ -99,3 +99,49 @@ def failing_rank(rank: int, world_size: int) -> None:
     if rank == 1:
         raise RuntimeError("rank 1 failed on purpose")
     all_reduce(torch.ones(4))
+
+
+def step_messages(rank: int, world_size: int) -> None:
+    """Rank 0 sends steps of each kind (host per-token fields, device ones, keep / feed, table rows, shutdown);
+    every other rank checks what it received against the same steps built locally."""
+    import numpy as np
+
+    from compile_attn.batch import ForwardBatch, ForwardMode
+    from compile_attn.distributed.state import tp_group, tp_host_group
+    from compile_attn.distributed.step_message import StepReceiver, StepSender
+
+    def steps() -> list[tuple[ForwardBatch, Any, Any, list]]:
+        decode = ForwardBatch.build(req_pool_indices=[3, 1], prefix_lens=[5, 9], extend_lens=[1, 1],
+                                    out_cache_loc=torch.tensor([40, 41]), input_ids=[-1, 17],
+                                    table_write_pending=True)
+        extend = ForwardBatch.build(req_pool_indices=[2], prefix_lens=[4], extend_lens=[3],
+                                    out_cache_loc=torch.tensor([7, 8, 9]), input_ids=[5, 6, 7])
+        extend.host_tokens = None  # as a batch built from device slots: the per-token fields go as a device message
+        verify = ForwardBatch.build(req_pool_indices=[0], prefix_lens=[6], extend_lens=[3],
+                                    out_cache_loc=[20, 21, 22], input_ids=[1, 2, 3], draft_parents=[(-1, 0, 0)],
+                                    forward_mode=ForwardMode.TARGET_VERIFY)
+        return [(decode, None, torch.tensor([11]), []),
+                (extend, torch.tensor([2]), None, [(2, np.array([30, 31, 32, 33]))]),
+                (verify, torch.tensor([0, 1, 2]), None, [])]
+
+    if rank == 0:
+        sender = StepSender(tp_group(), tp_host_group(), torch.device("cpu"))
+        for fb, keep, feed, table in steps():
+            sender.send(fb, keep, feed, table)
+        sender.shutdown()
+        return
+    receiver = StepReceiver(tp_group(), tp_host_group(), torch.device("cpu"))
+    for fb, keep, feed, table in steps():
+        msg = receiver.receive()
+        assert msg is not None
+        assert msg.forward_mode == fb.forward_mode
+        assert msg.input_ids.tolist() == fb.input_ids.tolist()
+        assert msg.positions.tolist() == fb.positions.tolist()
+        assert msg.out_cache_loc.tolist() == fb.out_cache_loc.tolist()
+        assert (msg.req_pool_indices, msg.prefix_lens, msg.extend_lens) == (
+            fb.req_pool_indices_cpu, fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu)
+        assert msg.table_write_pending == fb.table_write_pending
+        assert (None if msg.keep is None else msg.keep.tolist()) == (None if keep is None else keep.tolist())
+        assert (None if msg.feed is None else msg.feed.tolist()) == (None if feed is None else feed.tolist())
+        assert [(r, s.tolist()) for r, s in msg.table_rows] == [(r, s.tolist()) for r, s in table]
+    assert receiver.receive() is None

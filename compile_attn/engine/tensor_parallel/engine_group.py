@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from compile_attn.batch import ForwardBatch
-from compile_attn.distributed.state import destroy_tensor_parallel, init_tensor_parallel, tp_group
+from compile_attn.distributed.state import destroy_tensor_parallel, init_tensor_parallel, tp_group, tp_host_group
 from compile_attn.distributed.step_message import StepSender
 from compile_attn.engine.execution.model_loading import LoadedModel
 from compile_attn.engine.requests.config import EngineConfig
@@ -108,7 +108,7 @@ class EngineGroup:
         import torch.distributed as dist
 
         dist.broadcast_object_list([WorkerSpec(self.checkpoint.path, config, max_context)], src=0, group=tp_group())
-        self.sender = StepSender(tp_group(), self.device)
+        self.sender = StepSender(tp_group(), tp_host_group(), self.device)
         return loaded
 
     def _spawn(self, init_method: str, backend: str) -> None:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from compile_attn.attention import create_backend
 from compile_attn.batch import ForwardBatch
-from compile_attn.distributed.state import destroy_tensor_parallel, init_tensor_parallel, tp_group
+from compile_attn.distributed.state import destroy_tensor_parallel, init_tensor_parallel, tp_group, tp_host_group
 from compile_attn.distributed.step_message import StepMessage, StepReceiver
 from compile_attn.engine.execution.memory_profile import size_kv_cache
 from compile_attn.engine.execution.speculative.setup import decode_graph_rows
@@ -97,7 +97,7 @@ class Worker:
                                       max_num_tokens=config.max_num_tokens)
         if config.capture:
             self.step_runner.capture(shared_prefix=False)
-        self.receiver = StepReceiver(tp_group(), device)
+        self.receiver = StepReceiver(tp_group(), tp_host_group(), device)
         logger.info("tensor parallel rank %d of %d ready: KV cache %d tokens", rank, world_size, tokens)
 
     def serve(self) -> int:
