@@ -6,9 +6,8 @@ against without, in one run.
   through the engine's route: its full verify graph where the backend has a verify mode (triton: each request's
   prefix read once for its 1 + K tokens; ``verify_graph_runs`` counts them), and, for comparison, as B x (1 + K)
   decode rows in the full decode graphs (``verify_rows_ms``: the route before verify graphs, and still the route of
-  steps whose requests verify different draft counts). The verify mode is opt-in in the library
-  (``COMPILE_ATTN_VERIFY_MODE``); this script switches it on unless the environment says otherwise, so that both
-  routes are timed (``COMPILE_ATTN_VERIFY_MODE=0``: decode rows only, the library's default).
+  steps whose requests verify different draft counts). The verify mode is the library's default
+  (``COMPILE_ATTN_VERIFY_MODE=0``: decode rows only; the script then times only that route).
 * Output tokens/s (``--batch-sizes``): B random prompts, greedy, ``--max-new-tokens`` each, through ``LLM.generate``:
   no speculation (overlap on, the default a user gets), speculation with a proposer that is always right (it
   replays the greedy continuation of the run before: the mechanism's ceiling, test-only), and prompt lookup
@@ -26,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -109,7 +107,6 @@ def throughput(llm: LLM, prompts: list[list[int]], new: int, device: str) -> tup
 
 
 def main() -> None:
-    os.environ.setdefault("COMPILE_ATTN_VERIFY_MODE", "1")  # read when the engine's backend is built
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch-sizes", default="1,64")
     ap.add_argument("--step-batch-sizes", default="1,64")

@@ -17,7 +17,7 @@ ONE_LAUNCH_ENV = "COMPILE_ATTN_DECODE_ONE_LAUNCH"  # 0: the triton backend's dec
 CASCADE_ENV = "COMPILE_ATTN_CASCADE_DECODE"  # 1 / true / on / yes: shared-prefix decode on where not set otherwise
 SAMPLER_COMPILE_ENV = "COMPILE_ATTN_SAMPLER_COMPILE"  # 1 / 0: compile the portable sampler or not (default: CUDA)
 START_PROFILE_ENV = "COMPILE_ATTN_START_PROFILE"  # a file prefix: `compile-attn bench --engine` profiles each start
-VERIFY_MODE_ENV = "COMPILE_ATTN_VERIFY_MODE"  # 1 / true / on / yes: triton chain verify steps in the kernel's verify mode
+VERIFY_MODE_ENV = "COMPILE_ATTN_VERIFY_MODE"  # 0 / false / off / no: triton chain verify steps as decode rows, not in the kernel's verify mode
 API_KEY_ENV = "COMPILE_ATTN_API_KEY"  # the server's key when --api-key is not given (a key on the command line shows)
 
 
@@ -66,9 +66,9 @@ def cascade_decode() -> bool:
 
 def verify_mode() -> bool:
     """Whether the triton backend runs uniform chain verify steps in its decode kernel's verify mode (and the graph
-    runner captures verify graphs for them): opt-in with ``COMPILE_ATTN_VERIFY_MODE`` = 1 until the route is
-    measured and checked on a GPU (docs/speculative.md); off, those steps run as decode rows, as before."""
-    return os.environ.get(VERIFY_MODE_ENV, "0").strip().lower() in ("1", "true", "on", "yes")
+    runner captures verify graphs for them): on unless ``COMPILE_ATTN_VERIFY_MODE`` = 0 / false / off / no, which
+    runs those steps as decode rows in the decode graphs (docs/speculative.md, "Verify graphs")."""
+    return os.environ.get(VERIFY_MODE_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 def sampler_compile() -> bool | None:

@@ -57,7 +57,7 @@ class VerifyPlanner:
         self.split_options, self.one_launch, self.deterministic = split_options, one_launch, deterministic
         self.full_attention = all(layer.sliding_window is None for layer in layers)
         self.max_group = max(layer.num_heads // layer.num_kv_heads for layer in layers)
-        self.enabled = verify_mode()  # opt-in (COMPILE_ATTN_VERIFY_MODE=1) until measured on a GPU
+        self.enabled = verify_mode()  # COMPILE_ATTN_VERIFY_MODE=0 switches it off
         self.steps = 0
 
     def supports(self, tokens_per_request: int) -> bool:

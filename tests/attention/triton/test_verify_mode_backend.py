@@ -26,9 +26,10 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton in
 
 @pytest.fixture(autouse=True, scope="module")
 def _verify_mode_on():  # noqa: ANN202
-    """The verify mode is opt-in (``COMPILE_ATTN_VERIFY_MODE``); these tests are about it."""
+    """The verify mode is on unless ``COMPILE_ATTN_VERIFY_MODE`` = 0: these tests are about it, whatever the
+    environment says."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("COMPILE_ATTN_VERIFY_MODE", "1")
+        mp.delenv("COMPILE_ATTN_VERIFY_MODE", raising=False)
         yield
 
 
@@ -90,10 +91,11 @@ def test_verify_mode_support_is_declared_per_backend() -> None:
     assert not create_backend("torch_native", kv, gqa8).supports_verify_mode(2)  # the base class's default
 
 
-def test_verify_mode_is_off_unless_switched_on(monkeypatch) -> None:  # noqa: ANN001
-    """Without ``COMPILE_ATTN_VERIFY_MODE`` the triton backend declares no verify mode: chain verify steps run as
-    decode rows (the route measured on GPUs) and no verify graphs are captured."""
-    monkeypatch.delenv("COMPILE_ATTN_VERIFY_MODE", raising=False)
+def test_verify_mode_switched_off(monkeypatch) -> None:  # noqa: ANN001
+    """``COMPILE_ATTN_VERIFY_MODE=0``: the triton backend declares no verify mode, so chain verify steps run as decode
+    rows in the decode graphs and no verify graphs are captured; on by default."""
     kv = KVCache(num_layers=1, num_kv_heads=2, head_dim=64, max_batch_size=2, max_context=16, kv_cache_tokens=64)
+    assert create_backend("triton", kv, [AttentionLayer(0, 8, 2, 64)]).supports_verify_mode(2)
+    monkeypatch.setenv("COMPILE_ATTN_VERIFY_MODE", "0")
     assert not create_backend("triton", kv, [AttentionLayer(0, 8, 2, 64)]).supports_verify_mode(2)
 

@@ -32,9 +32,10 @@ _CPU = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU test (the engin
 
 @pytest.fixture(autouse=True, scope="module")
 def _verify_mode_on():  # noqa: ANN202
-    """The verify mode is opt-in (``COMPILE_ATTN_VERIFY_MODE``); these tests are about it."""
+    """The verify mode is on unless ``COMPILE_ATTN_VERIFY_MODE`` = 0: these tests are about it, whatever the
+    environment says."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("COMPILE_ATTN_VERIFY_MODE", "1")
+        mp.delenv("COMPILE_ATTN_VERIFY_MODE", raising=False)
         yield
 
 
