@@ -116,7 +116,30 @@ def test_refusals_before_any_worker_starts(checkpoints: dict[str, Path]) -> None
         LLM(str(checkpoints["llama"]), tensor_parallel_size=3, **OPTIONS)
     with pytest.raises(EngineOptionError, match="speculative_config"):
         LLM(str(checkpoints["llama"]), tensor_parallel_size=2, **OPTIONS,
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2, "topk": 2})
     with pytest.raises(EngineOptionError, match="positive int"):
         LLM(str(checkpoints["llama"]), tensor_parallel_size=0, **OPTIONS)
     assert not [c for c in psutil.Process().children(recursive=True) if not _helper(c)]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_chains_equal_one_rank(checkpoints: dict[str, Path], method: str) -> None:
+    """Chain verify steps on 2 ranks (the workers run them as rank 0 sends them; the draft model runs on rank 0
+    alone) give one process's greedy tokens without speculation, and verify steps did run."""
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "ngram":
+        spec |= {"prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    else:
+        spec["model"] = str(checkpoints["llama"])  # the target drafting for itself: every draft accepted
+    options = dict(OPTIONS, graph_mode="none", compile=False, max_context=96)  # the reference: one process, eager
+    prompts = [p * 2 for p in PROMPTS[:3]]  # repeats: prompt lookup finds its n-grams
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    want = [o.token_ids for o in LLM(str(checkpoints["llama"]), **options).generate(prompts, params, use_tqdm=False)]
+    graphs = "full_and_piecewise" if method == "ngram" else "none"  # verify steps in the full decode graphs
+    with LLM(str(checkpoints["llama"]), tensor_parallel_size=2, speculative_config=spec,
+             **(options | {"graph_mode": graphs})) as llm:
+        pids = worker_pids(llm)
+        got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert llm.steps_by_mode[ForwardMode.TARGET_VERIFY] > 0, "no verify step ran"
+    assert got == want
+    assert_gone(pids)

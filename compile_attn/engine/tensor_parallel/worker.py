@@ -91,6 +91,8 @@ class Worker:
             layers, max_batch_size=config.max_batch_size, max_context=spec.max_context, kv_cache_tokens=tokens,
             page_size=config.page_size, dtype=config.kv_dtype, device=device)
         backend = create_backend(config.attn_backend, self.kv_cache, layers)
+        if config.speculative_config is not None:  # as rank 0's: verify steps' KV stored before attention
+            backend.store_decode_kv_first()
         rows, compile_options = decode_graph_rows(config)
         self.step_runner = StepRunner(model, backend, graph_mode=config.graph_mode, compile=config.compile,
                                       compile_options=compile_options, max_batch_size=rows,
