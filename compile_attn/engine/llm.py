@@ -104,7 +104,8 @@ class LLM:
                                            kv_cache_tokens=kv_cache_tokens, page_size=config.page_size,
                                            dtype=config.kv_dtype, device=device)
         # fp8: scales from kv_scales_path, else the checkpoint, else the first prefill (kv/kv_scales.py)
-        setup_kv_scales(self.kv_cache.pool, checkpoint_dir=loaded.checkpoint_dir, scales_path=config.kv_scales_path)
+        setup_kv_scales(self.kv_cache.pool, checkpoint_dir=loaded.checkpoint_dir, scales_path=config.kv_scales_path,
+                        kv_heads=loaded.kv_heads)
         self.kv_cache.enable_prefix_cache(config.enable_prefix_cache)  # reuse computed prompts' KV
         if self._tp is not None:  # the workers' request tables follow this one
             self._tp.attach(self.kv_cache)

@@ -16,6 +16,10 @@ Scales follow ``kv/fp8.py``: ``stored = real / scale``, one float32 per layer an
   tokens, padding excluded; a head whose amax is 0 keeps 1.0), before the step's K/V are stored, so nothing is ever
   stored under another scale. Later values beyond ``fp8_max * scale`` saturate. Once every layer has its scales the
   calibration detaches from the pool: no work, and no host sync, on later steps.
+
+With tensor parallelism a rank's pool holds a range of the model's KV heads (``setup_kv_scales(..., kv_heads=(first,
+stop, of))``): the checkpoint's and the JSON file's per-head scales are read for all ``of`` heads and sliced; the
+first-prefill calibration sees only the rank's own heads' K and V, which are the unsharded model's.
 """
 
 from __future__ import annotations
@@ -65,6 +69,12 @@ class KVScales:
     @property
     def complete(self) -> bool:
         return all(s is not None for s in (*self.k, *self.v))
+
+    def heads(self, first: int, stop: int) -> KVScales:
+        """The scales of KV heads ``first .. stop - 1`` (a tensor-parallel rank's)."""
+        cut = [None if s is None else s[first:stop].clone() for s in self.k], [
+            None if s is None else s[first:stop].clone() for s in self.v]
+        return KVScales(cut[0], cut[1], f"{self.source}, KV heads {first}..{stop - 1}")
 
 
 def _per_head(value: Any, num_kv_heads: int, what: str) -> torch.Tensor:
@@ -190,10 +200,13 @@ def describe(scales: Sequence[torch.Tensor]) -> str:
 
 
 def setup_kv_scales(pool: PagedKVPool, *, checkpoint_dir: str | os.PathLike[str] | None = None,
-                    scales_path: str | os.PathLike[str] | None = None) -> str:
+                    scales_path: str | os.PathLike[str] | None = None,
+                    kv_heads: tuple[int, int, int] | None = None) -> str:
     """Give an fp8 ``pool`` its scales: from ``scales_path`` (a JSON file the user named: it wins), else from the
     checkpoint directory's scale tensors, else (and for any layer they leave out) from the first prefill. Returns
-    a line saying where they came from (also logged). An unquantised pool with ``scales_path`` is refused."""
+    a line saying where they came from (also logged). An unquantised pool with ``scales_path`` is refused.
+    ``kv_heads`` = (first, stop, of): the pool holds KV heads ``first .. stop - 1`` of the model's ``of`` (a
+    tensor-parallel rank; None: all of them)."""
     if not pool.quantized:
         if scales_path is not None:
             raise InvalidConfigError(
@@ -201,13 +214,18 @@ def setup_kv_scales(pool: PagedKVPool, *, checkpoint_dir: str | os.PathLike[str]
                 f"kv_cache_dtype='fp8_e4m3' (or 'fp8_e5m2'), or drop kv_scales_path"
             )
         return "unquantised"
+    first, stop, heads = kv_heads if kv_heads is not None else (0, pool.num_kv_heads, pool.num_kv_heads)
+    if stop - first != pool.num_kv_heads:
+        raise InvalidConfigError(f"KV heads {first}..{stop - 1} given for a KV pool of {pool.num_kv_heads} heads")
     scales = None
     if scales_path is not None:
-        scales = json_scales(scales_path, pool.num_layers, pool.num_kv_heads)
-        if checkpoint_dir is not None and checkpoint_scales(checkpoint_dir, pool.num_layers, pool.num_kv_heads):
+        scales = json_scales(scales_path, pool.num_layers, heads)
+        if checkpoint_dir is not None and checkpoint_scales(checkpoint_dir, pool.num_layers, heads):
             logger.info("KV scales from %s replace those of the checkpoint", scales_path)
     elif checkpoint_dir is not None:
-        scales = checkpoint_scales(checkpoint_dir, pool.num_layers, pool.num_kv_heads)
+        scales = checkpoint_scales(checkpoint_dir, pool.num_layers, heads)
+    if scales is not None and (first, stop) != (0, heads):
+        scales = scales.heads(first, stop)
     pending = apply_scales(pool, scales) if scales is not None else list(range(pool.num_layers))
     if scales is None:
         line = (f"KV scales: none given; calibrated on the first prefill (margin {CALIBRATION_MARGIN} x amax per "

@@ -143,3 +143,14 @@ def test_speculative_chains_equal_one_rank(checkpoints: dict[str, Path], method:
         assert llm.steps_by_mode[ForwardMode.TARGET_VERIFY] > 0, "no verify step ran"
     assert got == want
     assert_gone(pids)
+
+
+def test_fp8_kv_cache_equals_one_rank(checkpoints: dict[str, Path]) -> None:
+    """An fp8 KV cache on 2 ranks: each rank calibrates its own KV heads on the first prefill; greedy tokens equal
+    one process's with the same cache dtype."""
+    options = dict(OPTIONS, graph_mode="none", kv_cache_dtype="fp8_e4m3")
+    want = generate_twice(LLM(str(checkpoints["qwen3"]), **options))
+    with LLM(str(checkpoints["qwen3"]), tensor_parallel_size=2, **options) as llm:
+        got = generate_twice(llm)
+        assert llm.kv_cache.pool.quantized
+    assert got == want

@@ -108,6 +108,24 @@ def test_json_scales_per_layer_and_per_head(tmp_path: Path) -> None:
     assert kv.pool.scale_calibration is None
 
 
+def test_a_tensor_parallel_rank_reads_its_kv_heads(tmp_path: Path) -> None:
+    """A rank's pool of 2 KV heads out of the model's 4 (``kv_heads=(2, 4, 4)``) takes heads 2 and 3 of the JSON
+    file's and of the checkpoint's per-head scales; a head range that does not match the pool is refused."""
+    path = tmp_path / "scales.json"
+    path.write_text(json.dumps({"k_scale": [[1, 2, 3, 4]] * LAYERS, "v_scale": [5, [6, 7, 8, 9], 10]}))
+    kv = _kv()
+    setup_kv_scales(kv.pool, scales_path=path, kv_heads=(2, 4, 4))
+    assert kv.pool.k_scales[0].tolist() == [3.0, 4.0] and kv.pool.v_scales[1].tolist() == [8.0, 9.0]
+    assert kv.pool.v_scales[0].tolist() == [5.0, 5.0]
+    _save(tmp_path / "ckpt", {f"model.layers.{i}.self_attn.{n}": torch.tensor([1.0, 2.0, 3.0, 4.0]) * (i + 1)
+                              for i in range(LAYERS) for n in ("k_scale", "v_scale")})
+    kv = _kv()
+    setup_kv_scales(kv.pool, checkpoint_dir=tmp_path / "ckpt", kv_heads=(0, 2, 4))
+    assert kv.pool.k_scales[2].tolist() == [3.0, 6.0]
+    with pytest.raises(InvalidConfigError, match="KV heads 0..2 given for a KV pool of 2 heads"):
+        setup_kv_scales(_kv().pool, scales_path=path, kv_heads=(0, 3, 4))
+
+
 def test_json_scales_in_vllms_former_format(tmp_path: Path) -> None:
     path = tmp_path / "kv_cache_scales.json"
     path.write_text(json.dumps({"model_type": "llama", "kv_cache": {"dtype": "float8_e4m3fn", "scaling_factor": {

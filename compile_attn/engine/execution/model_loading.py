@@ -21,6 +21,7 @@ class LoadedModel:
     eos_token_ids: set[int] = field(default_factory=set)
     max_context: int | None = None
     checkpoint_dir: str | None = None  # the local directory the weights came from (fp8 KV scales are read there)
+    kv_heads: tuple[int, int, int] | None = None  # a tensor-parallel rank's KV heads: (first, stop, of the model's)
 
 
 def _is_protocol_model(model: Any) -> bool:

@@ -190,7 +190,7 @@ def check_kv_cache_dtype(kv_cache_dtype: str | torch.dtype | None) -> str:
 
 def check_tensor_parallel(config: EngineConfig) -> None:
     """``tensor_parallel_size`` a positive int, at most the CUDA devices on a GPU, and not combined with what tensor
-    parallelism does not support yet (speculative trees, an fp8 KV cache, cascade decode); refused by name. Whether
+    parallelism does not support yet (speculative trees, cascade decode); refused by name. Whether
     the model's heads split is checked when it loads (``distributed.plan_for``)."""
     size = config.tensor_parallel_size
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
@@ -205,7 +205,7 @@ def check_tensor_parallel(config: EngineConfig) -> None:
                                 f"{str(config.device)!r} (set CUDA_VISIBLE_DEVICES to choose the GPUs)")
     spec = config.speculative_config
     unsupported = [("speculative_config", spec is not None and spec.topk > 1),  # trees: their KV moves stay on rank 0
-                   ("kv_cache_dtype", config.kv_cache_dtype != "auto"), ("cascade_decode", config.cascade_decode is True)]
+                   ("cascade_decode", config.cascade_decode is True)]
     for name, used in unsupported:
         if used:
             raise EngineOptionError(f"LLM({name}=...) does not work with tensor_parallel_size={size} yet (see "

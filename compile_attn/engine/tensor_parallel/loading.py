@@ -96,5 +96,7 @@ def load_rank(path: str, rank: int, world_size: int, *, dtype: torch.dtype, devi
     logger.info("tensor parallel rank %d of %d: loaded its shard of %s on %s in %.2f s", rank, world_size,
                 type(adapter.model).__name__, device, time.perf_counter() - start)
     hf_config = adapter.config
+    plan = adapter.model.compile_attn_tp_plan
     return LoadedModel(adapter, tokenizer, eos_ids_of(hf_config, tokenizer),
-                       getattr(hf_config, "max_position_embeddings", None), None)
+                       getattr(hf_config, "max_position_embeddings", None), path,
+                       kv_heads=(*plan.kv_heads, plan.num_kv_heads))

@@ -37,6 +37,7 @@ from compile_attn.engine.tensor_parallel.loading import load_rank
 from compile_attn.graph_runner.step_kernels import TokenFeed
 from compile_attn.host_tensors import repeat_each, to_device
 from compile_attn.kv.cache import KVCache
+from compile_attn.kv.kv_scales import setup_kv_scales
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,9 @@ class Worker:
         self.kv_cache = MirroredKVCache.for_layers(
             layers, max_batch_size=config.max_batch_size, max_context=spec.max_context, kv_cache_tokens=tokens,
             page_size=config.page_size, dtype=config.kv_dtype, device=device)
+        # fp8: the rank's slice of the scales, as rank 0 reads its own (kv/kv_scales.py)
+        setup_kv_scales(self.kv_cache.pool, checkpoint_dir=loaded.checkpoint_dir, scales_path=config.kv_scales_path,
+                        kv_heads=loaded.kv_heads)
         backend = create_backend(config.attn_backend, self.kv_cache, layers)
         if config.speculative_config is not None:  # as rank 0's: verify steps' KV stored before attention
             backend.store_decode_kv_first()
