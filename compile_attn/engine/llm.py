@@ -17,21 +17,20 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from compile_attn.attention import create_backend
 from compile_attn.batch import ForwardBatch, ForwardMode
 from compile_attn.engine.execution.in_flight import InFlightStep, has_placeholders
 from compile_attn.engine.execution.memory_profile import check_memory_after_capture, size_kv_cache
 from compile_attn.engine.execution.model_loading import LoadedModel, load_for_engine
+from compile_attn.engine.execution.rank_parts import build_kv_cache, build_step_runner
 from compile_attn.engine.execution.sampling import sampler
 from compile_attn.engine.execution.speculative.penalties import drafts_before, record_accepted
-from compile_attn.engine.execution.speculative.setup import decode_graph_rows, load_draft
+from compile_attn.engine.execution.speculative.setup import load_draft
 from compile_attn.engine.execution.speculative.speculator import Speculator
 from compile_attn.engine.execution.speculative.step_plan import schedule_step
 from compile_attn.engine.execution.sampling.logprobs import unpack as unpack_logprobs
 from compile_attn.engine.execution.sampling.penalties import PenaltyState
 from compile_attn.engine.execution.sampling.step import forward_and_sample
 from compile_attn.engine.execution.step_extras import StepExtras, start_penalty_rows
-from compile_attn.engine.execution.step_runner import StepRunner
 from compile_attn.engine.requests.admission import encode_prompt, find_vocab_size, split_params, split_prompts
 from compile_attn.engine.requests.chat import render_chat, split_conversations
 from compile_attn.engine.requests.config import EngineConfig
@@ -44,7 +43,6 @@ from compile_attn.engine.requests.token_writer import TokenWriter, sample_seed
 from compile_attn.graph_runner import step_kernels
 from compile_attn.graph_runner.step_kernels import TokenFeed
 from compile_attn.kv.cache import KVCache
-from compile_attn.kv.kv_scales import setup_kv_scales
 from compile_attn.kv.shared_prefix import engine_prefix_finder
 
 
@@ -100,18 +98,11 @@ class LLM:
             kv_cache_tokens = draft.share_of(kv_cache_tokens, layers, config.page_size, config.kv_dtype)
         if self._tp is not None:  # every rank allocates the same pages: the smallest rank's size
             kv_cache_tokens = self._tp.agree_kv_tokens(kv_cache_tokens)
-        self.kv_cache = KVCache.for_layers(layers, max_batch_size=config.max_batch_size, max_context=max_context,
-                                           kv_cache_tokens=kv_cache_tokens, page_size=config.page_size,
-                                           dtype=config.kv_dtype, device=device)
-        # fp8: scales from kv_scales_path, else the checkpoint, else the first prefill (kv/kv_scales.py)
-        setup_kv_scales(self.kv_cache.pool, checkpoint_dir=loaded.checkpoint_dir, scales_path=config.kv_scales_path,
-                        kv_heads=loaded.kv_heads)
+        self.kv_cache = build_kv_cache(KVCache, layers, loaded, config, max_context, kv_cache_tokens, device)
         self.kv_cache.enable_prefix_cache(config.enable_prefix_cache)  # reuse computed prompts' KV
         if self._tp is not None:  # the workers' request tables follow this one
             self._tp.attach(self.kv_cache)
-        self.backend = create_backend(config.attn_backend, self.kv_cache, layers)
-        if config.speculative_config is not None:  # chain verify steps then replay the full decode graphs
-            self.backend.store_decode_kv_first()
+        self.backend, self.step_runner = build_step_runner(self.model, layers, self.kv_cache, config)
         # Decode steps' KV slots go up with the batch and the table write rides in the step (GraphRunner.run).
         self.scheduler = Scheduler(self.kv_cache, config.max_batch_size, config.max_num_tokens,
                                    defer_table_write=True)
@@ -119,10 +110,6 @@ class LLM:
         cascade = False if self._tp is not None else config.cascade_decode  # not with tensor parallelism yet
         self.prefix_groups = engine_prefix_finder(cascade, self.kv_cache, self.backend.name,
                                                   self.backend.takes_shared_prefix_decode())
-        rows, compile_options = decode_graph_rows(config)  # a verify step's tokens are rows of a decode graph
-        self.step_runner = StepRunner(self.model, self.backend, graph_mode=config.graph_mode, compile=config.compile,
-                                      compile_options=compile_options, max_batch_size=rows,
-                                      max_num_tokens=config.max_num_tokens)
         self.step_runner.peers = self._tp  # each step goes to the other ranks first (None: one process)
         logger.info(
             "LLM ready: device %s, dtype %s, backend %s, graph mode %s, KV cache %d tokens (%.1f MiB, %s), page size "

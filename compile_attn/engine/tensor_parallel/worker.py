@@ -24,20 +24,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from compile_attn.attention import create_backend
 from compile_attn.batch import ForwardBatch
 from compile_attn.distributed.state import destroy_tensor_parallel, init_tensor_parallel, tp_group, tp_host_group
 from compile_attn.distributed.step_message import StepMessage, StepReceiver
 from compile_attn.engine.execution.memory_profile import size_kv_cache
-from compile_attn.engine.execution.speculative.setup import decode_graph_rows
-from compile_attn.engine.execution.step_runner import StepRunner
+from compile_attn.engine.execution.rank_parts import build_kv_cache, build_step_runner
 from compile_attn.engine.requests.admission import find_vocab_size
 from compile_attn.engine.requests.config import EngineConfig
 from compile_attn.engine.tensor_parallel.loading import load_rank
 from compile_attn.graph_runner.step_kernels import TokenFeed
 from compile_attn.host_tensors import repeat_each, to_device
 from compile_attn.kv.cache import KVCache
-from compile_attn.kv.kv_scales import setup_kv_scales
 
 logger = logging.getLogger(__name__)
 
@@ -88,19 +85,8 @@ class Worker:
         self.vocab_size = find_vocab_size(model)
         sized = size_kv_cache(model, layers, config, spec.max_context) if not config.kv_cache_tokens else None
         tokens = agree_min(sized.kv_cache_tokens if sized else config.kv_cache_tokens, device)
-        self.kv_cache = MirroredKVCache.for_layers(
-            layers, max_batch_size=config.max_batch_size, max_context=spec.max_context, kv_cache_tokens=tokens,
-            page_size=config.page_size, dtype=config.kv_dtype, device=device)
-        # fp8: the rank's slice of the scales, as rank 0 reads its own (kv/kv_scales.py)
-        setup_kv_scales(self.kv_cache.pool, checkpoint_dir=loaded.checkpoint_dir, scales_path=config.kv_scales_path,
-                        kv_heads=loaded.kv_heads)
-        backend = create_backend(config.attn_backend, self.kv_cache, layers)
-        if config.speculative_config is not None:  # as rank 0's: verify steps' KV stored before attention
-            backend.store_decode_kv_first()
-        rows, compile_options = decode_graph_rows(config)
-        self.step_runner = StepRunner(model, backend, graph_mode=config.graph_mode, compile=config.compile,
-                                      compile_options=compile_options, max_batch_size=rows,
-                                      max_num_tokens=config.max_num_tokens)
+        self.kv_cache = build_kv_cache(MirroredKVCache, layers, loaded, config, spec.max_context, tokens, device)
+        _, self.step_runner = build_step_runner(model, layers, self.kv_cache, config)
         if config.capture:
             self.step_runner.capture(shared_prefix=False)
         self.receiver = StepReceiver(tp_group(), tp_host_group(), device)
