@@ -84,6 +84,23 @@ class ReplayViews:
             b.out_cache_loc[pad].fill_(PAD_SLOT)
         self._tokens_dirty = n
 
+    def _pad_requests(self, bs: int) -> None:
+        """Decode padding (row PAD_REQUEST, the seq_len fill value) in the request entries from ``bs`` on that may
+        hold a live batch's."""
+        b = self.buffers
+        if self._requests_dirty > bs:
+            pad = slice(bs, self._requests_dirty)
+            b.req_pool_indices[pad].fill_(PAD_REQUEST)
+            b.seq_lens[pad].fill_(self.seq_len_fill)
+            b.extend_prefix_lens[pad].fill_(self.pad_prefix)
+        self._requests_dirty = bs
+
+    def _padded_seq_lens_cpu(self, fb: ForwardBatch, npad: int) -> torch.Tensor:
+        """``fb``'s host sequence lengths with ``npad`` padded requests' after them."""
+        if not npad:
+            return fb.seq_lens_cpu
+        return torch.cat([fb.seq_lens_cpu, torch.full((npad,), self.seq_len_fill, dtype=fb.seq_lens_cpu.dtype)])
+
     # ------------------------------------------------------------------ views
     def decode_view(self, fb: ForwardBatch, bucket: int, feed: TokenFeed | None = None,
                     table: torch.Tensor | None = None) -> ForwardBatch:
@@ -95,12 +112,7 @@ class ReplayViews:
         copy_decode_inputs(int64_targets + int32_targets[:2], [fb.input_ids, fb.positions, fb.out_cache_loc,
                            fb.req_pool_indices, fb.seq_lens, fb.extend_prefix_lens], feed, table)
         self._repad_tokens(bs)
-        if self._requests_dirty > bs:
-            pad = slice(bs, self._requests_dirty)
-            b.req_pool_indices[pad].fill_(PAD_REQUEST)
-            b.seq_lens[pad].fill_(self.seq_len_fill)
-            b.extend_prefix_lens[pad].fill_(self.pad_prefix)
-        self._requests_dirty = bs
+        self._pad_requests(bs)
         if self._extend_dirty:
             b.extend_seq_lens[: self._extend_dirty].fill_(1)
             b.extend_start_loc[: self._extend_dirty].copy_(
@@ -108,11 +120,7 @@ class ReplayViews:
             )
             self._extend_dirty = 0
         npad = bucket - bs
-        seq_lens_cpu = fb.seq_lens_cpu
-        if npad:
-            seq_lens_cpu = torch.cat(
-                [seq_lens_cpu, torch.full((npad,), self.seq_len_fill, dtype=seq_lens_cpu.dtype)]
-            )
+        seq_lens_cpu = self._padded_seq_lens_cpu(fb, npad)
         return b.view(
             forward_mode=fb.forward_mode,
             batch_size=bucket,
@@ -158,17 +166,10 @@ class ReplayViews:
         int64_targets, int32_targets = self._targets(bs, n)
         self._copy_int64_fields(fb, n, int64_targets)
         torch._foreach_copy_(int32_targets, [fb.seq_lens, fb.extend_prefix_lens, fb.extend_seq_lens, fb.extend_start_loc])
-        if self._requests_dirty > bs:
-            pad = slice(bs, self._requests_dirty)
-            b.req_pool_indices[pad].fill_(PAD_REQUEST)
-            b.seq_lens[pad].fill_(self.seq_len_fill)
-            b.extend_prefix_lens[pad].fill_(self.pad_prefix)
-        self._requests_dirty = bs
+        self._pad_requests(bs)
         self._extend_dirty = max(self._extend_dirty, bs)
         npad = bucket - bs
-        seq_lens_cpu = fb.seq_lens_cpu
-        if npad:
-            seq_lens_cpu = torch.cat([seq_lens_cpu, torch.full((npad,), self.seq_len_fill, dtype=seq_lens_cpu.dtype)])
+        seq_lens_cpu = self._padded_seq_lens_cpu(fb, npad)
         view = b.view(
             forward_mode=fb.forward_mode,
             batch_size=bucket,
