@@ -15,7 +15,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 class ThroughputConfig:
     workload: str = "nanovllm"
     num_seqs: int | None = None  # None: the workload's own sizes
+    request_rate: float | None = None  # arrivals: requests per second (None: the workload's)
     prompt_len: int | None = None  # nanovllm: the longest prompt
     output_len: int | None = None  # nanovllm: the longest output
     temperature: float | None = None  # None: the workload's own
@@ -88,9 +89,9 @@ def run(cfg: ThroughputConfig) -> dict:
     result["engine"] = engine | {"gpu_busy": busy}
     model = None  # the engine's adapter changed the model's attention: HF gets a fresh one
     _release(cfg.device)
-    if cfg.hf and workload.follow_ups:
+    if cfg.hf and (workload.follow_ups or workload.arrival_s):
         result["hf"] = {"skipped": "generate_batch takes every prompt at once; a multi-turn prompt needs the answer "
-                                   "before it"}
+                                   "before it, and timed arrivals come one by one"}
     elif cfg.hf:
         from compile_attn.bench import hf_batch as bench_hf_batch
 
@@ -108,7 +109,7 @@ def run(cfg: ThroughputConfig) -> dict:
 def make_workload(cfg: ThroughputConfig) -> Workload:
     vocab = cfg.shape["vocab_size"] if cfg.model is None else _dir_vocab_size(cfg.model)
     workload = bench_workloads.build(cfg.workload, vocab, num_seqs=cfg.num_seqs, prompt_len=cfg.prompt_len,
-                                     output_len=cfg.output_len)
+                                     output_len=cfg.output_len, request_rate=cfg.request_rate)
     return workload if cfg.temperature is None else replace(workload, temperature=cfg.temperature)
 
 
@@ -175,13 +176,22 @@ def engine_round(llm, workload: Workload) -> dict:
     looked, hits = (cache.num_lookup_tokens, cache.num_hit_tokens) if cache is not None else (0, 0)
     _sync(llm.device.type)
     start = time.perf_counter()
-    requests = [llm.add_request(p, sp) for p, sp in zip(workload.prompts, params)]
+    arriving = deque(enumerate(workload.arrival_s))  # timed arrivals (empty: every request now)
+    requests = [] if arriving else [llm.add_request(p, sp) for p, sp in zip(workload.prompts, params)]
     turn = {id(r): (i, 1) for i, r in enumerate(requests)}  # request -> (conversation, turn)
     steps: Counter[str] = Counter()
     seconds: Counter[str] = Counter()
     last = "idle"
     finished: list = []
-    while llm.has_work():
+    while arriving or llm.has_work():
+        now = time.perf_counter() - start
+        while arriving and arriving[0][1] <= now:
+            i, _ = arriving.popleft()
+            requests.append(llm.add_request(workload.prompts[i], params[i]))
+            turn[id(requests[-1])] = (i, 1)
+        if not llm.has_work():  # nothing to run until the next arrival
+            time.sleep(max(0.0, arriving[0][1] - now))
+            continue
         t0 = time.perf_counter()
         kind = _step(llm, finished)
         for r in finished:  # a multi-turn conversation's next prompt: this one, its answer, the user's new tokens

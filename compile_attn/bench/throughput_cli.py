@@ -4,6 +4,7 @@ the command that runs ``compile_attn.bench.throughput`` and writes its table and
 from __future__ import annotations
 
 import argparse
+import math
 import json
 import logging
 
@@ -31,7 +32,8 @@ def add_parser(sub: argparse._SubParsersAction, formatter_class: type[argparse.H
                         "one P-token (2,048) system prompt + 32 own tokens, O (128) new, greedy; multi-turn: N (64) "
                         "conversations x 4 turns, a first prompt of P (1,024) tokens, each turn resending the history "
                         "and the answer (O, 128 tokens) + P/8 new tokens, greedy. The last two run with the prefix "
-                        "cache on, then off")
+                        "cache on, then off. arrivals: N (512) requests arriving at --request-rate (128/s, Poisson), "
+                        "log-normal prompt and output lengths of median P (1,024) and O (192), temperature 0.6")
     p.add_argument("--num-seqs", type=int, default=None,
                    help="requests; multi-turn: conversations (default: 256; long-context 32, multi-turn 64)")
     p.add_argument("--prompt-len", "--max-input", dest="prompt_len", type=int, default=None,
@@ -42,6 +44,8 @@ def add_parser(sub: argparse._SubParsersAction, formatter_class: type[argparse.H
     p.add_argument("--output-len", "--max-output", dest="output_len", type=int, default=None,
                    help="new tokens; nanovllm: the longest output (default: nanovllm 1024, fixed 128, "
                         "long-context 256)")
+    p.add_argument("--request-rate", type=float, default=None,
+                   help="arrivals: requests per second, a Poisson process (default 128)")
     p.add_argument("--temperature", type=float, default=None,
                    help="override the workload's temperature (0: greedy)")
     model = p.add_mutually_exclusive_group()
@@ -71,6 +75,10 @@ def prepare(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if args.profile_steps < 0:
         raise ValueError(f"--profile-steps must be >= 0 (0: no profile), got {args.profile_steps}")
+    if args.request_rate is not None and args.workload != "arrivals":
+        raise ValueError(f"--request-rate is for the arrivals workload, not {args.workload}")
+    if args.request_rate is not None and not (args.request_rate > 0 and math.isfinite(args.request_rate)):
+        raise ValueError(f"--request-rate must be a finite number > 0 (requests per second), got {args.request_rate}")
     if args.temperature is not None and args.temperature < 0:
         raise ValueError(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
     if not 0 < args.hf_max_memory_percent <= 1:
@@ -93,6 +101,7 @@ def throughput_config(args: argparse.Namespace, device: str, **fields: object) -
 
     return ThroughputConfig(
         workload=args.workload, num_seqs=args.num_seqs, prompt_len=args.prompt_len, output_len=args.output_len,
+        request_rate=getattr(args, "request_rate", None),
         temperature=args.temperature, model=args.model, shape=dict(bench.TINY if args.tiny else bench.LLAMA_1B),
         device=device, backend=args.backend, graph_mode=args.graph_mode, compile=not args.no_compile,
         max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens, kv_cache_tokens=args.kv_cache_tokens,

@@ -5,18 +5,22 @@ request, one temperature, EOS ignored so every request generates exactly its out
 ``fixed`` is N prompts of P random ids and O new tokens each, greedy; ``long-context`` is ``fixed`` at 32 x (7,680 +
 256), a step that reads mostly KV (what an fp8 KV cache speeds up). Two exercise the prefix cache: ``shared-prefix``
 (N prompts behind one system prompt) and ``multi-turn`` (conversations whose every turn resends the history and the
-previous answer, so a turn's prompt exists only once the answer before it is generated).
+previous answer, so a turn's prompt exists only once the answer before it is generated). ``arrivals`` is traffic
+over time: requests arrive as a Poisson process, with log-normal prompt and output lengths, so prefill happens in
+chunks of any size beside the running requests' decode rows (the throughput driver adds each at its arrival time).
 """
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 
 from compile_attn.errors import CompileAttnError
 
 WORKLOADS = ("nanovllm", "fixed", "shared-prefix", "long-context")  # every prompt known up front: any client can send them
-ALL_WORKLOADS = (*WORKLOADS, "multi-turn")  # a multi-turn prompt needs the answer before it (the throughput driver)
+# a multi-turn prompt needs the answer before it; arrivals are timed (the throughput driver runs both)
+ALL_WORKLOADS = (*WORKLOADS, "multi-turn", "arrivals")
 PREFIX_WORKLOADS = ("shared-prefix", "multi-turn")  # run with the prefix cache on and off
 
 
@@ -35,6 +39,7 @@ class Workload:
     output_lens: list[int]
     temperature: float
     follow_ups: list[list[list[int]]] = field(default_factory=list)
+    arrival_s: list[float] = field(default_factory=list)  # when request i arrives, from the round's start (empty: all at 0)
 
     def turns(self, i: int) -> int:
         return 1 + (len(self.follow_ups[i]) if self.follow_ups else 0)
@@ -65,9 +70,12 @@ class Workload:
         return max(self._prompt_lens(i)[-1] + o for i, o in enumerate(self.output_lens))
 
     def summary(self) -> dict:
-        return dict(name=self.name, num_seqs=self.num_seqs, prompt_tokens=self.prompt_tokens,
-                    output_tokens=self.output_tokens, temperature=self.temperature, ignore_eos=True,
-                    longest=self.longest)
+        out = dict(name=self.name, num_seqs=self.num_seqs, prompt_tokens=self.prompt_tokens,
+                   output_tokens=self.output_tokens, temperature=self.temperature, ignore_eos=True,
+                   longest=self.longest)
+        if self.arrival_s:
+            out["last_arrival_s"] = self.arrival_s[-1]
+        return out
 
 
 def nanovllm(num_seqs: int = 256, max_input: int = 1024, max_output: int = 1024, vocab_size: int = 10001,
@@ -139,10 +147,36 @@ def multi_turn(num_seqs: int = 64, prompt_len: int = 1024, turn_len: int | None 
     return Workload("multi-turn", prompts, [output_len] * num_seqs, temperature=0.0, follow_ups=follow_ups)
 
 
+def arrivals(num_seqs: int = 512, prompt_len: int = 1024, output_len: int = 192, request_rate: float = 128.0,
+             vocab_size: int = 10001, seed: int = 0) -> Workload:
+    """``num_seqs`` requests arriving as a Poisson process of ``request_rate`` per second (exponential gaps), each a
+    prompt of log-normal length with median ``prompt_len`` (sigma 0.9, clipped to 16 .. 8 x the median) and a
+    log-normal output length with median ``output_len`` (sigma 0.8, clipped to 8 .. 8 x the median); random ids,
+    temperature 0.6. Which prompts land in one step is up to the engine's schedule, so prefill chunks take any size."""
+    if min(num_seqs, prompt_len, output_len, vocab_size) < 1 or not (request_rate > 0 and math.isfinite(request_rate)):
+        raise WorkloadError(f"arrivals needs num_seqs, prompt_len, output_len and vocab_size >= 1 and a finite "
+                            f"request_rate > 0, got {num_seqs}, {prompt_len}, {output_len}, {vocab_size}, "
+                            f"{request_rate}")
+    rng = random.Random(seed)
+    high = min(10000, vocab_size - 1)
+
+    def length(median: int, sigma: float, low: int) -> int:
+        return int(min(max(round(rng.lognormvariate(math.log(median), sigma)), min(low, median)), 8 * median))
+
+    prompts = [[rng.randint(0, high) for _ in range(length(prompt_len, 0.9, 16))] for _ in range(num_seqs)]
+    output_lens = [length(output_len, 0.8, 8) for _ in range(num_seqs)]
+    times, t = [], 0.0
+    for _ in range(num_seqs):
+        times.append(t)
+        t += rng.expovariate(request_rate)
+    return Workload("arrivals", prompts, output_lens, temperature=0.6, arrival_s=times)
+
+
 def build(name: str, vocab_size: int, *, num_seqs: int | None = None, prompt_len: int | None = None,
-          output_len: int | None = None) -> Workload:
+          output_len: int | None = None, request_rate: float | None = None) -> Workload:
     """Workload ``name`` with its defaults, or the given sizes (nanovllm: the maximum prompt and output lengths;
-    shared-prefix: the shared system prompt; multi-turn: conversations and their first prompt)."""
+    shared-prefix: the shared system prompt; multi-turn: conversations and their first prompt; arrivals: the median
+    prompt and output lengths, and ``request_rate`` per second)."""
     sizes = {k: v for k, v in dict(num_seqs=num_seqs, prompt_len=prompt_len, output_len=output_len).items()
              if v is not None}
     if name == "nanovllm":
@@ -156,4 +190,6 @@ def build(name: str, vocab_size: int, *, num_seqs: int | None = None, prompt_len
         return shared_prefix(vocab_size=vocab_size, **sizes)
     if name == "multi-turn":
         return multi_turn(vocab_size=vocab_size, **sizes)
+    if name == "arrivals":
+        return arrivals(vocab_size=vocab_size, **sizes, **({} if request_rate is None else {"request_rate": request_rate}))
     raise WorkloadError(f"unknown workload {name!r}; choose among {', '.join(ALL_WORKLOADS)}")

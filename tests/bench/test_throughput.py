@@ -104,6 +104,35 @@ def test_nanovllm_scaled_down_end_to_end_mixes_prefill_into_decode(
     assert "| 1 (first) |" in table and "| 3 |" in table
 
 
+def test_arrivals_are_poisson_with_log_normal_lengths() -> None:
+    """Gaps are exponential at the rate (their mean within 5% over 4,000 draws), lengths stay in their clips with
+    medians near the asked ones, and the workload is reproducible."""
+    import statistics
+
+    w = bench_workloads.build("arrivals", 256, num_seqs=4000, prompt_len=512, output_len=64, request_rate=100.0)
+    gaps = [b - a for a, b in zip(w.arrival_s, w.arrival_s[1:])]
+    assert w.arrival_s[0] == 0.0 and min(gaps) >= 0
+    assert abs(statistics.mean(gaps) - 0.01) < 0.0005
+    prompt_lens = [len(p) for p in w.prompts]
+    assert min(prompt_lens) >= 16 and max(prompt_lens) <= 8 * 512 and min(w.output_lens) >= 8
+    assert 0.9 * 512 < statistics.median(prompt_lens) < 1.1 * 512 and 0.9 * 64 < statistics.median(w.output_lens) < 1.1 * 64
+    assert max(max(p) for p in w.prompts) < 256
+    assert w == bench_workloads.build("arrivals", 256, num_seqs=4000, prompt_len=512, output_len=64, request_rate=100.0)
+
+
+def test_arrivals_end_to_end_add_requests_over_time(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Requests join while others run: every output token is generated, the round lasts at least until the last
+    arrival, and the workload reported is the one asked for."""
+    argv = ["arrivals", *FAST, "--num-seqs", "6", "--prompt-len", "16", "--output-len", "8", "--request-rate", "20",
+            "--no-hf", "--rounds", "1"]
+    result, _ = _run(argv, tmp_path, capsys)
+    expected = bench_workloads.build("arrivals", 256, num_seqs=6, prompt_len=16, output_len=8, request_rate=20)
+    r = result["engine"]["rounds"][0]
+    assert r["output_tokens"] == expected.output_tokens
+    assert r["wall_s"] >= expected.arrival_s[-1]
+    assert result["workload"]["last_arrival_s"] == expected.arrival_s[-1]
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -111,6 +140,8 @@ def test_nanovllm_scaled_down_end_to_end_mixes_prefill_into_decode(
         (["throughput", "fixed", "--hf-max-memory-percent", "2"], "--hf-max-memory-percent must be in (0, 1]"),
         (["throughput", "nanovllm", "--backend", "nope"], "unknown attention backend 'nope'"),
         (["throughput", "fixed", "--temperature", "-1"], "--temperature must be >= 0"),
+        (["throughput", "fixed", "--request-rate", "3"], "--request-rate is for the arrivals workload"),
+        (["throughput", "arrivals", "--request-rate", "0"], "--request-rate must be a finite number > 0"),
     ],
 )
 def test_bad_options_are_a_usage_error(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
