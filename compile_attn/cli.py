@@ -10,7 +10,6 @@ import json
 import logging
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -137,15 +136,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text", formatter_class=_ShowDefaults,
                          description="Generate text with compile_attn.LLM (a tiny built-in model by default).")
     gen.add_argument("--model", default=TINY_MODEL,
-                     help=f"local HF model directory, '{TRAINED_MODEL}' (a small Llama trained on the CPU on first use "
-                          f"and cached), or '{TINY_MODEL}' (built-in, random weights)")
+                     help=f"local HF model directory, Hugging Face model id (org/name: the local HF cache's copy, else "
+                          f"downloaded), '{TRAINED_MODEL}' (a small Llama trained on the CPU on first use and cached), "
+                          f"or '{TINY_MODEL}' (built-in, random weights)")
     gen.add_argument("--prompt", action="append", default=None,
                      help="a prompt (repeat for several; without it: one built-in prompt)")
     gen.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate per prompt (>= 1)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     gen.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1] (1: off)")
-    gen.add_argument("--seed", type=int, default=None, help="makes sampled outputs reproducible")
+    gen.add_argument("--seed", type=int, default=None,
+                     help="makes sampled outputs reproducible (the requests' seed, and the engine's as vLLM's --seed)")
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's EOS token")
     add_engine_options(gen, device_help="cuda or cpu (without it: cuda if there is one)", max_batch_size=8,
                        max_num_tokens=2048, max_context=512,
@@ -209,10 +210,10 @@ def _prepare_generate(args: argparse.Namespace) -> None:
                          f"{args.max_context}; raise --max-context or lower --max-new-tokens")
     args.params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                                  top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
-    if args.model not in (TINY_MODEL, TRAINED_MODEL) and not (Path(args.model) / "config.json").is_file():
-        raise FileNotFoundError(
-            f"--model {args.model!r} is not a local model directory with a config.json; pass a directory holding an "
-            f"HF checkpoint (config.json, safetensors weights, tokenizer files), or '{TRAINED_MODEL}' / '{TINY_MODEL}'")
+    if args.model not in (TINY_MODEL, TRAINED_MODEL):  # a directory or model id: ModelNotFoundError, as LLM() says
+        from compile_attn.hub import resolve_model
+
+        resolve_model(args.model, revision=args.revision)
 
 
 def _positive_ints(option: str, text: str) -> list[int]:
@@ -253,7 +254,7 @@ def _prepare_bench(args: argparse.Namespace) -> None:
     """Refuse bad options before the benchmark builds its model (ValueError naming the value). Sets ``args.cfg``,
     the BenchConfig for ``cmd_bench``."""
     from compile_attn.bench import decode_step as bench
-    from compile_attn.attention.registry import check_backend_name
+    from compile_attn.attention.registry import check_backend_installed, check_backend_name
     from compile_attn.graph_mode import GraphMode
 
     if args.context < 1 or args.iters < 1:
@@ -261,6 +262,7 @@ def _prepare_bench(args: argparse.Namespace) -> None:
     backends, modes = args.backend.split(","), args.modes.split(",")
     for name in backends:
         check_backend_name(name)
+        check_backend_installed(name)
     for mode in modes:
         GraphMode.parse(mode)
     hf = [b for b in args.hf.split(",") if b]
@@ -287,9 +289,31 @@ def _prepare_bench(args: argparse.Namespace) -> None:
             "configuration and ~10 GB of memory; --tiny runs a small model instead")
 
 
+def _unknown_flag_message(sub: argparse.ArgumentParser, unknown: list[str]) -> str:
+    """What is wrong with the first of ``unknown`` (arguments ``sub`` did not take): a vLLM flag we know but do not
+    take is named with the reason (engine/requests/vllm_names.py), another flag with the closest of ``sub``'s."""
+    import difflib
+
+    from compile_attn.engine.requests.vllm_names import REFUSED
+
+    flag = next((u.split("=", 1)[0] for u in unknown if u.startswith("-")), None)
+    if flag is None:
+        return f"unrecognized arguments: {' '.join(unknown)}"
+    name = flag.lstrip("-").replace("-", "_")
+    if name in REFUSED:
+        return f"{flag} is vLLM's option, not taken here: {REFUSED[name]} (docs/vllm_compat.md)"
+    flags = [f for f in sub._option_string_actions if f.startswith("--")]
+    close = difflib.get_close_matches(flag, flags, n=3)
+    return f"unrecognized argument {flag}" + (f"; did you mean {', '.join(close)}?" if close else "") + \
+        f" (`{sub.prog} --help` lists the options)"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # refused by the subcommand, with vLLM's reason or the closest flags (argparse names neither)
+        sub = getattr(args, "subparser", parser)
+        sub.exit(2, f"{sub.prog}: error: {_unknown_flag_message(sub, unknown)}\n")
     args.argv = list(sys.argv[1:] if argv is None else argv)  # for the results' record (run_info)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if getattr(args, "prompt", "") is None:

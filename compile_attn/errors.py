@@ -46,3 +46,8 @@ class GraphReplayError(CompileAttnError, RuntimeError):
 
 class KVCacheTooSmallError(CompileAttnError, ValueError):
     """The KV cache sized from memory cannot hold one request of ``max_context`` tokens."""
+
+
+class ModelNotFoundError(CompileAttnError, FileNotFoundError):
+    """A model (or tokenizer) name that is neither a local checkpoint directory nor a Hugging Face model id that is
+    cached or can be downloaded (``compile_attn.hub``); the message says what was tried and the way out."""

@@ -6,6 +6,7 @@ Backends with optional dependencies (triton, flashinfer, fa3) are imported only 
 from compile_attn.attention.base import TREE_VERIFY_BACKENDS, AttentionBackend
 from compile_attn.attention.registry import (
     available_backends,
+    check_backend_installed,
     check_backend_name,
     create_backend,
     get_backend_class,
@@ -19,6 +20,7 @@ __all__ = [
     "TREE_VERIFY_BACKENDS",
     "AttentionBackend",
     "available_backends",
+    "check_backend_installed",
     "check_backend_name",
     "create_backend",
     "get_backend_class",

@@ -36,6 +36,12 @@ _LAZY_BACKENDS: dict[str, str] = {
 
 # name -> the package its kernels come from (a backend is "installed" when that package is importable)
 _REQUIRES: dict[str, str] = {"triton": "triton", "flashinfer": "flashinfer", "fa3": "sgl_kernel"}
+# name -> how to install that package: the extra of compile-attn that brings it (pyproject.toml)
+_INSTALL: dict[str, str] = {
+    "triton": 'pip install "compile-attn[triton]"',
+    "flashinfer": 'pip install "compile-attn[flashinfer]"',
+    "fa3": 'pip install "compile-attn[fa3]" (sglang-kernel: the release built for your torch + CUDA, docs/fa3.md)',
+}
 
 B = TypeVar("B", bound="type[AttentionBackend]")
 
@@ -76,7 +82,23 @@ def installed_backends() -> list[str]:
     return sorted([*names, "hybrid"] if "hybrid" in available_backends() and len(names) >= 2 else names)
 
 
+def check_backend_installed(name: str) -> None:
+    """BackendUnavailableError, one line naming the extra to install, when backend ``name`` (or a part of
+    ``"<prefill>+<decode>"``) needs a package that is not installed; ``"auto"``, torch_native and installed backends
+    pass. The one check of a missing kernel package, for every backend: ``LLM`` / ``EngineConfig`` and the command
+    line run it before the model loads, ``create_backend`` before importing the backend. Imports nothing."""
+    for part in name.split("+"):
+        package = _REQUIRES.get(part)
+        if package is not None and not module_available(package):
+            others = [n for n in installed_backends() if n not in ("hybrid", part)]
+            raise BackendUnavailableError(
+                f"the {part} attention backend needs the {package} package, which is not installed: "
+                f"{_INSTALL[part]}; or pick another backend: auto, {', '.join(others)}"
+            )
+
+
 def get_backend_class(name: str) -> type[AttentionBackend]:
+    check_backend_installed(name)
     if name not in _BACKENDS and name in _LAZY_BACKENDS and module_available(_LAZY_BACKENDS[name]):
         importlib.import_module(_LAZY_BACKENDS[name])
     try:

@@ -48,6 +48,8 @@ class ThroughputConfig:
     kv_cache_dtype: str = "auto"  # EngineConfig.kv_cache_dtype: "auto", "fp8_e4m3", "fp8_e5m2"
     kv_scales_path: str | None = None  # EngineConfig.kv_scales_path (fp8 only)
     tensor_parallel_size: int = 1  # EngineConfig.tensor_parallel_size
+    dtype: str = "auto"  # EngineConfig.dtype: "auto" is bfloat16 on CUDA, float32 on the CPU
+    seed: int | None = None  # EngineConfig.seed (the workloads' requests bring none)
     max_batch_size: int = 256
     max_num_tokens: int = 8192
     kv_cache_tokens: int | None = None  # None: sized from gpu_memory_utilization
@@ -70,12 +72,14 @@ class ThroughputConfig:
                     dtype=dtype, overlap=self.overlap, enable_prefix_cache=self.prefix_cache,
                     cascade_decode=self.cascade_decode, speculative_config=self.speculative_config,
                     kv_cache_dtype=self.kv_cache_dtype, kv_scales_path=self.kv_scales_path,
-                    tensor_parallel_size=self.tensor_parallel_size)
+                    tensor_parallel_size=self.tensor_parallel_size, seed=self.seed)
 
 
 def run(cfg: ThroughputConfig) -> dict:
     """Start the engine, run the workload ``cfg.rounds`` times, profile, then HF's rounds: one result dict."""
-    dtype = torch.bfloat16 if cfg.device == "cuda" else torch.float32
+    from compile_attn.engine.requests.config import check_dtype
+
+    dtype = check_dtype(cfg.dtype, torch.device(cfg.device))
     workload = make_workload(cfg)
     result: dict = dict(config=asdict(cfg), workload=workload.summary(), dtype=str(dtype).removeprefix("torch."),
                         random_weights=cfg.model is None)

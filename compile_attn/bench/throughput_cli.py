@@ -49,8 +49,8 @@ def add_parser(sub: argparse._SubParsersAction, formatter_class: type[argparse.H
     p.add_argument("--temperature", type=float, default=None,
                    help="override the workload's temperature (0: greedy)")
     model = p.add_mutually_exclusive_group()
-    model.add_argument("--model", default=None, help="a local HF model directory (default: random weights of the "
-                                                     "Llama-3.2-1B shape)")
+    model.add_argument("--model", default=None, help="a local HF model directory or Hugging Face model id (default: "
+                                                     "random weights of the Llama-3.2-1B shape)")
     model.add_argument("--tiny", action="store_true", help="a small model with random weights, on the CPU")
     add_engine_options(p, device_help="cuda or cpu (default: cuda if there is one; cpu with --tiny)",
                        max_batch_size=256, max_num_tokens=8192,
@@ -98,18 +98,21 @@ def throughput_config(args: argparse.Namespace, device: str, **fields: object) -
     on ``device``; ``fields`` set the command's own (rounds, HF)."""
     from compile_attn.bench import decode_step as bench
     from compile_attn.bench.throughput import ThroughputConfig
+    from compile_attn.hub import resolve_model
 
+    model = resolve_model(args.model, revision=args.revision) if args.model else None  # a directory or model id
     return ThroughputConfig(
         workload=args.workload, num_seqs=args.num_seqs, prompt_len=args.prompt_len, output_len=args.output_len,
         request_rate=getattr(args, "request_rate", None),
-        temperature=args.temperature, model=args.model, shape=dict(bench.TINY if args.tiny else bench.LLAMA_1B),
+        temperature=args.temperature, model=model, shape=dict(bench.TINY if args.tiny else bench.LLAMA_1B),
         device=device, backend=args.backend, graph_mode=args.graph_mode, compile=not args.no_compile,
         max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens, kv_cache_tokens=args.kv_cache_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization, page_size=args.page_size, max_context=args.max_context,
         overlap=not args.no_overlap, prefix_cache=not args.no_prefix_cache,
         cascade_decode=None if args.cascade_decode is None else args.cascade_decode == "on",
         speculative_config=args.speculative_config, kv_cache_dtype=args.kv_cache_dtype,
-        kv_scales_path=args.kv_scales_path, tensor_parallel_size=args.tensor_parallel_size, **fields,
+        kv_scales_path=args.kv_scales_path, tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype,
+        seed=args.seed, **fields,
     )
 
 

@@ -3,22 +3,35 @@ admission, the scheduler, EngineConfig), ``execution/`` (one step on the device:
 sizing, model loading) and ``serving/`` (AsyncLLM and its pipes); ``llm.py`` (LLM) ties them. This package re-exports
 the public names."""
 
-from compile_attn.engine.serving.async_engine import AsyncLLM
+import importlib as _importlib
 
-from compile_attn.engine.serving.streams import EngineOverloadedError, EngineStoppedError
-from compile_attn.engine.requests.config import EngineConfig
-from compile_attn.engine.requests.errors import (
-    EngineBusyError,
-    EngineOptionError,
-    InvalidRequestError,
-    NoChatTemplateError,
-    RequestTooLargeError,
-    RequestTypeError,
-    UnknownEngineOptionError,
-)
-from compile_attn.engine.llm import LLM
-from compile_attn.engine.requests.request import CompletionOutput, RequestOutput
-from compile_attn.engine.requests.sampling_params import SamplingParams
+# Names load on first use (PEP 562), so that ``from compile_attn import SamplingParams`` (or EngineConfig) does not
+# import the engine's step machinery, the graph runner and the compiler. name -> the module that defines it.
+_LAZY = {
+    "AsyncLLM": "compile_attn.engine.serving.async_engine",
+    **dict.fromkeys(("EngineOverloadedError", "EngineStoppedError"), "compile_attn.engine.serving.streams"),
+    "EngineConfig": "compile_attn.engine.requests.config",
+    **dict.fromkeys(("EngineBusyError", "EngineOptionError", "InvalidRequestError", "NoChatTemplateError",
+                     "RequestTooLargeError", "RequestTypeError", "UnknownEngineOptionError"),
+                    "compile_attn.engine.requests.errors"),
+    "LLM": "compile_attn.engine.llm",
+    **dict.fromkeys(("CompletionOutput", "RequestOutput"), "compile_attn.engine.requests.request"),
+    "SamplingParams": "compile_attn.engine.requests.sampling_params",
+}
+
+
+def __getattr__(name: str):  # noqa: ANN202
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'compile_attn.engine' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
 
 __all__ = [
     "LLM",

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from compile_attn.batch import ForwardBatch, ForwardMode
 from compile_attn.engine.execution.in_flight import InFlightStep, has_placeholders
 from compile_attn.engine.execution.memory_profile import check_memory_after_capture, size_kv_cache
-from compile_attn.engine.execution.model_loading import LoadedModel, load_for_engine
+from compile_attn.engine.execution.model_loading import LoadedModel, load_for_engine, resolve_sources
 from compile_attn.engine.execution.rank_parts import build_kv_cache, build_step_runner
 from compile_attn.engine.execution.sampling import sampler
 from compile_attn.engine.execution.speculative.penalties import drafts_before, record_accepted
@@ -52,12 +52,16 @@ logger = logging.getLogger(__name__)
 class LLM:
     """Generate text with a model whose attention runs through compile_attn.
 
-    ``model``: an HF model instance, a local HF directory, a ``transformers`` config, or any module
-    following the model protocol (``model(input_ids[T], positions[T]) -> logits[T, V]`` and
+    ``model``: an HF model instance, a local HF directory, a Hugging Face model id (``"org/name"``: the copy in the
+    local Hugging Face cache, else downloaded there; ``revision=`` picks a branch, tag or commit), a ``transformers``
+    config, or any module following the model protocol (``model(input_ids[T], positions[T]) -> logits[T, V]`` and
     ``attention_layers()``). The options (backend, graph mode, compile, sizes, KV capacity, dtype, device) are
     EngineConfig's fields: pass them as keywords, ``LLM(model, max_batch_size=64)``, or as one
-    ``LLM(model, config=EngineConfig(...))``, whose fields the keywords then replace. Every option is checked
-    before the model loads; an unknown keyword is refused with the closest option names.
+    ``LLM(model, config=EngineConfig(...))``, whose fields the keywords then replace; vLLM's names
+    (``max_model_len``, ``max_num_seqs``, ``enforce_eager``, ...: docs/vllm_compat.md) are taken too. Every option is
+    checked before the model loads; an unknown keyword is refused with the closest option names.
+    ``tokenizer``: a tokenizer object, or a local directory / Hugging Face model id to load one from (default: the
+    model's own).
     ``overlap`` (on by default) keeps one step in flight: the host schedules and launches step N+1 while the device
     runs step N, and reads step N's tokens after (see ``step`` and engine/execution/in_flight.py); ``overlap=False`` reads
     each step's tokens before scheduling the next. Both give the same tokens. ``enable_prefix_cache`` (on by
@@ -67,6 +71,8 @@ class LLM:
     def __init__(self, model: Any, *, tokenizer: Any = None, config: EngineConfig | None = None,
                  **options: Any) -> None:
         self.config = config = EngineConfig.from_options(config, **options)
+        model, tokenizer = resolve_sources(model, tokenizer if tokenizer is not None else config.tokenizer,
+                                           config.revision)  # model ids -> local directories, before any loading
         self._tp: Any = None  # tensor parallelism: the workers' EngineGroup (engine/tensor_parallel)
         if config.tensor_parallel_size == 1:
             self._build(load_for_engine(model, tokenizer=tokenizer, dtype=config.dtype, device=config.device))
@@ -125,6 +131,12 @@ class LLM:
             if sized:
                 check_memory_after_capture(device, config.gpu_memory_utilization)
         self.writer = TokenWriter(loaded.eos_token_ids, self.vocab_size, max_context)  # finish checks
+        # EngineConfig.seed: unseeded requests' seeds come from this generator; like vLLM's seed it also seeds the
+        # device's CUDA generator (which FlashInfer's sampling kernels draw from for unseeded rows)
+        self._seed_generator = torch.Generator().manual_seed(config.seed) if config.seed is not None else None
+        if config.seed is not None and device.type == "cuda":
+            with torch.cuda.device(device):
+                torch.cuda.manual_seed(config.seed)
         if config.capture and device.type == "cuda" and self.vocab_size:  # the sampler's kernels, before traffic
             sampler.warmup(device, self.vocab_size, config.max_batch_size, dtype=dtype)
         if config.capture:  # the step's own kernels (the feed of in-flight tokens), before traffic
@@ -290,7 +302,7 @@ class LLM:
             self.scheduler.check_fits(req)
         for group in groups:
             for k, req in enumerate(group):
-                req.seed = sample_seed(req.params.seed, k)
+                req.seed = sample_seed(req.params.seed, k, self._seed_generator)
                 if req.params.stop:
                     req.stop_matcher = StopStringMatcher(self.tokenizer, req.params.stop)
                 if req.params.logprobs is not None:

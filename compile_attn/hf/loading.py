@@ -1,7 +1,8 @@
 """load_model: build an HFModelAdapter from a local checkpoint directory or a transformers config.
 
 Local only: config, safetensors weights and tokenizer are read from the directory with
-``local_files_only=True``; nothing touches the network. Unsupported families are refused before any
+``local_files_only=True``; a Hugging Face model id is first resolved to its snapshot in the local cache
+(``compile_attn.hub``, which downloads a missing one unless HF_HUB_OFFLINE is set). Unsupported families are refused before any
 weights are read. Weights are created on the target device (a config's random initialisation runs there) and
 checkpoints load straight to it with a ``device_map`` (which transformers supports where accelerate is
 installed; without it they load to the CPU and move).
@@ -23,13 +24,15 @@ from compile_attn.hf.adapter import HFModelAdapter
 from compile_attn.hf.attention import ATTN_IMPLEMENTATION
 from compile_attn.hf.families import check_supported
 from compile_attn.hf.registration import register
+from compile_attn.hub import TOKENIZER_FILES, resolve_model
 
 logger = logging.getLogger(__name__)
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+_TOKENIZER_FILES = TOKENIZER_FILES
 
 
 def load_tokenizer(path: Path) -> Any | None:
+    """The tokenizer of local directory ``path`` (None when it has no tokenizer files)."""
     if not any((path / name).exists() for name in _TOKENIZER_FILES):
         logger.info("no tokenizer files in %s; the adapter has tokenizer=None", path)
         return None
@@ -53,10 +56,12 @@ def load_model(
     path_or_config: str | os.PathLike[str] | PretrainedConfig,
     dtype: torch.dtype | str | None = None,
     device: torch.device | str = "cpu",
+    revision: str | None = None,
 ) -> HFModelAdapter:
     """Load an HF causal LM with ``attn_implementation="compile_attn"`` and wrap it.
 
-    ``path_or_config``: a local directory (config.json + safetensors [+ tokenizer]) or a config, which
+    ``path_or_config``: a local directory (config.json + safetensors [+ tokenizer]), a Hugging Face model id (its copy
+    in the local Hugging Face cache at ``revision``, else downloaded there: compile_attn.hub) or a config, which
     gives a randomly initialised model. ``dtype``: None keeps the checkpoint's dtype (float32 for a
     config). The model is put in eval mode on ``device``.
 
@@ -79,13 +84,7 @@ def load_model(
             )
         return HFModelAdapter(model.eval())
 
-    path = Path(path_or_config)
-    if not path.is_dir() or not (path / "config.json").exists():
-        raise FileNotFoundError(
-            f"{str(path_or_config)!r} is not a local model directory with a config.json; compile_attn loads "
-            f"from local directories only (download the checkpoint first, e.g. "
-            f"`hf download REPO --local-dir DIR`)"
-        )
+    path = Path(resolve_model(path_or_config, revision=revision))  # a local directory, or a model id's snapshot
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     check_supported(config)
     model = AutoModelForCausalLM.from_pretrained(

@@ -33,6 +33,11 @@ from compile_attn.errors import CompileAttnError
 logger = logging.getLogger(__name__)
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
+# The model knows prose only (paragraphs, each BOS ... EOS): its chat template joins a conversation's messages into one
+# paragraph that the model continues, so LLM.chat and /v1/chat/completions work on it; the roles are not marked.
+CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{% if not loop.first %} {% endif %}"
+                 "{{ message['content'] | trim }}{% endfor %}")
+_CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where transformers saves and finds a tokenizer's template
 _DONE = "training.json"  # written last: a directory without it is an interrupted run, not a model
 _FORMAT = 1  # bump when the recipe changes, so cached models of an older recipe are retrained
 
@@ -117,7 +122,8 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> Any:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     bpe.train_from_iterator(texts, trainer)
     bpe.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, bpe.token_to_id(BOS))])
-    return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=BOS, eos_token=EOS, pad_token=PAD)
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=BOS, eos_token=EOS, pad_token=PAD,
+                                   chat_template=CHAT_TEMPLATE)
 
 
 def load_tokenizer(directory: str | os.PathLike[str]) -> Any:
@@ -309,6 +315,17 @@ def is_trained(directory: str | os.PathLike[str], *, seed: int = 0, steps: int |
             and (tokenizer_from is None or _same_tokenizer(Path(directory), Path(tokenizer_from))))
 
 
+def _add_chat_template(directory: Path) -> None:
+    """Give a model trained before its tokenizer had a chat template one (the weights stay)."""
+    config = directory / "tokenizer_config.json"
+    try:
+        has_one = (directory / _CHAT_TEMPLATE_FILE).exists() or "chat_template" in json.loads(config.read_text())
+    except (OSError, ValueError):
+        return
+    if not has_one:
+        (directory / _CHAT_TEMPLATE_FILE).write_text(CHAT_TEMPLATE)
+
+
 def _same_tokenizer(a: Path, b: Path) -> bool:
     try:
         return (a / "tokenizer.json").read_bytes() == (b / "tokenizer.json").read_bytes()
@@ -326,6 +343,7 @@ def tiny_llama(out_dir: str | os.PathLike[str] | None = None, *, retrain: bool =
     recipe = recipe or TinyLlamaRecipe()
     if not retrain and is_trained(out, seed=seed, steps=steps, recipe=recipe, tokenizer_from=tokenizer_from):
         logger.info("tiny llama: reusing %s (retrain=True trains it again)", out)
+        _add_chat_template(out)
         return out
     tokenizer = "and its tokenizer" if tokenizer_from is None else f"with the tokenizer of {tokenizer_from}"
     logger.info("tiny llama: training a %d-layer %d-step model %s on the CPU into %s (once; later runs reuse it)",

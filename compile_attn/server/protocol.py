@@ -183,8 +183,11 @@ def _chat_ids(body: dict, tokenizer: Any) -> list[int]:
     try:
         (conv,) = split_conversations(messages)
         text = render_chat(tokenizer, conv)
-    except NoChatTemplateError as exc:
-        raise APIError(str(exc), "messages") from None
+    except NoChatTemplateError:  # the server's own flags are the way out, not LLM.chat's keyword
+        way_out = ("the served model's tokenizer has no chat template; start the server with --chat-template FILE "
+                   "(a Jinja chat template, or the template text)" if tokenizer is not None else
+                   "the served model has no tokenizer; start the server with --tokenizer DIR --chat-template FILE")
+        raise APIError(way_out + ", or send the prompt text to /v1/completions", "messages") from None
     except (InvalidRequestError, ValueError) as exc:
         raise APIError(str(exc), "messages") from None
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -7,6 +7,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,6 +37,27 @@ def eos_ids_of(config: Any, tokenizer: Any) -> set[int]:
         elif isinstance(source, (list, tuple)):
             ids.update(int(t) for t in source)
     return ids
+
+
+def resolve_sources(model: Any, tokenizer: Any, revision: str | None) -> tuple[Any, Any]:
+    """``model`` with a path or Hugging Face model id turned into its local directory (compile_attn.hub:
+    ModelNotFoundError when neither), and ``tokenizer`` given as a path or model id loaded from its directory (the
+    model's revision when it names the model's own repo); objects pass through."""
+    from compile_attn.hub import resolve_model, resolve_tokenizer
+
+    name = os.fspath(model) if isinstance(model, (str, os.PathLike)) else None
+    if name is not None:
+        model = resolve_model(name, revision=revision)
+    if isinstance(tokenizer, (str, os.PathLike)):
+        same_repo = name is not None and os.fspath(tokenizer) == name
+        directory = resolve_tokenizer(tokenizer, revision=revision if same_repo else None)
+        try:
+            from compile_attn.hf.loading import load_tokenizer
+        except ImportError as exc:
+            raise TypeError(f"LLM(tokenizer={os.fspath(tokenizer)!r}) loads an HF tokenizer, which needs "
+                            f"transformers>=5: pip install 'compile-attn[hf]'") from exc
+        tokenizer = load_tokenizer(Path(directory))
+    return model, tokenizer
 
 
 def load_for_engine(model: Any, *, tokenizer: Any, dtype: torch.dtype, device: torch.device) -> LoadedModel:

@@ -9,17 +9,17 @@ normalises values; it builds nothing.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from compile_attn.attention.registry import check_backend_name
+from compile_attn.attention.registry import check_backend_installed, check_backend_name
 from compile_attn.config import GraphConfig
 from compile_attn.engine.requests.errors import EngineOptionError, UnknownEngineOptionError
 from compile_attn.engine.requests.speculative_config import SpeculativeConfig
+from compile_attn.engine.requests.vllm_names import translate, unknown_option_message
 from compile_attn.errors import InvalidConfigError
 from compile_attn.graph_mode import GraphMode
 
@@ -60,6 +60,15 @@ class EngineConfig:
     prefill's.
     tensor_parallel_size: processes (one per GPU) that split every layer of an HF model (docs/tensor_parallel.md);
     the engine starts and stops the other ranks' workers itself.
+    seed: requests without a ``SamplingParams.seed`` draw their sampling seeds from a generator seeded with this, so
+    a script that makes the same calls samples the same tokens on every run (None: fresh random seeds each run;
+    vLLM's default is 0).
+    tokenizer: a local directory or a Hugging Face model id to read the tokenizer from (None: the model's own).
+    revision: the branch, tag or commit of a Hugging Face model id (None: its default branch).
+
+    ``LLM(...)`` also takes vLLM's names (``max_model_len``, ``max_num_seqs``, ``max_num_batched_tokens``,
+    ``block_size``, ``enable_prefix_caching``, ``enforce_eager``, ``trust_remote_code=False``): see
+    engine/requests/vllm_names.py and docs/vllm_compat.md.
     """
 
     attn_backend: str = "auto"
@@ -82,9 +91,13 @@ class EngineConfig:
     kv_cache_dtype: str | torch.dtype = "auto"
     kv_scales_path: str | None = None
     tensor_parallel_size: int = 1
+    seed: int | None = None
+    tokenizer: str | None = None
+    revision: str | None = None
 
     def __post_init__(self) -> None:
         check_backend_name(self.attn_backend)  # a misspelt name or mode fails here, not after the model has loaded
+        check_backend_installed(self.attn_backend)  # so does a backend whose kernel package is missing
         GraphConfig.from_options({**(self.compile_options or {}), "mode": self.graph_mode})
         check_memory_utilization(self.gpu_memory_utilization)
         check_sizes(max_batch_size=self.max_batch_size, max_num_tokens=self.max_num_tokens, page_size=self.page_size,
@@ -98,20 +111,23 @@ class EngineConfig:
             raise EngineOptionError(f"LLM(kv_scales_path={self.kv_scales_path!r}) scales an fp8 KV cache, but "
                                     f"kv_cache_dtype is 'auto'; pass kv_cache_dtype='fp8_e4m3', or drop kv_scales_path")
         check_tensor_parallel(self)
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < 2**63):
+            raise EngineOptionError(f"LLM(seed=...) must be an int in [0, 2**63) or None, got {self.seed!r}")
+        for name in ("tokenizer", "revision"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise EngineOptionError(f"LLM({name}=...) must be a non-empty string or None, got {value!r}")
 
     @classmethod
     def from_options(cls, config: EngineConfig | None = None, **options: Any) -> EngineConfig:
-        """``config`` (default: every field's default) with ``options`` replacing its fields; a keyword that names
-        no field is refused with the closest field names."""
+        """``config`` (default: every field's default) with ``options`` replacing its fields. vLLM's names are taken
+        too (vllm_names.translate); a keyword that is neither is refused with the closest names of either."""
         names = [f.name for f in dataclasses.fields(cls)]
+        options = translate(options)  # vLLM's names -> ours (a refused one raises with its reason)
         unknown = [k for k in options if k not in names]
         if unknown:
-            close = difflib.get_close_matches(unknown[0], names, n=3)
-            hint = f"did you mean {', '.join(close)}? " if close else ""
-            raise UnknownEngineOptionError(
-                f"LLM() got an unknown option {unknown[0]!r}; {hint}the options are EngineConfig's fields: "
-                f"{', '.join(names)}"
-            )
+            raise UnknownEngineOptionError(unknown_option_message(unknown[0], names))
         return dataclasses.replace(config, **options) if config is not None else cls(**options)
 
     @property

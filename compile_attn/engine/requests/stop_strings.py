@@ -11,8 +11,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from tokenizers.decoders import DecodeStream
-
 from compile_attn.engine.requests.errors import RequestTypeError
 
 
@@ -46,6 +44,8 @@ class StopStringMatcher:
         self._reset()
 
     def _reset(self) -> None:
+        from tokenizers.decoders import DecodeStream  # here: the engine imports without tokenizers (core install)
+
         self.stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
         self.text = ""
         self.num_seen = 0

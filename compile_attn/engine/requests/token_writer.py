@@ -75,11 +75,12 @@ class TokenWriter:
         return "length" if self.at_length_limit(r, length) else None
 
 
-def sample_seed(seed: int | None, index: int) -> int:
+def sample_seed(seed: int | None, index: int, generator: torch.Generator | None = None) -> int:
     """The seed of sample ``index`` of a request: the request's own seed for sample 0, for the others distinct
-    seeds derived from it (so a seeded call with n > 1 is reproducible), random when the request has no seed."""
+    seeds derived from it (so a seeded call with n > 1 is reproducible), random when the request has no seed (drawn
+    from ``generator``, the engine's seeded one with ``EngineConfig.seed``, else from torch's default)."""
     if seed is None:
-        return int(torch.randint(0, 2**31 - 1, ()).item())
+        return int(torch.randint(0, 2**31 - 1, (), generator=generator).item())
     if index == 0:
         return seed
     return int(np.random.SeedSequence([seed % 2**64, index]).generate_state(1, np.uint64)[0] >> 1)

@@ -13,8 +13,6 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from tokenizers.decoders import DecodeStream
-
 logger = logging.getLogger(__name__)
 
 
@@ -43,7 +41,12 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         inner = getattr(tokenizer, "backend_tokenizer", tokenizer)
         self._backend = inner if hasattr(inner, "token_to_id") and callable(getattr(inner, "decode", None)) else None
-        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens) if self._backend is not None else None
+        if self._backend is not None:  # a tokenizers backend, so tokenizers is installed
+            from tokenizers.decoders import DecodeStream
+
+            self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        else:
+            self._stream = None
         self._ids: list[int] = []  # kept only without a backend (whole re-decode)
         self.text = ""  # decoded so far, complete characters only
         self.num_sent = 0  # characters of ``text`` sent
