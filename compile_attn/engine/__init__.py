@@ -18,7 +18,7 @@ from compile_attn.engine.requests.errors import (
 )
 from compile_attn.engine.llm import LLM
 from compile_attn.engine.requests.request import CompletionOutput, RequestOutput
-from compile_attn.engine.requests.sampling_params import SamplingParams
+from compile_attn.engine.requests.sampling_params import GuidedDecodingParams, SamplingParams
 
 __all__ = [
     "LLM",
@@ -29,6 +29,7 @@ __all__ = [
     "CompletionOutput",
     "EngineBusyError",
     "EngineOptionError",
+    "GuidedDecodingParams",
     "InvalidRequestError",
     "NoChatTemplateError",
     "RequestOutput",

@@ -212,13 +212,18 @@ def test_the_grammar_cache_compiles_each_spec_once(model_dir: str, llm: LLM) -> 
               "required": ["a", "b"]}
     cache = llm._grammar_cache()
     before = cache.num_compiled
-    reordered = {"required": ["a", "b"], "properties": {"b": {"enum": [1, 2]}, "a": {"type": "boolean"}},
-                 "type": "object"}
-    for guided in ({"json": schema}, {"json": reordered}, {"json": json.dumps(schema, indent=2)}):
+    for guided in ({"json": schema}, {"json": dict(schema)}, {"json": json.dumps(schema, indent=2)}):
         generate(llm, {**guided, "disable_any_whitespace": True}, 0.0)
     assert cache.num_compiled == before + 1  # one schema, three spellings, 9 requests
     generate(llm, {"json": schema}, 0.0)  # any whitespace: another grammar
     assert cache.num_compiled == before + 2
+    # The properties' order is the output's: another order, another grammar, the fields in that order.
+    reordered = {**schema, "properties": {"b": {"enum": [1, 2]}, "a": {"type": "boolean"}}}
+    for c in generate(llm, {"json": reordered, "disable_any_whitespace": True}, 0.0):
+        assert list(json.loads(c.text)) == ["b", "a"], c.text
+    assert cache.num_compiled == before + 3
+    for c in generate(llm, {"json": schema, "disable_any_whitespace": True}, 0.0):
+        assert list(json.loads(c.text)) == ["a", "b"], c.text
 
     small = GrammarCache(llm.tokenizer, llm.vocab_size, max_size=2)
     specs = [GuidedDecodingParams(regex=r) for r in ("a+", "b+", "c+")]

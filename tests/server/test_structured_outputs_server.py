@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
+from compile_attn.cli import build_parser, main
 from compile_attn.engine import SamplingParams
 from tests.guided_helpers import check_schema, closing_bias
 from tests.server.conftest import MODEL, Served
@@ -160,3 +161,26 @@ def test_a_schema_is_compiled_once(biased: Served) -> None:
         assert value["k"] in ("a", "b") and isinstance(value["v"], bool)
     client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, extra_body={"guided_json": schema})
     assert biased.llm.grammars.num_compiled == before
+
+
+def test_bench_serve_sends_response_format(biased: Served, tmp_path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "json_object.json"
+    rc = main(["bench-serve", "--url", biased.url, "--served-model-name", MODEL, "--vocab-size", "50",
+               "--num-seqs", "3", "--prompt-len", "4", "--output-len", "60", "--num-warmup", "0",
+               "--response-format", "json_object", "--out", str(out)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    (r,) = result["rates"]
+    assert result["config"]["response_format"] == "json_object"
+    assert (r["completed"], r["errors"]) == (3, 0) and 3 <= r["output_tokens"] < 180 and r["output_tok_per_s"] > 0
+    assert "response_format json_object" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--tiny", "--response-format", "json_object"], "needs a model with a tokenizer"),
+    (["--model", "x", "--offline", "--response-format", "json_object"], "drop --offline"),
+])
+def test_bench_serve_response_format_options_are_checked(argv: list[str], message: str) -> None:
+    args = build_parser().parse_args(["bench-serve", *argv])
+    with pytest.raises(ValueError, match=message):
+        args.prepare(args)

@@ -162,8 +162,8 @@ class GuidedDecodingParams:
 
     @property
     def key(self) -> tuple:
-        """What the compiled grammar depends on: (kind, canonical text of the constraint, any_whitespace). Two
-        requests with equal keys share one compiled grammar."""
+        """What the compiled grammar depends on: (kind, the constraint's text, compact JSON for a schema, and
+        any_whitespace). Two requests with equal keys share one compiled grammar."""
         kind = self.kind
         if kind == "json":
             spec: Any = schema_text(self.json)
@@ -184,14 +184,15 @@ class GuidedDecodingParams:
 
 
 def schema_text(schema: str | Mapping[str, Any]) -> str:
-    """A JSON schema as canonical JSON text (keys sorted, no spaces); a string that is not JSON stays as given (its
-    compile then fails with the parser's message)."""
+    """A JSON schema as compact JSON text (no spaces; keys in their order: the output's properties come in the
+    schema's order, so two orders are two grammars); a string that is not JSON stays as given (its compile then
+    fails with the parser's message)."""
     if isinstance(schema, str):
         try:
             schema = _json.loads(schema)
         except ValueError:
             return schema
-    return _json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return _json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
 
 
 # Schema keywords whose values are data, not schemas: never rewritten.

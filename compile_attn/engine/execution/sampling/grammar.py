@@ -37,8 +37,9 @@ def bitmask_width(vocab_size: int) -> int:
 
 
 class GrammarCache:
-    """Compiled grammars for one model: xgrammar's ``GrammarCompiler`` over the tokenizer's vocabulary (``vocab_size``
-    tokens, the model's: it may exceed the tokenizer's; the ids past it are never allowed) with ``stop_token_ids``
+    """Compiled grammars for one model: xgrammar's ``GrammarCompiler`` over the tokenizer's vocabulary (a Hugging Face
+    tokenizer, or an xgrammar ``TokenizerInfo``; ``vocab_size`` tokens, the model's: it may exceed the tokenizer's;
+    the ids past it are never allowed) with ``stop_token_ids``
     (the model's EOS ids; None: the tokenizer's) ending a finished grammar, and an LRU of ``max_size`` compiled
     grammars keyed by ``GuidedDecodingParams.key``. ``num_compiled`` counts compilations (cache misses). The compiler
     is built, and xgrammar imported, on the first ``compile``."""
@@ -64,8 +65,11 @@ class GrammarCache:
             if self.vocab_size is None:
                 raise GrammarError("structured outputs need the model's vocabulary size, which this model does not "
                                    "tell (no config.vocab_size)", "guided_decoding")
-            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                      stop_token_ids=self.stop_token_ids)
+            if isinstance(self.tokenizer, xgr.TokenizerInfo):  # given as xgrammar's own (benchmarks, tests)
+                info = self.tokenizer
+            else:
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=self.stop_token_ids)
             self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)  # the LRU here is the cache
             self._batch = xgr.BatchGrammarMatcher(self.max_threads)
             logger.info("structured outputs: xgrammar compiler over %d tokens (%s), stop tokens %s",
