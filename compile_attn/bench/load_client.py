@@ -80,10 +80,11 @@ def arrival_offsets(n: int, rate: float, seed: int = 0) -> list[float]:
 
 async def run_load(base_url: str, model: str, prompts: list[list[int]], output_lens: list[int], temperature: float,
                    offsets: list[float], max_concurrency: int | None = None, start_at: float | None = None,
-                   timeout: float = 3600.0) -> tuple[list[RequestRecord], float, float]:
+                   timeout: float = 3600.0, extra: dict | None = None) -> tuple[list[RequestRecord], float, float]:
     """Send every prompt (request ``i`` asks for ``output_lens[i]`` tokens, EOS ignored) ``offsets[i]`` seconds
-    after ``start_at`` (a ``time.time()``; None: now), at most ``max_concurrency`` in flight. Returns each request's
-    record and the ``time.time()`` of the first send and of the last completion."""
+    after ``start_at`` (a ``time.time()``; None: now), at most ``max_concurrency`` in flight; ``extra``: more body
+    fields for every request (e.g. ``{"response_format": {"type": "json_object"}}``). Returns each request's record
+    and the ``time.time()`` of the first send and of the last completion."""
     url = base_url.rstrip("/") + "/v1/completions"
     limit = max_concurrency or len(prompts)
     sem = asyncio.Semaphore(limit)
@@ -93,7 +94,7 @@ async def run_load(base_url: str, model: str, prompts: list[list[int]], output_l
         async def send(prompt: list[int], out_len: int) -> RequestRecord:
             body = {"model": model, "prompt": prompt, "max_tokens": out_len, "temperature": temperature,
                     "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-                    "return_token_ids": True}
+                    "return_token_ids": True, **(extra or {})}
             async with sem:
                 return await _one(client, url, body)
 
@@ -149,24 +150,26 @@ def client_ready(_: object = None) -> int:
 
 
 def load_part(base_url: str, model: str, prompts: list[list[int]], output_lens: list[int], temperature: float,
-              offsets: list[float], max_concurrency: int | None, start_at: float | None) -> dict:
+              offsets: list[float], max_concurrency: int | None, start_at: float | None,
+              extra: dict | None = None) -> dict:
     """``run_load`` in a fresh event loop (the entry point of a client process): its records (as dicts), first send
     and last completion (``time.time()``) and the CPU seconds this process spent."""
     cpu = time.process_time()
     records, first, last = asyncio.run(run_load(base_url, model, prompts, output_lens, temperature, offsets,
-                                                max_concurrency, start_at))
+                                                max_concurrency, start_at, extra=extra))
     return dict(records=[asdict(r) for r in records], first=first, last=last, cpu_s=time.process_time() - cpu)
 
 
 def load_and_summarize(base_url: str, model: str, prompts: list[list[int]], output_lens: list[int],
                        temperature: float, rate: float, max_concurrency: int | None, seed: int,
-                       pool: Executor | None = None, parts: int = 1) -> dict:
+                       pool: Executor | None = None, parts: int = 1, extra: dict | None = None) -> dict:
     """Send the prompts at ``rate`` (Poisson arrivals drawn with ``seed``; ``math.inf``: all at once) and
     ``summarize``. With a process ``pool`` the requests are dealt round-robin to ``parts`` client processes that
     send at the same wall-clock times (``max_concurrency`` shared out evenly), so that reading the streams never
     limits what is measured; ``client_busy`` is the busiest client process's CPU time over its wall time (near 1:
     the client, not the server, set the pace); ``client_start_lag_ms`` how late the last client process began
-    sending (a few ms; far more: a process that was not running yet)."""
+    sending (a few ms; far more: a process that was not running yet). ``extra``: more body fields for every request
+    (see ``run_load``)."""
     n = len(prompts)
     offsets = arrival_offsets(n, rate, seed)
     parts = max(1, min(parts, n)) if pool is not None else 1
@@ -174,7 +177,7 @@ def load_and_summarize(base_url: str, model: str, prompts: list[list[int]], outp
     start_at = time.time() + (0.2 if pool is not None else 0.0)
     slices = [list(range(k, n, parts)) for k in range(parts)]
     jobs = [(base_url, model, [prompts[i] for i in idx], [output_lens[i] for i in idx], temperature,
-             [offsets[i] for i in idx], limit, start_at) for idx in slices]
+             [offsets[i] for i in idx], limit, start_at, extra) for idx in slices]
     outs = [load_part(*jobs[0])] if pool is None else [f.result() for f in [pool.submit(load_part, *j) for j in jobs]]
     records: list[RequestRecord | None] = [None] * n
     for idx, out in zip(slices, outs):

@@ -50,6 +50,14 @@ class ServingBenchConfig:
     client_processes: int = 1  # the load is dealt to this many client processes
     seed: int = 0
     frontend: str = "process"  # where a server started here runs its HTTP front end (see server.frontend)
+    # Every request's response_format type (None: none): "json_object" asks for structured outputs (any JSON
+    # object), so its output tok/s can be set beside a plain run's (docs/structured_outputs.md).
+    response_format: str | None = None
+
+    @property
+    def extra_body(self) -> dict | None:
+        """The request fields beside the workload's (None: none)."""
+        return None if self.response_format is None else {"response_format": {"type": self.response_format}}
 
 
 def run(cfg: ServingBenchConfig) -> dict:
@@ -125,7 +133,7 @@ def _sweep(url: str, model: str, workload: Workload, cfg: ServingBenchConfig, en
         if cfg.num_warmup:
             n = min(cfg.num_warmup, workload.num_seqs)
             warm = load_and_summarize(*args, workload.prompts[:n], workload.output_lens[:n], workload.temperature,
-                                      math.inf, None, cfg.seed, pool=client, parts=parts)
+                                      math.inf, None, cfg.seed, pool=client, parts=parts, extra=cfg.extra_body)
             if warm["errors"]:
                 raise RuntimeError(f"the warm-up requests failed: {warm['first_errors']}")
         for name in cfg.request_rates:
@@ -135,7 +143,7 @@ def _sweep(url: str, model: str, workload: Workload, cfg: ServingBenchConfig, en
                 before = engine.stats.snapshot()
             scraped = scrape(url)
             r = load_and_summarize(*args, workload.prompts, workload.output_lens, workload.temperature, rate,
-                                   cfg.max_concurrency, cfg.seed, pool=client, parts=parts)
+                                   cfg.max_concurrency, cfg.seed, pool=client, parts=parts, extra=cfg.extra_body)
             r.update(server_side(scraped, scrape(url), r))
             if name == "half":
                 r["rate_name"] = "half"
@@ -236,7 +244,8 @@ def to_markdown(result: dict) -> str:
     """A header line, then one table row per request rate."""
     w = result["workload"]
     lines = [f"workload {w['name']}: {w['num_seqs']} requests, {w['prompt_tokens']:,} prompt + "
-             f"{w['output_tokens']:,} output tokens, temperature {w['temperature']}"]
+             f"{w['output_tokens']:,} output tokens, temperature {w['temperature']}"
+             + (f", response_format {fmt}" if (fmt := result["config"].get("response_format")) else "")]
     if "engine" in result:
         e = result["engine"]
         lines.append(f"engine: {e['backend']}, {e['graph_mode']}, {e['device']} {e['dtype']}, KV cache "

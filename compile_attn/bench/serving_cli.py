@@ -56,6 +56,11 @@ def add_parser(sub: argparse._SubParsersAction, formatter_class: type[argparse.H
                    help="offline rounds; the last one counts, the ones before warm up (default 2)")
     add_engine_options(p, device_help="cuda or cpu (default: cuda if there is one)", max_batch_size=256,
                        max_num_tokens=8192, max_context_help="default: the workload's longest request")
+    p.add_argument("--response-format", choices=("json_object",), default=None,
+                   help="send every request with this response_format (structured outputs: the grammar masks each "
+                        "token; needs the xgrammar package and a model with a tokenizer: --model DIR or --url), to "
+                        "report its output tok/s beside a plain run's. A request ends once its JSON object is "
+                        "complete, so fewer tokens than --output-len may come")
     p.add_argument("--out", default=None, help="write JSON here (results, with the command, versions and commit)")
     p.set_defaults(func=cmd_bench_serve, prepare=prepare, subparser=p)
 
@@ -92,6 +97,12 @@ def prepare(args: argparse.Namespace) -> None:
         raise ValueError(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
     if args.url is not None and (args.model or args.tiny or args.offline):
         raise ValueError("--url benchmarks a running server: --model, --tiny and --offline start one here; drop one")
+    if args.response_format is not None and args.url is None and args.model is None:
+        raise ValueError("--response-format needs a model with a tokenizer: --model DIR (random weights have none), "
+                         "or --url of a server")
+    if args.response_format is not None and args.offline:
+        raise ValueError("--response-format applies to the served requests only; drop --offline (its LLM.generate "
+                         "rounds would run without it)")
     if args.url is not None and not args.url.startswith(("http://", "https://")):
         raise ValueError(f"--url must start with http:// or https://, got {args.url!r}")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -100,7 +111,8 @@ def prepare(args: argparse.Namespace) -> None:
                                   vocab_size=args.vocab_size, request_rates=_rates(args.request_rates),
                                   max_concurrency=args.max_concurrency, num_warmup=args.num_warmup,
                                   offline=args.offline, offline_rounds=args.offline_rounds,
-                                  client_processes=args.client_processes, seed=args.seed, frontend=args.frontend)
+                                  client_processes=args.client_processes, seed=args.seed, frontend=args.frontend,
+                                  response_format=args.response_format)
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:

@@ -16,7 +16,7 @@ _LAZY = {
                     "compile_attn.engine.requests.errors"),
     "LLM": "compile_attn.engine.llm",
     **dict.fromkeys(("CompletionOutput", "RequestOutput"), "compile_attn.engine.requests.request"),
-    "SamplingParams": "compile_attn.engine.requests.sampling_params",
+    **dict.fromkeys(("GuidedDecodingParams", "SamplingParams"), "compile_attn.engine.requests.sampling_params"),
 }
 
 
@@ -42,6 +42,7 @@ __all__ = [
     "CompletionOutput",
     "EngineBusyError",
     "EngineOptionError",
+    "GuidedDecodingParams",
     "InvalidRequestError",
     "NoChatTemplateError",
     "RequestOutput",

@@ -23,6 +23,7 @@ from compile_attn.engine.execution.memory_profile import check_memory_after_capt
 from compile_attn.engine.execution.model_loading import LoadedModel, load_for_engine, resolve_sources
 from compile_attn.engine.execution.rank_parts import build_kv_cache, build_step_runner
 from compile_attn.engine.execution.sampling import sampler
+from compile_attn.engine.execution.sampling.grammar import GrammarCache, GuidedRows
 from compile_attn.engine.execution.speculative.penalties import drafts_before, record_accepted
 from compile_attn.engine.execution.speculative.setup import load_draft
 from compile_attn.engine.execution.speculative.speculator import Speculator
@@ -145,6 +146,7 @@ class LLM:
         self.step_runner.on_hidden = getattr(draft, "observe", None)  # EAGLE reads the target's hidden states
         self.overlap = config.overlap  # with speculation, steps that verify run serially (see _step)
         self.penalties: PenaltyState | None = None  # made when the first request with penalties arrives
+        self.grammars: GrammarCache | None = None  # structured outputs: made (xgrammar imported) on the first use
         self._in_flight: deque[InFlightStep] = deque()  # launched steps whose tokens are not read yet (<= 1)
         self._lock = threading.Lock()  # held by each public call: one call at a time (see _exclusive)
         self._next_id = 0
@@ -295,6 +297,8 @@ class LLM:
                 raise InvalidRequestError("presence / frequency / repetition penalties need the model's vocabulary "
                                           "size, which this model does not tell (no config.vocab_size); leave them "
                                           "at 0, 0, 1")
+            if sp.guided_decoding is not None:  # compiled (or found in the cache) now, not in a step
+                self._grammar_cache().compile(sp.guided_decoding)
             groups.append([Request(next_id + k, t, sp, seed=0, prompt=text) for k in range(sp.n)])
             next_id += sp.n
         requests = [r for group in groups for r in group]
@@ -307,11 +311,20 @@ class LLM:
                     req.stop_matcher = StopStringMatcher(self.tokenizer, req.params.stop)
                 if req.params.logprobs is not None:
                     req.logprobs = []
+                if req.params.guided_decoding is not None:
+                    req.grammar = self._grammar_cache().matcher(req.params.guided_decoding)
                 if req.params.has_penalties and self.penalties is None:
                     self.penalties = PenaltyState(self.kv_cache.req_to_token.shape[0], self.vocab_size, self.device)
                 self.scheduler.add(req)
         self._next_id = next_id
         return groups
+
+    def _grammar_cache(self) -> GrammarCache:
+        """The compiled grammars of structured outputs over this model's tokenizer and vocabulary, made on first use
+        (its EOS ids end a finished grammar)."""
+        if self.grammars is None:
+            self.grammars = GrammarCache(self.tokenizer, self.vocab_size, sorted(self.writer.eos_token_ids))
+        return self.grammars
 
     @contextlib.contextmanager
     def _exclusive(self, call: str) -> Iterator[None]:
@@ -338,6 +351,8 @@ class LLM:
             done += self._resolve(self._in_flight[0])
         launched = self._launch()
         keep = 1 if self.overlap and launched is not None else 0
+        if keep and launched.guided:
+            keep = 0  # a grammar's next mask follows this step's tokens: read them first (docs/structured_outputs.md)
         if keep and self.speculator is not None and (launched.verify is not None or self.speculator.probe_due()):
             keep = 0  # the next step's drafts follow this step's tokens: read them first (docs/speculative.md)
         while len(self._in_flight) > keep:
@@ -380,8 +395,10 @@ class LLM:
                 start_penalty_rows(reqs, self.penalties, in_flight, self.vocab_size, self.device)
             before = drafts_before(rows) if rows is not None and self.penalties is not None else None
             extras = StepExtras.for_step(reqs, self.penalties, self.device, before)  # penalties, logprobs
+            guided = GuidedRows.for_step(self.grammars, reqs)  # rows with a grammar (structured outputs)
             tokens, logprobs = forward_and_sample(self.step_runner, fb, reqs, sampled, self.device, extras, feed,
-                                                  rows=rows and rows.rows, positions=rows and rows.positions)
+                                                  rows=rows and rows.rows, positions=rows and rows.positions,
+                                                  guided=guided)
         except BaseException:
             for r in step.requests if step is not None else ():
                 r.penalty_row = None  # its statistics may hold part of this step: count them again
@@ -393,6 +410,7 @@ class LLM:
         for r, n in zip(step.requests, step.extend_lens):
             r.num_cached += n
         launched = InFlightStep.launch(reqs, tokens, logprobs, extras.logprob_at if extras else None, rows)
+        launched.guided = guided is not None
         self._in_flight.append(launched)
         # A request at its length limit finishes with this token whatever it is: out of the next schedule now.
         if rows is None:

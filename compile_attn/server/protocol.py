@@ -10,6 +10,7 @@ from typing import Any
 from compile_attn.engine.requests.chat import render_chat, split_conversations
 from compile_attn.engine.requests.errors import InvalidRequestError, NoChatTemplateError
 from compile_attn.engine.requests.sampling_params import SamplingParams
+from compile_attn.server.guided import GUIDED_FIELDS, guided_params
 
 # OpenAI name -> SamplingParams field
 SAMPLING_FIELDS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "temperature": "temperature",
@@ -18,8 +19,8 @@ SAMPLING_FIELDS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tok
                    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
                    "repetition_penalty": "repetition_penalty"}
 IGNORED = {"model", "prompt", "messages", "stream", "stream_options", "n", "user", "logprobs", "top_logprobs",
-           "return_token_ids"}
-UNSUPPORTED = {"echo", "best_of", "logit_bias", "suffix", "tools", "tool_choice", "response_format", "functions",
+           "return_token_ids"} | GUIDED_FIELDS  # read by parse (structured outputs: compile_attn.server.guided)
+UNSUPPORTED = {"echo", "best_of", "logit_bias", "suffix", "tools", "tool_choice", "functions",
                "function_call", "parallel_tool_calls"}
 OPENAI_DEFAULTS = {"temperature": 1.0}  # OpenAI's default, not the engine's greedy 0.0
 # Bounds on one request's stop strings (the offline SamplingParams has none): every string is matched against the
@@ -96,7 +97,12 @@ def parse(body: Any, *, chat: bool, tokenizer: Any, model_name: str, max_context
     if values.get("stop") and tokenizer is None:
         raise APIError("stop strings need a tokenizer and this model has none", "stop")
     _check_stop_size(values.get("stop"), _openai_name("stop", body))
-    return Parsed(ids, SamplingParams(**values), n, stream, include_usage, _flag(body, "return_token_ids"))
+    try:
+        guided = guided_params(body, tokenizer)  # response_format, guided_json, ...: parsed by xgrammar here
+    except InvalidRequestError as exc:
+        raise APIError(str(exc), getattr(exc, "param", None)) from None
+    return Parsed(ids, SamplingParams(**values, guided_decoding=guided), n, stream, include_usage,
+                  _flag(body, "return_token_ids"))
 
 
 def _check_stop_size(stop: Any, field: str) -> None:

@@ -40,6 +40,7 @@ class InFlightStep:
     logprob_at: list[int]  # positions in ``requests`` of the rows of ``logprobs_host``
     logprobs_host: torch.Tensor | None  # their packed log-probabilities (engine/execution/step_extras.py), copied with tokens
     verify: Any = None  # a verify step's SampleRows (engine/execution/speculative): rows per request, no placeholders
+    guided: bool = False  # some row has a grammar: read before the next step is launched (its masks follow these)
 
     @classmethod
     def launch(cls, requests: list[Request], tokens: torch.Tensor, logprobs: torch.Tensor | None = None,

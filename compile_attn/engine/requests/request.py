@@ -53,6 +53,9 @@ class Request:
     draft_ids: list[int] = field(default_factory=list)
     # A draft tree: draft i's parent among the drafts (-1: the last token); None: the drafts are a chain.
     draft_parents: list[int] | None = None
+    # Structured outputs: the xgrammar GrammarMatcher of params.guided_decoding (set on admission; None: no grammar).
+    # It has accepted every output token written so far (TokenWriter.write feeds it each one).
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.prompt_ids, array.array):

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from compile_attn.engine.requests.errors import InvalidRequestError, RequestTypeError
+from compile_attn.engine.requests.guided_decoding import GuidedDecodingParams
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # the sampler holds top_k, seeds and token ids as int64
 
@@ -101,13 +102,15 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    guided_decoding: GuidedDecodingParams | None = None
 
     def __init__(self, max_new_tokens: int | None = None, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
                  stop_token_ids: Iterable[int] = (), ignore_eos: bool = False,
                  stop: str | Iterable[str] | None = None, n: int = 1, logprobs: int | None = None,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0, *,
-                 max_tokens: int | None = None, **unsupported: Any) -> None:
+                 max_tokens: int | None = None,
+                 guided_decoding: GuidedDecodingParams | Mapping[str, Any] | None = None, **unsupported: Any) -> None:
         _refuse_unsupported(unsupported)
         if max_new_tokens is not None and max_tokens is not None and max_new_tokens != max_tokens:
             raise InvalidRequestError(f"max_tokens={max_tokens!r} and max_new_tokens={max_new_tokens!r} disagree; "
@@ -148,6 +151,7 @@ class SamplingParams:
         put("repetition_penalty", check_real("repetition_penalty", repetition_penalty, " (1 = off)"))
         if self.repetition_penalty <= 0:
             raise InvalidRequestError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+        put("guided_decoding", GuidedDecodingParams.of(guided_decoding))  # structured outputs (xgrammar)
 
     @property
     def max_tokens(self) -> int:

@@ -1,10 +1,11 @@
 """Writing a step's sampled tokens into their requests and deciding which requests finish with them.
 
 ``TokenWriter.write`` puts a token over its request's placeholder and runs the finish checks in order: a token
-outside the vocabulary (the request alone finishes with "error"), a stop token, EOS, a stop string, the length
-limits (``max_new_tokens``, the context). Decode steps write one token per request; a verify step writes each
-accepted token through the same call, so every check holds token by token. ``sample_seed`` gives each sample of a
-request its seed.
+outside the vocabulary (the request alone finishes with "error"), a token its grammar refuses ("error"), a stop
+token, EOS, a stop string, a finished grammar ("stop"), the length limits (``max_new_tokens``, the context); a
+request with a grammar (structured outputs) has each written token fed to its matcher here. Decode steps write one
+token per request; a verify step writes each accepted token through the same call, so every check holds token by
+token. ``sample_seed`` gives each sample of a request its seed.
 """
 
 from __future__ import annotations
@@ -41,6 +42,12 @@ class TokenWriter:
         r.token_ids[at] = tok
         if logprob is not None:
             r.logprobs.append(logprob)
+        if r.grammar is not None and not r.grammar.accept_token(tok):  # masked out: only a bug (or a NaN) gets here
+            logger.warning("request %d: token %d is not allowed by its grammar; finishing it with reason 'error'",
+                           r.request_id, tok)
+            del r.token_ids[at + 1:]
+            r.unresolved = 0
+            return "error"
         try:
             reason = self.stop_reason(r, tok, at + 1)
         except Exception:  # e.g. detokenising its stop strings: this request alone finishes, the step resolves
@@ -72,6 +79,8 @@ class TokenWriter:
             if hit is not None:
                 r.text, r.stop_reason = hit
                 return "stop"
+        if r.grammar is not None and r.grammar.is_terminated():  # its grammar is complete and took a stop token
+            return "stop"
         return "length" if self.at_length_limit(r, length) else None
 
 

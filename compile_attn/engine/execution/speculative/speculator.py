@@ -3,7 +3,8 @@ rows of the step sample at which positions, and keeps the counts that ``/metrics
 
 A request verifying K drafts runs K + 1 tokens in the step (its last token, then the drafts: a chain, causal like
 an extend) and samples all K + 1 rows; ``acceptance.accept_chain`` keeps what the target agrees with. Penalties
-hold row by row (``speculative/penalties.py``). Requests within one token of their length limit get no drafts.
+hold row by row (``speculative/penalties.py``). Requests within one token of their length limit get no drafts, nor do
+requests with a grammar (structured outputs).
 
 Steps: one that verifies runs to completion before the next is scheduled (its accepted tokens decide the next
 drafts); one in which nothing was proposed is a plain step and may overlap the next as without speculation: while
@@ -122,7 +123,9 @@ class Speculator:
         (with a tree config): propose trees; else chains (a step that may mix prefill chunks in runs causally)."""
         drafting, rooms = [], []
         for r in running:
-            if r.is_decoding and not r.unresolved and (room := self.room(r)) > 0:
+            # A request with a grammar (structured outputs) gets no drafts: each of its tokens is masked by the
+            # grammar state its previous token leaves, so it decodes one token per step (docs/structured_outputs.md).
+            if r.is_decoding and not r.unresolved and r.grammar is None and (room := self.room(r)) > 0:
                 drafting.append(r)
                 rooms.append(room)
             elif r.draft_ids:

@@ -1,0 +1,189 @@
+"""Structured outputs on the device: compiled grammars (xgrammar, cached), and the token bitmask of a step's rows
+that have one, applied to their logits inside the sampling step.
+
+``GrammarCache`` compiles a request's constraint (``GuidedDecodingParams``) once per (kind, spec) against the model's
+tokenizer, keeps the compiled grammars in a bounded LRU, and gives each request its own ``GrammarMatcher``.
+
+In a step (``GuidedRows``), the host fills each grammar row's bitmask of allowed next tokens while the device runs
+the forward (xgrammar's ``BatchGrammarMatcher`` fills several rows on its threads), sends the bitmasks and the rows
+they belong to in one host-to-device copy, and ``apply_token_bitmask_`` sets the other tokens' logits to -inf on
+the device; the sampler then picks among the allowed tokens (greedy or sampled alike). The engine feeds each sampled
+token back to its matcher when it writes it (``TokenWriter``). xgrammar is imported only once a request has a
+constraint. See docs/structured_outputs.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from compile_attn.engine.requests.guided_decoding import (GrammarError, GuidedDecodingParams, build_grammar,
+                                                         import_xgrammar, xgrammar_message)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CACHE_SIZE = 256  # compiled grammars kept (least recently used dropped first)
+BITS = 32  # tokens per bitmask word (xgrammar's int32 words)
+
+
+def bitmask_width(vocab_size: int) -> int:
+    """int32 words per row of a bitmask over ``vocab_size`` tokens."""
+    return math.ceil(vocab_size / BITS)
+
+
+class GrammarCache:
+    """Compiled grammars for one model: xgrammar's ``GrammarCompiler`` over the tokenizer's vocabulary (a Hugging Face
+    tokenizer, or an xgrammar ``TokenizerInfo``; ``vocab_size`` tokens, the model's: it may exceed the tokenizer's;
+    the ids past it are never allowed) with ``stop_token_ids``
+    (the model's EOS ids; None: the tokenizer's) ending a finished grammar, and an LRU of ``max_size`` compiled
+    grammars keyed by ``GuidedDecodingParams.key``. ``num_compiled`` counts compilations (cache misses). The compiler
+    is built, and xgrammar imported, on the first ``compile``."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int | None, stop_token_ids: Sequence[int] | None = None,
+                 max_size: int = DEFAULT_CACHE_SIZE, max_threads: int | str = "auto") -> None:
+        if max_size < 1:
+            raise ValueError(f"max_size must be >= 1, got {max_size}")
+        self.tokenizer, self.vocab_size, self.max_size = tokenizer, vocab_size, max_size
+        self.stop_token_ids = sorted(set(stop_token_ids)) if stop_token_ids else None
+        self.max_threads = max_threads
+        self.num_compiled = 0
+        self._compiled: OrderedDict[tuple, Any] = OrderedDict()
+        self._compiler: Any = None
+        self._batch: Any = None  # xgrammar's BatchGrammarMatcher (its thread pool fills several rows at once)
+
+    def _ensure_compiler(self) -> Any:
+        if self._compiler is None:
+            xgr = import_xgrammar()
+            if self.tokenizer is None:
+                raise GrammarError("structured outputs need the model's tokenizer, and this LLM has none; pass "
+                                   "LLM(..., tokenizer=...)", "guided_decoding")
+            if self.vocab_size is None:
+                raise GrammarError("structured outputs need the model's vocabulary size, which this model does not "
+                                   "tell (no config.vocab_size)", "guided_decoding")
+            if isinstance(self.tokenizer, xgr.TokenizerInfo):  # given as xgrammar's own (benchmarks, tests)
+                info = self.tokenizer
+            else:
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=self.stop_token_ids)
+            self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)  # the LRU here is the cache
+            self._batch = xgr.BatchGrammarMatcher(self.max_threads)
+            logger.info("structured outputs: xgrammar compiler over %d tokens (%s), stop tokens %s",
+                        self.vocab_size, info.vocab_type.name, info.stop_token_ids)
+        return self._compiler
+
+    def compile(self, params: GuidedDecodingParams) -> Any:
+        """The compiled grammar of ``params``: from the cache, else compiled now (GrammarError for a bad one)."""
+        key = params.key
+        hit = self._compiled.get(key)
+        if hit is not None:
+            self._compiled.move_to_end(key)
+            return hit
+        compiler = self._ensure_compiler()
+        grammar = build_grammar(params)
+        try:
+            compiled = compiler.compile_grammar(grammar)
+        except Exception as exc:  # noqa: BLE001 - xgrammar's errors are RuntimeErrors with its message
+            raise GrammarError(f"guided_decoding.{params.kind}: cannot compile: {xgrammar_message(exc)}",
+                               f"guided_decoding.{params.kind}") from None
+        self.num_compiled += 1
+        self._compiled[key] = compiled
+        if len(self._compiled) > self.max_size:
+            self._compiled.popitem(last=False)
+        return compiled
+
+    def matcher(self, params: GuidedDecodingParams) -> Any:
+        """A fresh ``GrammarMatcher`` (one request's state) over the compiled grammar of ``params``."""
+        return import_xgrammar().GrammarMatcher(self.compile(params))
+
+    def __len__(self) -> int:
+        return len(self._compiled)
+
+    def fill(self, matchers: Sequence[Any], bitmask: torch.Tensor) -> None:
+        """Fill row i of the CPU int32 ``bitmask[len(matchers), W]`` with ``matchers[i]``'s allowed next tokens."""
+        if len(matchers) == 1 or self._batch is None:
+            for i, m in enumerate(matchers):
+                m.fill_next_token_bitmask(bitmask, i)
+        else:
+            self._batch.batch_fill_next_token_bitmask(list(matchers), bitmask)
+
+
+class GuidedRows:
+    """The rows of one step's logits whose requests have a grammar: ``at[i]`` is the row of ``matchers[i]`` among
+    the step's ``num_rows`` sampled rows. ``apply`` masks their logits."""
+
+    def __init__(self, cache: GrammarCache, at: list[int], matchers: list[Any], num_rows: int) -> None:
+        self.cache, self.at, self.matchers, self.num_rows = cache, at, matchers, num_rows
+
+    @classmethod
+    def for_step(cls, cache: GrammarCache | None, reqs: Sequence[Any]) -> GuidedRows | None:
+        """None when no request of the step's sampled rows ``reqs`` has a grammar (nothing is filled or copied)."""
+        if cache is None:
+            return None
+        at = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        if not at:
+            return None
+        return cls(cache, at, [reqs[i].grammar for i in at], len(reqs))
+
+    def host_bitmask(self, width: int, pin: bool) -> torch.Tensor:
+        """One int32 host buffer of ``G * width + G`` words: the G rows' bitmasks (``[G, width]``, filled by their
+        matchers), then the logits row each belongs to; pinned when ``pin`` (a GPU's copy never waits)."""
+        g = len(self.matchers)
+        buf = torch.empty(g * width + g, dtype=torch.int32, pin_memory=pin)
+        self.cache.fill(self.matchers, buf[: g * width].view(g, width))
+        buf[g * width:] = torch.tensor(self.at, dtype=torch.int32)
+        return buf
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Set, in place, the logits of the grammar rows' disallowed tokens to -inf: the bitmasks go to the device in
+        one copy (filled while the device still runs the step's forward), then ``apply_token_bitmask_``."""
+        rows, vocab = logits.shape
+        if rows != self.num_rows:
+            raise ValueError(f"GuidedRows for {self.num_rows} rows applied to logits of {rows} rows")
+        width = bitmask_width(self.cache.vocab_size or vocab)
+        g = len(self.matchers)
+        buf = self.host_bitmask(width, pin=logits.is_cuda)
+        with torch.inference_mode():  # the logits of an inference-mode forward are changed in place
+            dev = buf.to(logits.device, non_blocking=True)
+            every_row = g == rows  # ``at`` is increasing: every row, in order
+            apply_token_bitmask_(logits, dev[: g * width].view(g, width), None if every_row else dev[g * width:])
+
+
+_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+    """In place on ``logits[B, V]``'s device: -inf at every token whose bit is 0 in its row's bitmask. ``bitmask``
+    is int32 ``[G, W]`` (bit ``t % 32`` of word ``t // 32`` allows token ``t``, xgrammar's layout); row ``i`` of it
+    belongs to logits row ``rows[i]`` (an integer tensor on the device), or to row ``i`` when ``rows`` is None (then
+    G == B). Rows not named keep every token. Tokens past ``32 * W`` are never allowed in a masked row.
+
+    Plain torch ops (no sync, any device): the bitmask is widened to one byte per row of words, each byte's 8 bits
+    unpacked by a shift, and the logits filled where a bit is 0 (xgrammar's ``apply_token_bitmask_inplace``
+    computes the same; tests check the two agree)."""
+    b, v = logits.shape
+    g, w = bitmask.shape
+    if bitmask.dtype != torch.int32:
+        raise ValueError(f"bitmask must be int32 (xgrammar's), got {bitmask.dtype}")
+    if rows is None:
+        if g != b:
+            raise ValueError(f"a bitmask of {g} rows without row indices must cover the logits' {b} rows")
+    else:
+        full = torch.full((b, w), -1, dtype=torch.int32, device=logits.device)  # -1: every bit set, all allowed
+        bitmask = full.index_copy_(0, rows.long(), bitmask)
+    shifts = _SHIFTS.get(logits.device)
+    if shifts is None:
+        shifts = _SHIFTS[logits.device] = torch.arange(8, dtype=torch.uint8, device=logits.device)
+    # Little-endian words (CPUs and GPUs alike): token t is bit t % 8 of byte t // 8 of the row.
+    banned = ((bitmask.view(torch.uint8).unsqueeze(-1) >> shifts) & 1).view(b, w * BITS) == 0
+    if w * BITS >= v:
+        logits.masked_fill_(banned[:, :v], float("-inf"))
+    else:  # a bitmask narrower than the logits: the tokens past it are banned in the masked rows
+        logits[:, : w * BITS].masked_fill_(banned, float("-inf"))
+        masked = torch.ones(b, dtype=torch.bool, device=logits.device) if rows is None else \
+            torch.zeros(b, dtype=torch.bool, device=logits.device).index_fill_(0, rows.long(), True)
+        logits[:, w * BITS:].masked_fill_(masked[:, None], float("-inf"))
