@@ -75,7 +75,7 @@ schemas = st.dictionaries(_names, _property, min_size=1, max_size=4).flatmap(
 
 
 @pytest.mark.parametrize("temperature", TEMPERATURES)
-@settings(max_examples=12)
+@settings(max_examples=6, deadline=None)
 @given(schema=schemas)
 def test_every_output_parses_and_validates_against_its_schema(llm: LLM, temperature: float, schema: dict) -> None:
     for c in generate(llm, {"json": schema, "disable_any_whitespace": True}, temperature):
