@@ -14,8 +14,9 @@ Reported per case (greedy, temperature 0.7, top-k 50 + top-p 0.9), medians over 
   costs the step only where it outlasts the forward);
 - ``step ms``: plain and guided wall time of fill + copy + mask + sampling with a synchronize (the whole thing,
   nothing overlapped);
-- ``mask kernel ms``: ``apply_token_bitmask_`` alone from a device-resident bitmask, and xgrammar's own Triton kernel
-  on the same bitmask (``xgrammar ms``, where Triton runs) for comparison.
+- ``mask kernel ms``: ``apply_token_bitmask_`` alone from a device-resident bitmask with torch ops, and with
+  xgrammar's kernel (``xgrammar ms``: its Triton kernel on a GPU, where Triton runs); the engine's "auto" takes
+  xgrammar's on a GPU and torch ops elsewhere (the ``guided`` columns run "auto").
 
 The vocabulary is synthetic (``--vocab`` strings of 1-8 characters over letters, digits and JSON punctuation, a
 RAW xgrammar vocabulary) unless ``--tokenizer DIR`` names a Hugging Face tokenizer directory. On the CPU
@@ -138,25 +139,19 @@ def bench(rows: int, vocab: int, device: torch.device, rows_state: GuidedRows, r
         with torch.inference_mode():
             apply_token_bitmask_(masked, buf[: g * width].view(g, width), None if every_row else buf[g * width:])
 
-    def mask_kernel() -> None:
-        with torch.inference_mode():
-            apply_token_bitmask_(masked, dev_buf[: g * width].view(g, width), None if every_row else dev_buf[g * width:])
+    def mask_kernel(backend: str) -> Callable[[], None]:
+        def run() -> None:
+            with torch.inference_mode():
+                apply_token_bitmask_(masked, dev_buf[: g * width].view(g, width),
+                                     None if every_row else dev_buf[g * width:], backend=backend)
+        return run
 
-    xgr_kernel = None
-    if device.type == "cuda":
-        try:
-            import xgrammar as xgr
-
-            full = torch.full((rows, width), -1, dtype=torch.int32, device=device)
-            full[torch.tensor(rows_state.at, device=device)] = dev_buf[: g * width].view(g, width)
-
-            def xgr_kernel() -> None:
-                xgr.apply_token_bitmask_inplace(masked, full, vocab_size=vocab)
-
-            xgr_kernel()
-        except Exception as exc:  # noqa: BLE001 - no Triton: not compared
-            print(f"xgrammar's kernel not timed: {type(exc).__name__}: {exc}")
-            xgr_kernel = None
+    xgr_kernel: Callable[[], None] | None = mask_kernel("xgrammar")
+    try:
+        xgr_kernel()
+    except Exception as exc:  # noqa: BLE001 - no Triton: not compared
+        print(f"xgrammar's kernel not timed: {type(exc).__name__}: {exc}")
+        xgr_kernel = None
 
     results = []
     for case, (t, k, p) in CASES.items():
@@ -189,7 +184,7 @@ def bench(rows: int, vocab: int, device: torch.device, rows_state: GuidedRows, r
                                  events=False)
         r["plain_step_ms"] = median_ms(lambda: pick(logits), device, reps, warm, events=False)
         r["guided_step_ms"] = median_ms(guided_step, device, reps, warm, events=False)
-        r["mask_kernel_ms"] = median_ms(mask_kernel, device, reps, warm, events=True)
+        r["mask_kernel_ms"] = median_ms(mask_kernel("torch"), device, reps, warm, events=True)
         r["xgrammar_kernel_ms"] = (median_ms(xgr_kernel, device, reps, warm, events=True)
                                    if xgr_kernel is not None else None)
         results.append(r)
@@ -235,6 +230,10 @@ def main() -> None:
           f"({'tokenizer ' + args.tokenizer if args.tokenizer else 'synthetic'}); tokenizer info + schema compile "
           f"{compile_s:.2f} s; times in ms, medians of {args.reps}")
     print(markdown(results))
+    from compile_attn.engine.execution.sampling import grammar as grammar_module
+
+    kernel = grammar_module._triton_kernel
+    print("the engine's mask ('auto'): " + ("xgrammar's Triton kernel" if kernel is True else "torch ops"))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(device=name, vocab=args.vocab, compile_s=compile_s, results=results), f, indent=1)

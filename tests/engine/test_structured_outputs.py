@@ -10,8 +10,11 @@ and speculative decoding with grammar rows, and the device bitmask op against xg
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -277,27 +280,44 @@ def test_without_xgrammar_a_grammar_request_names_the_extra(llm: LLM, monkeypatc
 
 # ---------------------------------------------------------------- the device op
 
+def reference_mask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """The masked logits by the definition: token t of row rows[i] is allowed iff bit t % 32 of word t // 32 of
+    bitmask[i] is set (tokens past the bitmask never are); other rows unchanged."""
+    out = logits.clone()
+    v = logits.shape[1]
+    t = torch.arange(v)
+    for i, r in enumerate(rows):
+        words = bitmask[i].long() & 0xFFFFFFFF
+        allowed = torch.zeros(v, dtype=torch.bool)
+        inside = t < 32 * bitmask.shape[1]
+        allowed[inside] = ((words[t[inside] // 32] >> (t[inside] % 32)) & 1) == 1
+        out[r, ~allowed] = float("-inf")
+    return out
+
+
+@pytest.mark.parametrize("backend", ["torch", "xgrammar", "auto"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows, vocab, width", [(5, 1000, 32), (8, 1024, 32), (3, 70, 3), (4, 100, 3)])
-def test_apply_token_bitmask_matches_xgrammars_kernel(dtype: torch.dtype, rows: int, vocab: int,
-                                                      width: int) -> None:
+def test_apply_token_bitmask_follows_the_bit_layout(backend: str, dtype: torch.dtype, rows: int, vocab: int,
+                                                    width: int) -> None:
+    """Ours (torch ops) and xgrammar's kernel both, every row or some, a vocabulary that is not a multiple of 32
+    and a bitmask narrower than the logits."""
     gen = torch.Generator().manual_seed(rows * vocab)
     logits = torch.randn(rows, vocab, generator=gen).to(dtype)
     bitmask = torch.randint(-2**31, 2**31 - 1, (rows, width), generator=gen, dtype=torch.int64).to(torch.int32)
-    want = logits.clone()
-    xgr.apply_token_bitmask_inplace(want, bitmask, vocab_size=min(vocab, 32 * width))
-    if 32 * width < vocab:  # past the bitmask: never allowed
-        want[:, 32 * width:] = float("-inf")
     got = logits.clone()
-    apply_token_bitmask_(got, bitmask)
-    assert torch.equal(got, want)
-    # Only some rows: the others keep every token.
-    at = torch.tensor([i for i in range(rows) if i % 2 == 0])
+    apply_token_bitmask_(got, bitmask, backend=backend)
+    assert torch.equal(got, reference_mask(logits, bitmask, list(range(rows))))
+    at = [i for i in range(rows) if i % 2 == 0]
     got = logits.clone()
-    apply_token_bitmask_(got, bitmask[at], at.to(torch.int32))
-    assert torch.equal(got[at], want[at])
-    others = [i for i in range(rows) if i % 2]
-    assert torch.equal(got[others], logits[others])
+    apply_token_bitmask_(got, bitmask[at], torch.tensor(at, dtype=torch.int32), backend=backend)
+    assert torch.equal(got, reference_mask(logits, bitmask[at], at))
+    if backend == "torch" and 32 * width >= vocab:  # xgrammar's own kernel agrees
+        want = logits.clone()
+        xgr.apply_token_bitmask_inplace(want, bitmask, vocab_size=vocab)
+        got = logits.clone()
+        apply_token_bitmask_(got, bitmask, backend="torch")
+        assert torch.equal(got, want)
 
 
 def test_guided_rows_fill_one_buffer_of_masks_and_rows(llm: LLM) -> None:
@@ -317,3 +337,14 @@ def test_guided_rows_fill_one_buffer_of_masks_and_rows(llm: LLM) -> None:
     assert torch.isfinite(logits[[0, 2]]).all()
     assert {int(t) for t in torch.isfinite(logits[1]).nonzero()} == allowed
     assert GuidedRows.for_step(cache, [reqs[0]]) is None and GuidedRows.for_step(None, reqs) is None
+
+
+def test_the_structured_sampling_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_structured_sampling.py"
+    out = tmp_path / "s.json"
+    subprocess.run([sys.executable, str(script), "--device", "cpu", "--rows", "4", "--vocab", "600", "--reps", "1",
+                    "--warmup", "0", "--guided-fraction", "0.5", "--out", str(out)], check=True, timeout=300,
+                   env={**os.environ, "PYTHONPATH": str(script.parents[1])})
+    results = json.loads(out.read_text())["results"]
+    assert [r["case"] for r in results] == ["greedy", "temperature 0.7", "top-k 50 + top-p 0.9"]
+    assert all(r["guided_rows"] == 2 and r["plain_ms"] > 0 and r["fill_ms"] > 0 for r in results)

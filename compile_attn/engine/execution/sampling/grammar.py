@@ -153,37 +153,75 @@ class GuidedRows:
             apply_token_bitmask_(logits, dev[: g * width].view(g, width), None if every_row else dev[g * width:])
 
 
-_SHIFTS: dict[torch.device, torch.Tensor] = {}
+_BANNED_BITS: dict[torch.device, torch.Tensor] = {}  # per device: [256, 8] bool, bit j of byte value i is 0
+_triton_kernel: Any = None  # xgrammar's Triton kernel once it has run here (False: unavailable, use torch ops)
 
 
-def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None,
+                         backend: str = "auto") -> None:
     """In place on ``logits[B, V]``'s device: -inf at every token whose bit is 0 in its row's bitmask. ``bitmask``
     is int32 ``[G, W]`` (bit ``t % 32`` of word ``t // 32`` allows token ``t``, xgrammar's layout); row ``i`` of it
     belongs to logits row ``rows[i]`` (an integer tensor on the device), or to row ``i`` when ``rows`` is None (then
-    G == B). Rows not named keep every token. Tokens past ``32 * W`` are never allowed in a masked row.
+    G == B). Rows not named keep every token. Tokens past ``32 * W`` are never allowed in a masked row. No host sync.
 
-    Plain torch ops (no sync, any device): the bitmask is widened to one byte per row of words, each byte's 8 bits
-    unpacked by a shift, and the logits filled where a bit is 0 (xgrammar's ``apply_token_bitmask_inplace``
-    computes the same; tests check the two agree)."""
+    ``backend``: "torch" (plain torch ops on any device: each byte of the bitmask looks its 8 bits up in a table,
+    then one masked fill), "xgrammar" (xgrammar's ``apply_token_bitmask_inplace``: its fused Triton kernel on a
+    GPU, its C++ one on the CPU), or "auto": xgrammar's Triton kernel on a GPU where it runs (the first failure
+    falls back to torch ops for good), torch ops elsewhere. Tests check the two agree."""
     b, v = logits.shape
     g, w = bitmask.shape
     if bitmask.dtype != torch.int32:
         raise ValueError(f"bitmask must be int32 (xgrammar's), got {bitmask.dtype}")
-    if rows is None:
-        if g != b:
-            raise ValueError(f"a bitmask of {g} rows without row indices must cover the logits' {b} rows")
-    else:
+    if rows is None and g != b:
+        raise ValueError(f"a bitmask of {g} rows without row indices must cover the logits' {b} rows")
+    if backend not in ("auto", "torch", "xgrammar"):
+        raise ValueError(f"backend must be 'auto', 'torch' or 'xgrammar', got {backend!r}")
+    if rows is not None:
         full = torch.full((b, w), -1, dtype=torch.int32, device=logits.device)  # -1: every bit set, all allowed
         bitmask = full.index_copy_(0, rows.long(), bitmask)
-    shifts = _SHIFTS.get(logits.device)
-    if shifts is None:
-        shifts = _SHIFTS[logits.device] = torch.arange(8, dtype=torch.uint8, device=logits.device)
+    width = min(v, w * BITS)
+    if backend == "xgrammar" or (backend == "auto" and logits.is_cuda and _triton_kernel is not False):
+        if _xgrammar_apply(logits, bitmask, width, rows, required=backend == "xgrammar"):
+            _ban_past(logits, w * BITS, rows)
+            return
+    table = _BANNED_BITS.get(logits.device)
+    if table is None:
+        values = torch.arange(256)[:, None] >> torch.arange(8)
+        table = _BANNED_BITS[logits.device] = ((values & 1) == 0).to(logits.device)
     # Little-endian words (CPUs and GPUs alike): token t is bit t % 8 of byte t // 8 of the row.
-    banned = ((bitmask.view(torch.uint8).unsqueeze(-1) >> shifts) & 1).view(b, w * BITS) == 0
-    if w * BITS >= v:
-        logits.masked_fill_(banned[:, :v], float("-inf"))
-    else:  # a bitmask narrower than the logits: the tokens past it are banned in the masked rows
-        logits[:, : w * BITS].masked_fill_(banned, float("-inf"))
-        masked = torch.ones(b, dtype=torch.bool, device=logits.device) if rows is None else \
-            torch.zeros(b, dtype=torch.bool, device=logits.device).index_fill_(0, rows.long(), True)
-        logits[:, w * BITS:].masked_fill_(masked[:, None], float("-inf"))
+    banned = table[bitmask.view(torch.uint8).long()].view(b, w * BITS)
+    logits[:, :width].masked_fill_(banned[:, :width], float("-inf"))
+    _ban_past(logits, w * BITS, rows)
+
+
+def _xgrammar_apply(logits: torch.Tensor, bitmask: torch.Tensor, width: int, rows: torch.Tensor | None,
+                    required: bool) -> bool:
+    """xgrammar's own kernel on the (full-batch) bitmask; False where it cannot run (and ``required`` is off)."""
+    global _triton_kernel
+    try:
+        xgr = import_xgrammar()
+        indices = None if rows is None else rows.to(torch.int32)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=width, indices=indices)
+    except Exception as exc:  # noqa: BLE001 - no Triton, or its kernel does not build here
+        if required:
+            raise
+        logger.warning("xgrammar's bitmask kernel does not run here (%s: %s); masking with torch ops",
+                       type(exc).__name__, exc)
+        _triton_kernel = False
+        return False
+    if logits.is_cuda:
+        _triton_kernel = True
+    return True
+
+
+def _ban_past(logits: torch.Tensor, bits: int, rows: torch.Tensor | None) -> None:
+    """-inf at the tokens past a bitmask of ``bits`` tokens, in the masked rows (a bitmask narrower than the
+    logits)."""
+    b, v = logits.shape
+    if bits >= v:
+        return
+    if rows is None:
+        logits[:, bits:] = float("-inf")
+    else:
+        masked = torch.zeros(b, dtype=torch.bool, device=logits.device).index_fill_(0, rows.long(), True)
+        logits[:, bits:].masked_fill_(masked[:, None], float("-inf"))
