@@ -40,7 +40,8 @@ _REQUIRES: dict[str, str] = {"triton": "triton", "flashinfer": "flashinfer", "fa
 _INSTALL: dict[str, str] = {
     "triton": 'pip install "compile-attn[triton]"',
     "flashinfer": 'pip install "compile-attn[flashinfer]"',
-    "fa3": 'pip install "compile-attn[fa3]" (sglang-kernel: the release built for your torch + CUDA, docs/fa3.md)',
+    "fa3": 'pip install "compile-attn[fa3]" (sglang-kernel: install the release built for your torch + CUDA, e.g. '
+           "sglang-kernel 0.4.3 for torch 2.11 + CUDA 13; docs/fa3.md)",
 }
 
 B = TypeVar("B", bound="type[AttentionBackend]")
