@@ -3,6 +3,10 @@
 Public API only: what the README and docs tell users to call (the engine, the graph runner, the compile backend,
 the HF integration, backends, the KV cache and batches). Internals (the pool, the allocator, the scratch slot) are
 reached through their modules (``compile_attn.kv.cache``, ...).
+
+``import compile_attn`` imports torch, the custom ops and the errors only: the other names load on first use, so the
+core install (torch, numpy, tqdm) imports it and nothing heavy (Dynamo, Inductor, transformers, tokenizers, the
+server) loads before it is used. tests/test_core_install.py checks both.
 """
 
 import importlib as _importlib

@@ -50,7 +50,8 @@ def _resolve(name: str | os.PathLike[str], revision: str | None, what: str, need
     tried = f"not a local directory ({path.resolve()} does not exist)"
     if not _is_repo_id(text):
         raise ModelNotFoundError(f"{what} {text!r} is {tried}, nor a Hugging Face model id (org/name); pass a local "
-                                 f"checkpoint directory, or a model id such as meta-llama/Llama-3.2-1B")
+                                 f"checkpoint directory (config.json, safetensors weights, tokenizer files), or a "
+                                 f"model id such as meta-llama/Llama-3.2-1B")
     try:
         import huggingface_hub  # noqa: F401
     except ImportError:

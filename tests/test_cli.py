@@ -121,8 +121,8 @@ def test_a_missing_model_directory_is_one_line_and_exit_status_1(tmp_path: Path)
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 1
     lines = run.stderr.strip().splitlines()  # no traceback: one line naming the path and what a model dir holds
-    assert len(lines) == 1 and lines[0].startswith("compile-attn generate: error: FileNotFoundError:")
-    assert missing in lines[0] and "config.json" in lines[0]
+    assert len(lines) == 1 and lines[0].startswith("compile-attn generate: error: ModelNotFoundError:")  # a
+    assert missing in lines[0] and "config.json" in lines[0]  # FileNotFoundError, with every command's message
 
 
 def test_a_request_too_large_for_the_cache_is_one_line_and_exit_status_1(capsys: pytest.CaptureFixture[str]) -> None:

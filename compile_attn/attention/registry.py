@@ -36,12 +36,11 @@ _LAZY_BACKENDS: dict[str, str] = {
 
 # name -> the package its kernels come from (a backend is "installed" when that package is importable)
 _REQUIRES: dict[str, str] = {"triton": "triton", "flashinfer": "flashinfer", "fa3": "sgl_kernel"}
-# name -> how to install that package: the extra of compile-attn that brings it (pyproject.toml)
-_INSTALL: dict[str, str] = {
-    "triton": 'pip install "compile-attn[triton]"',
-    "flashinfer": 'pip install "compile-attn[flashinfer]"',
-    "fa3": 'pip install "compile-attn[fa3]" (sglang-kernel: install the release built for your torch + CUDA, e.g. '
-           "sglang-kernel 0.4.3 for torch 2.11 + CUDA 13; docs/fa3.md)",
+# name -> the backend's install command (the extra of compile-attn that brings the package), as ``module:NAME``
+_INSTALL_HINTS: dict[str, str] = {
+    "triton": "compile_attn.attention.kernel_loader:INSTALL_HINT",
+    "flashinfer": "compile_attn.attention.flashinfer.library:INSTALL_HINT",
+    "fa3": "compile_attn.attention.fa3.backend:INSTALL_HINT",
 }
 
 B = TypeVar("B", bound="type[AttentionBackend]")
@@ -92,9 +91,11 @@ def check_backend_installed(name: str) -> None:
         package = _REQUIRES.get(part)
         if package is not None and not module_available(package):
             others = [n for n in installed_backends() if n not in ("hybrid", part)]
+            module, _, attr = _INSTALL_HINTS[part].partition(":")
+            hint = getattr(importlib.import_module(module), attr)  # imports torch and compile_attn only
             raise BackendUnavailableError(
-                f"the {part} attention backend needs the {package} package, which is not installed: "
-                f"{_INSTALL[part]}; or pick another backend: auto, {', '.join(others)}"
+                f"the {part} attention backend needs the {package} package, which is not installed: {hint}; or pick "
+                f"another backend: auto, {', '.join(others)}"
             )
 
 

@@ -243,6 +243,7 @@ def test_chat_equals_generate_on_the_templated_prompt(text_llm: LLM, monkeypatch
                      [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a type."}]]
     texts = ["<|user|>\nWhat is a list?\n<|assistant|>\n",
              "<|system|>\nBe brief.\n<|user|>\nName a type.\n<|assistant|>\n"]  # TEMPLATE written out by hand
+    monkeypatch.setattr(text_llm.tokenizer, "chat_template", None)  # the tiny model ships one (tiny_llama.py)
     with pytest.raises(NoChatTemplateError, match="has no chat template.*chat_template"):
         text_llm.chat(conversations[0], params)
     monkeypatch.setattr(text_llm.tokenizer, "chat_template", TEMPLATE)

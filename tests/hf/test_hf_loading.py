@@ -63,5 +63,6 @@ def test_load_without_tokenizer_and_from_config(tmp_path: Path) -> None:
 
 
 def test_missing_directory_is_a_clear_error(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="local directories only"):
+    with pytest.raises(FileNotFoundError, match="is not a local directory .* does not exist.*nor a Hugging Face "
+                                                "model id"):  # ModelNotFoundError, as LLM() and every command say
         load_model(tmp_path / "does-not-exist")
