@@ -16,7 +16,7 @@ import torch
 from tests.graph_runner.gr_helpers import VerifyModeNative
 from tests.greedy_reference import greedy_by_recompute
 
-import compile_attn.engine.llm as llm_module
+import compile_attn.engine.execution.rank_parts as rank_parts
 from compile_attn import ForwardMode
 from compile_attn.engine import LLM, SamplingParams
 from compile_attn.models import ToyDecoder, ToyDecoderConfig
@@ -66,7 +66,7 @@ def test_triton_verify_mode_gives_plain_greedy_tokens_on_the_cpu() -> None:
 
 @_CPU
 def test_full_verify_graphs_give_plain_greedy_tokens_on_the_cpu(monkeypatch) -> None:  # noqa: ANN001
-    monkeypatch.setattr(llm_module, "create_backend", lambda name, kv, layers: VerifyModeNative(kv, layers))
+    monkeypatch.setattr(rank_parts, "create_backend", lambda name, kv, layers: VerifyModeNative(kv, layers))
     model = _toy()
     llm = LLM(model, graph_mode="full", compile=False, max_batch_size=4, max_num_tokens=64, max_context=64,
               page_size=4, device="cpu", speculative_config=_draft_spec())
