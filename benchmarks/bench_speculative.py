@@ -13,7 +13,10 @@ against without, in one run.
   replays the greedy continuation of the run before: the mechanism's ceiling, test-only), and prompt lookup
   ("ngram"). The share of requests whose tokens equal the plain run's is reported: in bf16 a verify step's other
   GEMM shapes round differently, which can flip a near-tie of random weights' logits (fp32 runs are identical:
-  tests/engine/execution/speculative).
+  tests/engine/execution/speculative). Where a batch's replay still diverges (at batch 64 every pass flips a few
+  requests, whose later drafts then all miss), ``--force-accept B,...`` measures those batch sizes' ceiling with
+  acceptance forced (benchmark-only: every draft kept, plus the target's token after them): the steps, the KV
+  writes and the host work are those of an always-right proposer; the tokens are not the model's greedy ones.
 
 Random bf16 weights of the Llama-3.2-1B shape unless ``--tiny`` (a CPU smoke run). Prints a markdown table; ``--out``
 writes the JSON.
@@ -37,6 +40,13 @@ from compile_attn import ForwardBatch, ForwardMode  # noqa: E402
 from compile_attn.bench import decode_step as bench  # noqa: E402
 from compile_attn.bench.run_info import run_info  # noqa: E402
 from compile_attn.engine import LLM, SamplingParams  # noqa: E402
+from compile_attn.engine.execution.speculative import speculator as speculator_module  # noqa: E402
+from compile_attn.engine.execution.speculative.acceptance import accept_chain  # noqa: E402
+
+
+def forced_acceptance(drafts, targets) -> list[int]:  # noqa: ANN001
+    """Benchmark-only stand-in for ``accept_chain``: every draft kept, then the target's token after them."""
+    return list(drafts) + [targets[len(drafts)]]
 
 
 class ReplayProposer:
@@ -118,6 +128,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--compile-sizes", default=None,
                     help="GraphConfig.compile_sizes, e.g. 1,8 (static compiles at the verify bucket too)")
+    ap.add_argument("--force-accept", default="",
+                    help="batch sizes whose always-right ceiling is measured with acceptance forced (see above)")
     ap.add_argument("--steps-only", action="store_true", help="the step times only")
     ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU (smoke run)")
     ap.add_argument("--out")
@@ -149,6 +161,7 @@ def main() -> None:
         print(f"| {s['batch_size']} | {s['verify_ms']:.3f} | {s['verify_rows_ms']:.3f} | {s['decode_ms']:.3f} | "
               f"{s['ratio']:.2f} | {s['rows_ratio']:.2f} | {s['verify_graph_runs']} |", flush=True)
     lookup = spec.speculator.proposer
+    forced_sizes = {int(b) for b in args.force_accept.split(",") if b}
     for bs in [] if args.steps_only else sizes:
         prompts = [torch.randint(0, shape["vocab_size"], (args.prompt_len,), generator=gen).tolist() for _ in range(bs)]
         tps, ref, steps = throughput(plain, prompts, args.max_new_tokens, device)
@@ -156,14 +169,20 @@ def main() -> None:
         # The always-right proposer replays a continuation; in bf16 a verify step's rounding (other GEMM shapes) can
         # flip a near-tie, so it replays the previous speculative run's own tokens (a second pass is measured).
         known = ref
-        for name, passes in (("always-right proposer", 2), ("ngram (prompt lookup)", 1)):
+        forced = bs in forced_sizes
+        for name, passes in (("always-right proposer" + (" (acceptance forced)" if forced else ""), 2),
+                             ("ngram (prompt lookup)", 1)):
             for _ in range(passes):
                 spec.speculator.proposer = (ReplayProposer([p + r for p, r in zip(prompts, known)], args.k, 32)
                                             if passes == 2 else lookup)
+                speculator_module.accept_chain = forced_acceptance if forced and passes == 2 else accept_chain
                 before = spec.speculator.stats.as_dict()
-                tps_s, got, steps_s = throughput(spec, prompts, args.max_new_tokens, device)
+                try:
+                    tps_s, got, steps_s = throughput(spec, prompts, args.max_new_tokens, device)
+                finally:
+                    speculator_module.accept_chain = accept_chain
                 after = spec.speculator.stats.as_dict()
-                known = got
+                known = ref if forced else got  # forced: both passes replay the plain run
             same = sum(g == r for g, r in zip(got, ref)) / len(ref)
             verified = after["verified_requests"] - before["verified_requests"]
             accepted = after["accepted_tokens"] - before["accepted_tokens"]

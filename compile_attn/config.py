@@ -15,7 +15,10 @@ from compile_attn import env
 from compile_attn.graph_mode import GraphMode
 
 DEFAULT_DECODE_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, *range(16, 257, 8))
-DEFAULT_EXTEND_TOKEN_SIZES: tuple[int, ...] = tuple(2**i for i in range(4, 14))  # 16 .. 8192
+# Extend buckets: 16 ... 1,024, 1,536 and 2,048 tokens. A step of more tokens runs the compiled pieces at its exact
+# token count without graphs: past ~2,048 tokens the launches hide behind the GPU's work, while padding to the next
+# power of two cost up to 1.6x (4,200 tokens as 8,192: 32.0 vs 19.7 ms on an H100; docs/performance.md).
+DEFAULT_EXTEND_TOKEN_SIZES: tuple[int, ...] = (*(2**i for i in range(4, 11)), 1536, 2048)
 COMPILERS = ("inductor", "eager")
 AUTO_GPU_COMPILE_SIZES: tuple[int, ...] = (1,)  # GraphConfig.compile_sizes=None on a GPU: bs-1 decode
 

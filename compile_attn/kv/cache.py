@@ -319,13 +319,16 @@ class KVCache(BatchChecks):
     def truncate_rows(self, rows: Sequence[int], lengths: Sequence[int]) -> None:
         """``truncate`` of each of ``rows`` to its length in ``lengths``, the table's entries reset in one device op
         for all of them (a speculative step cuts back every request's rejected drafts)."""
-        cut_rows, starts, counts = [], [], []
-        for row, length in zip(list(rows), list(lengths)):
-            old = self._cut_row(row, length)
-            if old != length:
-                cut_rows.append(row)
-                starts.append(length)
-                counts.append(old - length)
+        cut_rows, starts, counts, freed = [], [], [], array.array("q")
+        try:
+            for row, length in zip(list(rows), list(lengths)):
+                old = self._cut_row(row, length, freed)
+                if old != length:
+                    cut_rows.append(row)
+                    starts.append(length)
+                    counts.append(old - length)
+        finally:  # the rows cut before a bad one keep their cut: their pages go back either way
+            self.allocator.free(freed)  # one call for every row (its checks scan the whole pool once)
         if not cut_rows:
             return
         table_rows, positions = to_device_groups(
@@ -333,10 +336,11 @@ class KVCache(BatchChecks):
         self.req_to_token[table_rows, positions] = PAD_SLOT
         self.slots_changed()
 
-    def _cut_row(self, row: int, length: int) -> int:
+    def _cut_row(self, row: int, length: int, freed: array.array | None = None) -> int:
         """The host side of ``truncate``: row ``row`` keeps its first ``length`` tokens and the pages holding them,
-        the pages past them go back to the allocator; returns the tokens it held before. The caller resets the
-        table's entries past ``length`` and calls ``slots_changed`` when anything was cut."""
+        the pages past them go back to the allocator (or onto ``freed``, for the caller to free); returns the tokens
+        it held before. The caller resets the table's entries past ``length`` and calls ``slots_changed`` when
+        anything was cut."""
         if row not in self._pages:
             raise ValueError(f"request row {row} is not allocated")
         old = self._lens[row]
@@ -345,7 +349,10 @@ class KVCache(BatchChecks):
         if length < old:
             keep = -(-length // self.page_size)
             pages = self._pages[row]
-            self.allocator.free(pages[keep:])
+            if freed is None:
+                self.allocator.free(pages[keep:])
+            else:
+                freed.extend(pages[keep:])
             del pages[keep:]
             self._lens[row] = length
         return old

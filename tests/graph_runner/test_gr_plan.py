@@ -100,7 +100,7 @@ def test_buckets_are_clipped_to_the_static_buffers() -> None:
     twin = Twin()
     config = GraphConfig(
         mode="full_and_piecewise", cache_dir=None
-    )  # default buckets: decode up to 256, tokens up to 8192
+    )  # default buckets: decode up to 256, tokens up to 2048
     runner = GraphRunner(
         model,
         CountingBackend(twin.caches[0], model.attention_layers()),
