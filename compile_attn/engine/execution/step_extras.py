@@ -11,7 +11,10 @@ float64 tensor that the engine copies to the host with the step's tokens (see en
 unpacks when it reads them. A row is short of ``min_tokens`` when the output index its token takes (from its
 position: a verify row's own, so each draft row is judged where it stands) is below ``min_tokens``; its EOS and
 ``stop_token_ids`` logits become -inf, so neither a plain step nor a verify step (whose target tokens decide which
-drafts are kept) can stop it early.
+drafts are kept) can stop it early. The ban comes after a structured-output grammar's mask (applied to the logits
+first, see engine/execution/sampling/step.py), so both hold; where together they leave a row no token (its grammar is
+complete and allows only EOS), the row keeps its stop tokens: no token satisfies both, so the grammar's end wins
+over ``min_tokens`` and the request finishes with "stop" (rather than sampling from a row of -inf).
 """
 
 from __future__ import annotations
@@ -91,8 +94,12 @@ class StepExtras:
             pairs = [(i, t) for i, t in zip(*self.ban) if t < vocab]  # a stop token id past the vocabulary: never
             if pairs:                                                  # sampled, nothing to mask
                 rows, toks = to_device([[i for i, _ in pairs], [t for _, t in pairs]], torch.int64, logits.device)
-                logits = logits.index_put((rows, toks), torch.tensor(float("-inf"), dtype=logits.dtype,
-                                                                     device=logits.device))
+                banned = logits.index_put((rows, toks), torch.tensor(float("-inf"), dtype=logits.dtype,
+                                                                       device=logits.device))
+                # A row the ban leaves without a finite logit (a grammar that allows only its stop tokens) keeps
+                # them: on the device, no sync.
+                empty = torch.isneginf(banned).all(dim=-1, keepdim=True)
+                logits = torch.where(empty, logits, banned)
         return logits
 
     def after_sampling(self, raw_logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor | None:

@@ -79,7 +79,7 @@ class SamplingParams:
     positive logits and multiplies the negative ones of tokens in the prompt or the output. ``guided_decoding``
     (None = off; a GuidedDecodingParams or a dict of its fields) constrains the output to a JSON schema, regex,
     choice or grammar (structured outputs, with xgrammar). With both, the grammar's mask and the ``min_tokens`` one
-    apply.
+    apply; a grammar complete before ``min_tokens`` (it allows only EOS) ends the request there, with "stop".
 
     Ranges: max_new_tokens an int >= 1; temperature a finite number >= 0; top_k an int >= 0 (-1, vLLM's "off", is
     taken as 0); top_p a finite number in (0, 1]; seed None or an int64; stop_token_ids ints >= 0; ignore_eos a bool;
