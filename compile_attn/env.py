@@ -19,6 +19,7 @@ SAMPLER_COMPILE_ENV = "COMPILE_ATTN_SAMPLER_COMPILE"  # 1 / 0: compile the porta
 START_PROFILE_ENV = "COMPILE_ATTN_START_PROFILE"  # a file prefix: `compile-attn bench --engine` profiles each start
 VERIFY_MODE_ENV = "COMPILE_ATTN_VERIFY_MODE"  # 0 / false / off / no: triton chain verify steps as decode rows, not in the kernel's verify mode
 API_KEY_ENV = "COMPILE_ATTN_API_KEY"  # the server's key when --api-key is not given (a key on the command line shows)
+VLLM_API_KEY_ENV = "VLLM_API_KEY"  # vLLM's name for it, read when API_KEY_ENV is not set
 
 
 def switched_off(name: str) -> bool:
@@ -90,6 +91,6 @@ def start_profile_prefix() -> str | None:
 
 
 def api_key() -> str | None:
-    """The server's API key where ``--api-key`` is not given: ``COMPILE_ATTN_API_KEY``, or None (no key) if unset or
-    empty."""
-    return os.environ.get(API_KEY_ENV) or None
+    """The server's API key where ``--api-key`` is not given: ``COMPILE_ATTN_API_KEY``, else vLLM's ``VLLM_API_KEY``
+    (so a vLLM deployment's environment carries over), or None (no key) if neither is set and non-empty."""
+    return os.environ.get(API_KEY_ENV) or os.environ.get(VLLM_API_KEY_ENV) or None

@@ -308,7 +308,8 @@ class LLM:
             for k, req in enumerate(group):
                 req.seed = sample_seed(req.params.seed, k, self._seed_generator)
                 if req.params.stop:
-                    req.stop_matcher = StopStringMatcher(self.tokenizer, req.params.stop)
+                    req.stop_matcher = StopStringMatcher(self.tokenizer, req.params.stop,
+                                                         skip_special_tokens=req.params.skip_special_tokens)
                 if req.params.logprobs is not None:
                     req.logprobs = []
                 if req.params.guided_decoding is not None:
@@ -394,7 +395,8 @@ class LLM:
             if self.penalties is not None:
                 start_penalty_rows(reqs, self.penalties, in_flight, self.vocab_size, self.device)
             before = drafts_before(rows) if rows is not None and self.penalties is not None else None
-            extras = StepExtras.for_step(reqs, self.penalties, self.device, before)  # penalties, logprobs
+            extras = StepExtras.for_step(reqs, self.penalties, self.device, before,  # penalties, logprobs, min_tokens
+                                         eos_token_ids=self.writer.eos_token_ids, positions=rows and rows.positions)
             guided = GuidedRows.for_step(self.grammars, reqs)  # rows with a grammar (structured outputs)
             tokens, logprobs = forward_and_sample(self.step_runner, fb, reqs, sampled, self.device, extras, feed,
                                                   rows=rows and rows.rows, positions=rows and rows.positions,

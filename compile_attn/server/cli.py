@@ -20,7 +20,8 @@ logger = logging.getLogger(__name__)
 def add_parser(sub: argparse._SubParsersAction, formatter_class: type[argparse.HelpFormatter]) -> None:
     p = sub.add_parser("serve", formatter_class=formatter_class, help="an OpenAI-compatible HTTP server",
                        description="Serve a local HF model over HTTP: /v1/completions, /v1/chat/completions "
-                                   "(streamed or not), /v1/models, /health, /metrics.")
+                                   "(streamed or not), /v1/models, /tokenize, /detokenize, /version, /health, "
+                                   "/metrics; /docs describes them.")
     p.add_argument("model", help="a local HF model directory")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
@@ -45,8 +46,9 @@ def add_parser(sub: argparse._SubParsersAction, formatter_class: type[argparse.H
                    help="origins whose web pages may call the API (CORS), a JSON list or comma-separated, '*' for "
                         "any (default: none, CORS off)")
     p.add_argument("--api-key", default=None,
-                   help=f"require 'Authorization: Bearer KEY' on /v1/* (401 otherwise; /health and /metrics stay "
-                        f"open); default: ${env.API_KEY_ENV} if set, else no key")
+                   help=f"require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize (401 otherwise; "
+                        f"/health, /metrics, /version and /docs stay open); default: ${env.API_KEY_ENV}, else "
+                        f"${env.VLLM_API_KEY_ENV}, if set, else no key")
     p.set_defaults(func=cmd_serve, prepare=prepare, subparser=p)
 
 

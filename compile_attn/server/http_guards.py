@@ -1,6 +1,6 @@
 """What stands between the network and the app's routes: OpenAI's error body on every error status (the app's own
 APIError, Starlette's 404 / 405, FastAPI's 422, and any unexpected exception as a logged 500), the API key check on
-``/v1/*`` (401) and CORS for the origins ``ServerOptions.allowed_origins`` names (off otherwise). It owns no
+every route but the open ones (401; ``OPEN_PATHS``) and CORS for the origins ``ServerOptions.allowed_origins`` names (off otherwise). It owns no
 route and no request parsing (``compile_attn.server.request_body``, ``compile_attn.server.protocol``)."""
 
 from __future__ import annotations
@@ -23,7 +23,13 @@ from compile_attn.server.options import ServerOptions
 from compile_attn.server.protocol import APIError
 
 logger = logging.getLogger(__name__)
-ROUTES = "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics"
+ROUTES = ("POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize, POST /detokenize, "
+          "GET /version, GET /health, GET /metrics, GET /docs, GET /openapi.json")
+# What an API key leaves open: liveness, metrics and the version (as vLLM leaves them), and the API's description.
+# Everything else needs the key: /v1/* as in vLLM, and /tokenize and /detokenize too (vLLM leaves those open, which
+# its security guide lists as a gap: they run the tokenizer and the chat template for anyone).
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/docs", "/docs/oauth2-redirect", "/redoc",
+                        "/openapi.json"})
 
 
 def add_guards(app: FastAPI, options: ServerOptions) -> None:
@@ -83,14 +89,15 @@ async def _unexpected_error(request: Request, exc: Exception) -> ErrorResponse:
 
 
 class ApiKeyMiddleware:
-    """401 with OpenAI's body (code ``invalid_api_key``) for a ``/v1/*`` request without ``Authorization: Bearer
-    <key>``; the key is compared in constant time. A plain ASGI middleware: streamed answers pass through untouched."""
+    """401 with OpenAI's body (code ``invalid_api_key``) for a request to any path but ``OPEN_PATHS`` without
+    ``Authorization: Bearer <key>``; the key is compared in constant time. A plain ASGI middleware: streamed answers
+    pass through untouched."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app, self.expected = app, f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
             if not hmac.compare_digest(given, self.expected):
                 reason = "no Authorization header" if not given else "a wrong API key"

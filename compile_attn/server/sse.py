@@ -10,6 +10,7 @@ import json
 from typing import Any
 
 _str = json.encoder.encode_basestring_ascii  # what json.dumps writes for a str (ensure_ascii, the default)
+_UNFINISHED = ', "finish_reason": null, "stop_reason": null'  # every chunk but a sample's last
 
 
 class ChunkFormat:
@@ -31,16 +32,21 @@ class ChunkFormat:
         return f"data: {json.dumps(body)}\n\n"
 
     def delta(self, index: int, text: str, finish_reason: str | None, logprobs: dict | None = None,
-              token_ids: list[int] | None = None) -> str:
+              token_ids: list[int] | None = None, stop_reason: int | str | None = None) -> str:
         """The chunk of one sample's Delta: what ``chunk([choice])`` gives for the choice
-        ``app._choice(chat, index, text, finish_reason, delta=True, logprobs=..., token_ids=...)``."""
+        ``app._choice(chat, index, text, finish_reason, delta=True, logprobs=..., token_ids=...,
+        stop_reason=...)``."""
         if self.chat:
             body = '{"role": "assistant", "content": ' + _str(text) + "}" if text else "{}"
             parts = ['{"index": ', str(index), ', "delta": ', body]
         else:
             parts = ['{"index": ', str(index), ', "text": ', _str(text)]
-        parts += [', "logprobs": ', "null" if logprobs is None else json.dumps(logprobs),
-                  ', "finish_reason": ', "null" if finish_reason is None else _str(finish_reason)]
+        parts += [', "logprobs": ', "null" if logprobs is None else json.dumps(logprobs)]
+        if finish_reason is None and stop_reason is None:
+            parts.append(_UNFINISHED)
+        else:
+            parts += [', "finish_reason": ', "null" if finish_reason is None else _str(finish_reason),
+                      ', "stop_reason": ', "null" if stop_reason is None else json.dumps(stop_reason)]
         if token_ids is not None:
             parts += [', "token_ids": [', ", ".join(map(str, token_ids)), "]"]
         return self._prefix + "".join(parts) + "}" + self._suffix

@@ -229,7 +229,7 @@ def test_generate_takes_a_dict_of_sampling_params(llm: LLM, reference: list[list
         ({"temperature": -0.5}, InvalidRequestError, "temperature must be >= 0"),
         ({"temperature": "hot"}, RequestTypeError, "temperature must be a number"),
         ({"top_k": 2.5}, RequestTypeError, "top_k must be an int, got 2.5"),
-        ({"top_k": -1}, InvalidRequestError, "top_k must be >= 0"),
+        ({"top_k": -2}, InvalidRequestError, "top_k must be >= -1"),
         ({"top_p": 0.0}, InvalidRequestError, r"top_p must be in \(0, 1\]"),
         ({"top_p": 1.5}, InvalidRequestError, r"top_p must be in \(0, 1\]"),
         ({"top_p": math.nan}, InvalidRequestError, "top_p must be finite"),
@@ -240,6 +240,11 @@ def test_generate_takes_a_dict_of_sampling_params(llm: LLM, reference: list[list
         ({"stop_token_ids": [-3]}, InvalidRequestError, "stop_token_ids entry must be >= 0"),
         ({"stop_token_ids": 5}, RequestTypeError, "stop_token_ids must be a sequence"),
         ({"ignore_eos": 1}, RequestTypeError, "ignore_eos must be a bool, got 1"),
+        ({"min_tokens": -1}, InvalidRequestError, "min_tokens must be >= 0"),
+        ({"min_tokens": 17}, InvalidRequestError, "min_tokens=17 is more than max_new_tokens=16"),
+        ({"min_tokens": 2.0}, RequestTypeError, "min_tokens must be an int"),
+        ({"skip_special_tokens": "no"}, RequestTypeError, "skip_special_tokens must be a bool"),
+        ({"include_stop_str_in_output": 1}, RequestTypeError, "include_stop_str_in_output must be a bool"),
     ],
 )
 def test_bad_sampling_params_are_refused_by_name(llm: LLM, kwargs: dict, error: type, message: str) -> None:

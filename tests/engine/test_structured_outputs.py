@@ -171,6 +171,24 @@ def test_guided_and_plain_requests_share_a_batch(llm: LLM) -> None:
     assert_idle(llm)
 
 
+@pytest.mark.parametrize("temperature", TEMPERATURES)
+def test_min_tokens_and_a_grammar_both_hold(llm: LLM, temperature: float) -> None:
+    """Both masks apply: a grammar with room to go on (and a model keen to end, ``closing_bias``) writes at least
+    min_tokens tokens before its EOS, all of them the grammar's; a grammar complete before min_tokens (its only
+    allowed token is EOS) ends there with "stop", its output valid, not with "error"."""
+    regex, min_tokens = "[a-z ]{1,200}", 12
+    with closing_bias(llm):
+        short = generate(llm, {"regex": regex}, temperature)
+        held = generate(llm, {"regex": regex}, temperature, min_tokens=min_tokens)
+    assert all(len(c.token_ids) < min_tokens for c in short)  # without min_tokens this model ends soon
+    for c in held:
+        assert c.finish_reason == "stop" and re.fullmatch(regex, c.text), c.text
+        assert len(c.token_ids) > min_tokens and c.token_ids[-1] == llm.tokenizer.eos_token_id, c.token_ids
+    for c in generate(llm, {"choice": ["yes", "no"]}, temperature, min_tokens=30):
+        assert c.finish_reason == "stop" and c.text in ("yes", "no"), (c.finish_reason, c.text)
+        assert len(c.token_ids) < 30
+
+
 def test_steps_with_grammar_rows_do_not_overlap_and_give_the_same_tokens(model_dir: str, llm: LLM) -> None:
     """With overlap on, a step that samples a grammar row is read before the next is launched (its masks follow
     those tokens); plain steps still overlap; tokens equal those of overlap=False."""

@@ -279,3 +279,50 @@ def test_progress_bar_by_default_for_several_prompts_only(toy_llm: LLM, capsys: 
     toy_llm.generate([[1, 2]], params, use_tqdm=True)
     assert "generate" in capsys.readouterr().err
     assert_kv_empty(toy_llm)
+
+
+# ---------------------------------------------------------------------------------------------- vLLM's min_tokens, text
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_min_tokens_with_every_token_a_stop_token(toy_llm: LLM, overlap: bool, temperature: float) -> None:
+    """With every token id a stop token, a request stops at its first token, and with min_tokens=k at its k+1-th
+    (the first token the sampler may draw from the stop tokens), with or without overlap, greedy or sampled."""
+    every = list(range(CFG.vocab_size))
+    toy_llm.overlap = overlap
+    try:
+        for k in (0, 1, 5, 11):
+            outs = toy_llm.generate([[3, 4], [5, 6, 7]], SamplingParams(max_tokens=20, stop_token_ids=every,
+                                                                       min_tokens=k, temperature=temperature,
+                                                                       seed=1))
+            for out in outs:
+                assert len(out.token_ids) == k + 1 and out.finish_reason == "stop"
+                assert out.outputs[0].stop_reason == out.token_ids[-1]
+    finally:
+        toy_llm.overlap = True
+    assert_kv_empty(toy_llm)
+
+
+def test_stop_text_semantics_and_skip_special_tokens(text_llm: LLM) -> None:
+    """A stop token's text is left out of the output text (vLLM's semantics) unless include_stop_str_in_output; a
+    stop string is cut off, or kept with include_stop_str_in_output; skip_special_tokens=False keeps special tokens
+    in the text. Expected texts are the plain output's, decoded or cut by hand."""
+    tok = text_llm.tokenizer
+    full = text_llm.generate(PROMPT, SamplingParams(max_tokens=20, ignore_eos=True))[0]
+    stop_id = full.token_ids[3]
+    upto = full.token_ids[:full.token_ids.index(stop_id) + 1]
+    for include, ids in ((False, upto[:-1]), (True, upto)):
+        out = text_llm.generate(PROMPT, SamplingParams(max_tokens=20, ignore_eos=True, stop_token_ids=[stop_id],
+                                                       include_stop_str_in_output=include))[0]
+        assert out.token_ids == upto and out.text == tok.decode(ids, skip_special_tokens=True)
+    stop = full.text[5:8]
+    at = full.text.index(stop)
+    for include, want in ((False, full.text[:at]), (True, full.text[:at + len(stop)])):
+        out = text_llm.generate(PROMPT, SamplingParams(max_tokens=20, ignore_eos=True, stop=stop,
+                                                       include_stop_str_in_output=include))[0]
+        assert (out.text, out.outputs[0].stop_reason) == (want, stop)
+    bos_first = [tok.bos_token_id, tok.eos_token_id] + tok("x", add_special_tokens=False)["input_ids"]
+    for skip in (True, False):
+        out = text_llm.generate([bos_first], SamplingParams(max_tokens=4, ignore_eos=True,
+                                                            skip_special_tokens=skip))[0]
+        assert out.text == tok.decode(out.token_ids, skip_special_tokens=skip)
+    assert_kv_empty(text_llm)

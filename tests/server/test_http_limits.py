@@ -240,7 +240,7 @@ def test_cors_preflight_answers_the_allowed_origin_only(guarded: Served) -> None
     _assert_still_serves(guarded, AUTH)
 
 
-def test_api_key_guards_v1_only(guarded: Served) -> None:
+def test_api_key_guards_all_but_the_open_routes(guarded: Served) -> None:
     steps = guarded.llm.num_steps
     body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 50}).encode()
     for auth in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": f"Bearer {KEY}x"}):
@@ -253,6 +253,31 @@ def test_api_key_guards_v1_only(guarded: Served) -> None:
     assert _send(guarded, "GET", "/metrics").status_code == 200
     refused = _send(guarded, "GET", "/v1/models", None, {"Origin": ALLOWED})  # a 401 a page can read
     assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == ALLOWED
+    _assert_still_serves(guarded, AUTH)
+
+
+def test_api_key_with_the_openai_client_and_the_open_routes(guarded: Served) -> None:
+    """The openai client with the server's key is served; with another key it gets AuthenticationError (401, code
+    invalid_api_key). /tokenize and /detokenize need the key too; /health, /metrics, /version, /docs and
+    /openapi.json stay open (as vLLM leaves them)."""
+    import openai
+
+    good = openai.OpenAI(base_url=guarded.url + "/v1", api_key=KEY, timeout=30, max_retries=0)
+    assert good.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3).usage.completion_tokens >= 1
+    assert [m.id for m in good.models.list().data] == [MODEL]
+    bad = openai.OpenAI(base_url=guarded.url + "/v1", api_key="not-the-key", timeout=30, max_retries=0)
+    for call in (lambda: bad.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3),
+                 lambda: bad.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}]),
+                 lambda: bad.models.list()):
+        with pytest.raises(openai.AuthenticationError) as info:
+            call()
+        assert info.value.status_code == 401 and info.value.body["code"] == "invalid_api_key"
+    for path, body in (("/tokenize", {"prompt": PROMPT}), ("/detokenize", {"tokens": [5, 6]})):
+        raw = json.dumps(body).encode()
+        _assert_error(_send(guarded, "POST", path, raw, JSON), 401, code="invalid_api_key")
+        assert _send(guarded, "POST", path, raw, AUTH).status_code == 200
+    for path in ("/health", "/metrics", "/version", "/docs", "/openapi.json"):
+        assert _send(guarded, "GET", path).status_code == 200, path
     _assert_still_serves(guarded, AUTH)
 
 
@@ -337,10 +362,11 @@ def test_server_options_check_and_pickle() -> None:
 
 def test_serve_flags_build_the_options(monkeypatch: pytest.MonkeyPatch) -> None:
     from compile_attn.cli import build_parser
-    from compile_attn.env import API_KEY_ENV
+    from compile_attn.env import API_KEY_ENV, VLLM_API_KEY_ENV
     from compile_attn.server.cli import server_options
 
     monkeypatch.setenv(API_KEY_ENV, "from-env")
+    monkeypatch.delenv(VLLM_API_KEY_ENV, raising=False)
     args = build_parser().parse_args(["serve", "m", "--max-request-bytes", "4096", "--allowed-origins",
                                       "https://a.example,https://b.example"])
     args.prepare(args)
@@ -348,6 +374,18 @@ def test_serve_flags_build_the_options(monkeypatch: pytest.MonkeyPatch) -> None:
     args = build_parser().parse_args(["serve", "m", "--api-key", "flag"])
     args.prepare(args)
     assert server_options(args) == ServerOptions(DEFAULT_MAX_REQUEST_BYTES, (), "flag")
+    monkeypatch.setenv(VLLM_API_KEY_ENV, "from-vllm-env")  # vLLM's variable: read after ours
+    args = build_parser().parse_args(["serve", "m"])
+    args.prepare(args)
+    assert server_options(args).api_key == "from-env"
+    monkeypatch.delenv(API_KEY_ENV)
+    args = build_parser().parse_args(["serve", "m"])
+    args.prepare(args)
+    assert server_options(args).api_key == "from-vllm-env"
+    monkeypatch.delenv(VLLM_API_KEY_ENV)
+    args = build_parser().parse_args(["serve", "m"])
+    args.prepare(args)
+    assert server_options(args).api_key is None
     for bad in (["--max-request-bytes", "0"], ["--allowed-origins", "[1]"]):
         args = build_parser().parse_args(["serve", "m", *bad])
         with pytest.raises(ValueError, match=bad[0]):

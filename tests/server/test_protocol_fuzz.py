@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from compile_attn.server.protocol import IGNORED, SAMPLING_FIELDS, UNSUPPORTED, APIError, Parsed, parse
+from compile_attn.server.protocol import HANDLED, IGNORED, SAMPLING_FIELDS, UNSUPPORTED, APIError, Parsed, parse
 
 MAX_CONTEXT = 64
 TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}<|assistant|>"
@@ -29,10 +29,15 @@ plausible = {  # values of the right kind, some out of range: the parse must sor
     "seed": st.integers(-5, 2**64), "stop": st.text(max_size=4) | st.lists(st.text(max_size=4), max_size=5),
     "stop_token_ids": st.lists(st.integers(-1, 300), max_size=3), "logprobs": st.integers(-1, 30) | st.booleans(),
     "top_logprobs": st.integers(-1, 30), "stream": st.booleans(),
-    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}), "model": st.just("other"),
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}), "model": st.just("other") | st.none(),
+    "min_tokens": st.integers(-1, 2 * MAX_CONTEXT), "echo": st.booleans(), "skip_special_tokens": st.booleans(),
+    "include_stop_str_in_output": st.booleans(), "add_special_tokens": st.booleans(),
+    "spaces_between_special_tokens": st.booleans(), "best_of": st.integers(0, 3), "logit_bias": st.just({}),
+    "add_generation_prompt": st.booleans(), "continue_final_message": st.booleans(),
+    "request_id": st.text(max_size=8),
 }
-common = sorted(set(SAMPLING_FIELDS) | IGNORED - {"model", "prompt", "messages"})
-rare = sorted(UNSUPPORTED | {"unknown_field", "model", "prompt", "messages"})
+common = sorted(set(SAMPLING_FIELDS) | IGNORED | HANDLED - {"model", "prompt", "messages"})
+rare = sorted(set(UNSUPPORTED) | {"unknown_field", "model", "prompt", "messages"})
 good_prompt = st.lists(st.integers(0, 255), min_size=1, max_size=40)
 good_messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system"]),
                                                 "content": st.text(max_size=12)}), min_size=1, max_size=3)
@@ -76,11 +81,15 @@ def test_a_body_parses_or_is_refused_by_field(tokenizer, body, chat, with_tokeni
         assert exc.status in (400, 404) and exc.message
         assert exc.param is None or isinstance(exc.param, str)
         return
-    assert isinstance(req, Parsed) and body["model"] == "m"
+    assert isinstance(req, Parsed) and body.get("model") in ("m", None)
     parsed.append(req)
-    assert req.prompt_ids and all(isinstance(t, int) and t >= 0 for t in req.prompt_ids)
-    assert len(req.prompt_ids) + req.params.max_tokens <= MAX_CONTEXT and 1 <= req.n <= 16
+    assert req.prompts and (not chat or len(req.prompts) == 1)
+    for ids in req.prompts:
+        assert ids and all(isinstance(t, int) and t >= 0 for t in ids)
+        assert len(ids) + req.params.max_tokens <= MAX_CONTEXT
+    assert 1 <= req.n <= 16 and 0 <= req.params.min_tokens <= req.params.max_tokens
     assert req.params.temperature >= 0 and math.isfinite(req.params.temperature)
+    assert req.echo_texts is None or (not chat and len(req.echo_texts) == len(req.prompts))
 
 
 def test_the_fuzz_reached_both_outcomes() -> None:

@@ -1,5 +1,6 @@
 """What a step computes beside the next tokens, for the requests that ask: presence / frequency / repetition
-penalties on their logits before sampling, and the log-probabilities of their sampled tokens after it.
+penalties on their logits before sampling, the stop tokens masked out of the logits of a request short of its
+``min_tokens``, and the log-probabilities of their sampled tokens after it.
 
 Both stay on the device. Penalties read per-request-row token statistics (``PenaltyState``) that a step updates
 with its sampled tokens without a host sync; a request's row is (re)filled from its prompt and outputs when it
@@ -7,11 +8,18 @@ first samples in that row (after admission or a preemption). In a verify step (s
 also counts the drafts before it, for that row only, and the step records nothing: the engine counts the accepted
 tokens once they are known (engine/execution/speculative/penalties.py). Log-probabilities are packed into one
 float64 tensor that the engine copies to the host with the step's tokens (see engine/execution/in_flight.py) and
-unpacks when it reads them.
+unpacks when it reads them. A row is short of ``min_tokens`` when the output index its token takes (from its
+position: a verify row's own, so each draft row is judged where it stands) is below ``min_tokens``; its EOS and
+``stop_token_ids`` logits become -inf, so neither a plain step nor a verify step (whose target tokens decide which
+drafts are kept) can stop it early. The ban comes after a structured-output grammar's mask (applied to the logits
+first, see engine/execution/sampling/step.py), so both hold; where together they leave a row no token (its grammar is
+complete and allows only EOS), the row keeps its stop tokens: no token satisfies both, so the grammar's end wins
+over ``min_tokens`` and the request finishes with "stop" (rather than sampling from a row of -inf).
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -38,17 +46,23 @@ class StepExtras:
     num_top: int = 0
     draft_counts: tuple[torch.Tensor, torch.Tensor] | None = None  # (indices into penalty_rows, draft tokens) [N]
     record: bool = True  # count the sampled tokens after sampling (a plain step); a verify step counts on acceptance
+    ban: tuple[list[int], list[int]] | None = None  # (step rows, token ids) whose logits are -inf (min_tokens)
 
     @classmethod
     def for_step(cls, reqs: list[Request], state: PenaltyState | None, device: torch.device,
-                 drafts_before: list[list[int]] | None = None) -> StepExtras | None:
-        """None when no sampled request uses penalties or logprobs (the common case: nothing is uploaded).
-        ``drafts_before`` (a verify step): the draft tokens on the path before each sampled row ``reqs[i]``."""
+                 drafts_before: list[list[int]] | None = None, *, eos_token_ids: Collection[int] = (),
+                 positions: list[int] | None = None) -> StepExtras | None:
+        """None when no sampled request uses penalties, logprobs or min_tokens (the common case: nothing is
+        uploaded). ``drafts_before`` (a verify step): the draft tokens on the path before each sampled row
+        ``reqs[i]``; ``positions``: the index in its request's tokens that each row's token takes (default: the
+        next one); ``eos_token_ids``: the model's, masked with a row's ``stop_token_ids`` while it is short of its
+        ``min_tokens``."""
         penalty_at = [i for i, r in enumerate(reqs) if r.params.has_penalties] if state is not None else []
         logprob_at = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
-        if not penalty_at and not logprob_at:
+        ban = _min_tokens_ban(reqs, eos_token_ids, positions)
+        if not penalty_at and not logprob_at and ban is None:
             return None
-        extras = cls(penalty_at, logprob_at, state, record=drafts_before is None)
+        extras = cls(penalty_at, logprob_at, state, record=drafts_before is None, ban=ban)
         at, tokens = [], []  # each penalty row's preceding drafts: (its index among the penalty rows, the token)
         for p, i in enumerate(penalty_at if drafts_before is not None else ()):
             at += [p] * len(drafts_before[i])
@@ -68,13 +82,25 @@ class StepExtras:
 
     def penalise(self, logits: torch.Tensor) -> torch.Tensor:
         """A copy of the logits with the penalty rows penalised (computed in float32, stored in the logits' dtype so
-        the sampler's kernels built at start-up serve it); the same tensor when no row has penalties."""
-        if not self.penalty_at:
-            return logits
-        assert self.state is not None and self.penalty_index is not None and self.penalty_values is not None
-        penalised = self.state.apply(logits.index_select(0, self.penalty_index), self.penalty_rows,
-                                     *self.penalty_values, extra=self.draft_counts)
-        return logits.index_copy(0, self.penalty_index, penalised.to(logits.dtype))
+        the sampler's kernels built at start-up serve it) and the stop tokens of rows short of their min_tokens at
+        -inf; the same tensor when no row has either."""
+        if self.penalty_at:
+            assert self.state is not None and self.penalty_index is not None and self.penalty_values is not None
+            penalised = self.state.apply(logits.index_select(0, self.penalty_index), self.penalty_rows,
+                                         *self.penalty_values, extra=self.draft_counts)
+            logits = logits.index_copy(0, self.penalty_index, penalised.to(logits.dtype))
+        if self.ban is not None:
+            vocab = logits.shape[-1]
+            pairs = [(i, t) for i, t in zip(*self.ban) if t < vocab]  # a stop token id past the vocabulary: never
+            if pairs:                                                  # sampled, nothing to mask
+                rows, toks = to_device([[i for i, _ in pairs], [t for _, t in pairs]], torch.int64, logits.device)
+                banned = logits.index_put((rows, toks), torch.tensor(float("-inf"), dtype=logits.dtype,
+                                                                       device=logits.device))
+                # A row the ban leaves without a finite logit (a grammar that allows only its stop tokens) keeps
+                # them: on the device, no sync.
+                empty = torch.isneginf(banned).all(dim=-1, keepdim=True)
+                logits = torch.where(empty, logits, banned)
+        return logits
 
     def after_sampling(self, raw_logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor | None:
         """Count the penalty rows' new tokens (not in a verify step); return the logprob rows' log-probabilities,
@@ -86,6 +112,25 @@ class StepExtras:
             return None
         idx = self.logprob_index
         return pack(compute_logprobs(raw_logits.index_select(0, idx), tokens.index_select(0, idx), self.num_top))
+
+
+def _min_tokens_ban(reqs: list[Request], eos_token_ids: Collection[int],
+                    positions: list[int] | None) -> tuple[list[int], list[int]] | None:
+    """(row, token id) pairs to mask: for each sampled row whose token takes an output index below its request's
+    ``min_tokens``, its ``stop_token_ids`` and (unless ``ignore_eos``) the EOS ids. None when no row is short."""
+    rows: list[int] = []
+    toks: list[int] = []
+    for i, r in enumerate(reqs):
+        params = r.params
+        if not params.min_tokens:
+            continue
+        at = positions[i] if positions is not None else len(r.token_ids)
+        if at - len(r.prompt_ids) >= params.min_tokens:
+            continue
+        stops = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
+        rows += [i] * len(stops)
+        toks += stops
+    return (rows, toks) if rows else None
 
 
 def start_penalty_rows(reqs: list[Request], state: PenaltyState, in_flight_tokens: torch.Tensor | None,

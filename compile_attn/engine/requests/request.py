@@ -136,13 +136,23 @@ class RequestOutput:
         return self.outputs[0].finish_reason
 
 
+def text_ids(output_ids: list[int], finish_reason: str | None, include_stop_str_in_output: bool) -> list[int]:
+    """The output tokens whose decode is the output text of a request that the engine did not cut (no stop string
+    matched): all of them, but the stop token (EOS or one of ``stop_token_ids``, the last token of a request that
+    finished with "stop") is left out unless ``include_stop_str_in_output``, as vLLM does."""
+    if finish_reason == "stop" and not include_stop_str_in_output and output_ids:
+        return output_ids[:-1]
+    return output_ids
+
+
 def request_output(group: list[Request], tokenizer: Any) -> RequestOutput:
     """One prompt's RequestOutput: a CompletionOutput per sample, its text cut before a matched stop string."""
     outputs = []
     for k, r in enumerate(group):
         text = r.text
         if text is None and tokenizer is not None:
-            text = tokenizer.decode(r.output_ids, skip_special_tokens=True)
+            ids = text_ids(r.output_ids, r.finish_reason, r.params.include_stop_str_in_output)
+            text = tokenizer.decode(ids, skip_special_tokens=r.params.skip_special_tokens)
         outputs.append(CompletionOutput(k, text, r.output_ids, r.finish_reason or "length", r.stop_reason,
                                         None if r.logprobs is None else list(r.logprobs)))
     first = group[0]

@@ -65,20 +65,28 @@ class SamplingParams:
     """temperature 0 is greedy. top_k 0 / top_p 1.0 / min_p 0.0 disable those filters (min_p keeps tokens
     with probability >= min_p times the most likely token's). ``seed`` makes a request's
     samples reproducible whatever else is in its batch. Generation stops at ``max_new_tokens``, at the
-    model's EOS token (unless ``ignore_eos``), at any of ``stop_token_ids`` (the stop token is kept
-    in the output), or once the decoded output text contains one of the ``stop`` strings (the text is cut
-    where the string starts; needs a tokenizer). ``n`` > 1 draws n independent samples of the prompt, each
+    model's EOS token (unless ``ignore_eos``), at any of ``stop_token_ids`` (the stop token is kept in the output's
+    token ids; its text is left out of the output text, as vLLM does), or once the decoded output text contains one
+    of the ``stop`` strings (the text is cut where the string starts; needs a tokenizer). ``include_stop_str_in_output``
+    keeps the stop string (or the stop token's text) at the end of the text instead. ``min_tokens`` (0 = off): no
+    stop before that many output tokens: EOS and the ``stop_token_ids`` are masked out of the logits on the device
+    until then, and neither they nor a stop string end the request earlier. ``skip_special_tokens`` (default True)
+    leaves special tokens out of the output text. ``n`` > 1 draws n independent samples of the prompt, each
     its own request; with a ``seed`` they use distinct seeds derived from it, so the call stays reproducible.
     ``logprobs`` (None = off) returns, per output token, its log-probability and rank and the ``logprobs`` likeliest
     tokens' (0: the sampled token only). ``presence_penalty`` / ``frequency_penalty`` (0 = off) lower the logits of
     tokens the output already holds, by a constant / per occurrence; ``repetition_penalty`` (1 = off) divides the
-    positive logits and multiplies the negative ones of tokens in the prompt or the output.
+    positive logits and multiplies the negative ones of tokens in the prompt or the output. ``guided_decoding``
+    (None = off; a GuidedDecodingParams or a dict of its fields) constrains the output to a JSON schema, regex,
+    choice or grammar (structured outputs, with xgrammar). With both, the grammar's mask and the ``min_tokens`` one
+    apply; a grammar complete before ``min_tokens`` (it allows only EOS) ends the request there, with "stop".
 
-    Ranges: max_new_tokens an int >= 1; temperature a finite number >= 0; top_k an int >= 0; top_p a finite number
-    in (0, 1]; seed None or an int64; stop_token_ids ints >= 0; ignore_eos a bool; stop a string or a list of
-    non-empty strings; n an int >= 1; logprobs None or an int in [0, 20]; presence_penalty and frequency_penalty
-    finite numbers in [-2, 2]; repetition_penalty a finite number > 0. ``SamplingParams.from_mapping`` builds one from a dict (``LLM.generate``
-    accepts dicts too).
+    Ranges: max_new_tokens an int >= 1; temperature a finite number >= 0; top_k an int >= 0 (-1, vLLM's "off", is
+    taken as 0); top_p a finite number in (0, 1]; seed None or an int64; stop_token_ids ints >= 0; ignore_eos a bool;
+    stop a string or a list of non-empty strings; n an int >= 1; logprobs None or an int in [0, 20]; presence_penalty
+    and frequency_penalty finite numbers in [-2, 2]; repetition_penalty a finite number > 0; min_tokens an int in
+    [0, max_new_tokens]; skip_special_tokens and include_stop_str_in_output bools. ``SamplingParams.from_mapping``
+    builds one from a dict (``LLM.generate`` accepts dicts too).
 
     Next to vLLM: ``max_tokens=`` is accepted as vLLM's name for ``max_new_tokens`` (and read back as
     ``.max_tokens``); giving both with different values is refused. The default temperature is 0.0 (greedy)
@@ -102,6 +110,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     guided_decoding: GuidedDecodingParams | None = None
 
     def __init__(self, max_new_tokens: int | None = None, temperature: float = 0.0, top_k: int = 0,
@@ -109,7 +120,8 @@ class SamplingParams:
                  stop_token_ids: Iterable[int] = (), ignore_eos: bool = False,
                  stop: str | Iterable[str] | None = None, n: int = 1, logprobs: int | None = None,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0, *,
-                 max_tokens: int | None = None,
+                 max_tokens: int | None = None, min_tokens: int = 0, skip_special_tokens: bool = True,
+                 include_stop_str_in_output: bool = False,
                  guided_decoding: GuidedDecodingParams | Mapping[str, Any] | None = None, **unsupported: Any) -> None:
         _refuse_unsupported(unsupported)
         if max_new_tokens is not None and max_tokens is not None and max_new_tokens != max_tokens:
@@ -125,7 +137,7 @@ class SamplingParams:
         put("temperature", check_real("temperature", temperature, " (0 = greedy)"))
         if self.temperature < 0:
             raise InvalidRequestError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        put("top_k", check_int("top_k", top_k, low=0, hint=" (0 = no top-k filter)"))
+        put("top_k", max(0, check_int("top_k", top_k, low=-1, hint=" (0 or -1 = no top-k filter)")))
         put("top_p", check_real("top_p", top_p, " (1 = no top-p filter)"))
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError(f"top_p must be in (0, 1] (1 = no top-p filter), got {self.top_p}")
@@ -151,6 +163,17 @@ class SamplingParams:
         put("repetition_penalty", check_real("repetition_penalty", repetition_penalty, " (1 = off)"))
         if self.repetition_penalty <= 0:
             raise InvalidRequestError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+        put("min_tokens", check_int("min_tokens", min_tokens, low=0, hint=" (output tokens before a stop may end the "
+                                                                         "request; 0 = off)"))
+        if self.min_tokens > self.max_new_tokens:
+            limit = "max_new_tokens" if max_new_tokens is not None or max_tokens is None else "max_tokens"
+            raise InvalidRequestError(f"min_tokens={self.min_tokens} is more than {limit}={self.max_new_tokens}; "
+                                      f"min_tokens must be <= {limit}")
+        for flag, value in (("skip_special_tokens", skip_special_tokens),
+                            ("include_stop_str_in_output", include_stop_str_in_output)):
+            if not _is_bool(value):
+                raise RequestTypeError(f"{flag} must be a bool, got {value!r} ({type(value).__name__})")
+            put(flag, bool(value))
         put("guided_decoding", GuidedDecodingParams.of(guided_decoding))  # structured outputs (xgrammar)
 
     @property
@@ -191,7 +214,8 @@ def _refuse_unsupported(values: Mapping[str, Any]) -> None:
         raise InvalidRequestError(f"{', '.join(used)}: not supported yet by compile_attn's sampler; leave "
                                   f"{'it' if len(used) == 1 else 'them'} unset (supported: temperature, top_k, "
                                   f"top_p, min_p, seed, stop, stop_token_ids, n, logprobs, presence_penalty, "
-                                  f"frequency_penalty, repetition_penalty)")
+                                  f"frequency_penalty, repetition_penalty, min_tokens, skip_special_tokens, "
+                                  f"include_stop_str_in_output, guided_decoding)")
 
 
 def _check_stop_strings(stop: object) -> tuple[str, ...]:

@@ -65,19 +65,25 @@ class TokenWriter:
 
     def stop_reason(self, r: Request, tok: int, length: int) -> str | None:
         """Why ``r`` stops at its token ``tok``, the ``length``-th of its tokens (None: it goes on). Tokens past
-        ``length`` (a later step's, in flight) are not looked at."""
-        if tok in r.params.stop_token_ids:
-            r.stop_reason = tok
-            return "stop"
-        if not r.params.ignore_eos and tok in self.eos_token_ids:
-            return "stop"
+        ``length`` (a later step's, in flight) are not looked at. Before ``min_tokens`` output tokens no stop
+        token, EOS or stop string ends it (the token that stops is output token ``min_tokens + 1`` or later, as in
+        vLLM; the sampler keeps EOS and the stop tokens out until then, see ``StepExtras``)."""
+        params = r.params
+        may_stop = not params.min_tokens or length - len(r.prompt_ids) > params.min_tokens
+        if may_stop:
+            if tok in params.stop_token_ids:
+                r.stop_reason = tok
+                return "stop"
+            if not params.ignore_eos and tok in self.eos_token_ids:
+                return "stop"
         if r.stop_matcher is not None:
             later = r.token_ids[length:]
             del r.token_ids[length:]
-            hit = r.stop_matcher.update(r.token_ids, len(r.prompt_ids))
+            hit = r.stop_matcher.update(r.token_ids, len(r.prompt_ids))  # decodes every token, stopping or not
             r.token_ids.extend(later)
-            if hit is not None:
-                r.text, r.stop_reason = hit
+            if hit is not None and may_stop:
+                cut, r.stop_reason = hit
+                r.text = cut + r.stop_reason if params.include_stop_str_in_output else cut
                 return "stop"
         if r.grammar is not None and r.grammar.is_terminated():  # its grammar is complete and took a stop token
             return "stop"

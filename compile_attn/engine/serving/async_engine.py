@@ -29,7 +29,7 @@ from typing import Any
 from compile_attn.engine.llm import LLM
 from compile_attn.engine.requests.request import RequestStatus
 from compile_attn.engine.requests.sampling_params import SamplingParams
-from compile_attn.engine.serving.detokenizer import IncrementalDetokenizer
+from compile_attn.engine.serving.detokenizer import detokenizer_for
 from compile_attn.engine.serving.loop_stats import LoopStats
 from compile_attn.engine.serving.streams import (Delta, EngineOverloadedError, EngineStoppedError, LoopSink, Port,
                                                  RequestStream, StreamState)
@@ -318,7 +318,7 @@ class AsyncLLM:
             stream.admitted_at = time.perf_counter()
             self._active[stream.req.request_id] = stream
             if stream.wants_text and self.llm.tokenizer is not None:
-                stream.detok = IncrementalDetokenizer(self.llm.tokenizer, stream.req.params.stop)
+                stream.detok = detokenizer_for(self.llm.tokenizer, stream.req.params)
             stream.put(None)  # admitted
             if stream.gone:
                 self._abort(stream, None)

@@ -13,6 +13,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from compile_attn.engine.requests.request import text_ids
+
 logger = logging.getLogger(__name__)
 
 
@@ -34,8 +36,10 @@ class IncrementalDetokenizer:
     given the request's final text. A tokenizer without a ``tokenizers`` backend (a slow one) is decoded whole at
     each push instead, holding back a trailing replacement character."""
 
-    def __init__(self, tokenizer: Any, stops: Sequence[str] = (), *, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Any, stops: Sequence[str] = (), *, skip_special_tokens: bool = True,
+                 include_stop_str_in_output: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.include_stop_str_in_output = include_stop_str_in_output
         self.stops = tuple(stops)
         self.longest = max(map(len, self.stops), default=0)
         self.skip_special_tokens = skip_special_tokens
@@ -81,13 +85,15 @@ class IncrementalDetokenizer:
         return piece
 
     def delta_text(self, new_token_ids: Sequence[int], *, finished: bool, final_text: str | None,
-                   output_ids: Sequence[int]) -> str:
+                   output_ids: Sequence[int], finish_reason: str | None = None) -> str:
         """The text of one Delta: ``push(new_token_ids)``, or on the request's last Delta ``finish`` with its final
-        text (``final_text``, or the decode of all its ``output_ids`` where the engine cut none)."""
+        text (``final_text``, or where the engine cut none the decode of its ``output_ids``, a stop token's text
+        left out: see ``request.text_ids``)."""
         if not finished:
             return self.push(new_token_ids)
         if final_text is None:
-            final_text = self.tokenizer.decode(list(output_ids), skip_special_tokens=self.skip_special_tokens)
+            ids = text_ids(list(output_ids), finish_reason, self.include_stop_str_in_output)
+            final_text = self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self.finish(final_text)
 
     def finish(self, final_text: str) -> str:
@@ -101,3 +107,10 @@ class IncrementalDetokenizer:
             return ""
         self.text, self.num_sent = final_text, len(final_text)
         return final_text[len(sent):]
+
+
+def detokenizer_for(tokenizer: Any, params: Any) -> IncrementalDetokenizer:
+    """The IncrementalDetokenizer of a request with SamplingParams ``params`` (its stop strings, whether special
+    tokens and the stop string stay in the text)."""
+    return IncrementalDetokenizer(tokenizer, params.stop, skip_special_tokens=params.skip_special_tokens,
+                                  include_stop_str_in_output=params.include_stop_str_in_output)

@@ -39,7 +39,7 @@ from compile_attn.engine.serving.streams import (Delta, EngineStoppedError, Requ
 from compile_attn.engine.requests.errors import MessageTooLargeError
 from compile_attn.engine.requests.sampling_params import SamplingParams
 from compile_attn.engine.serving.channel import Channel, ChannelAddress, open_channel
-from compile_attn.engine.serving.detokenizer import IncrementalDetokenizer
+from compile_attn.engine.serving.detokenizer import IncrementalDetokenizer, detokenizer_for
 
 logger = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 32 << 20  # one request's message to the engine (its prompt and parameters), pickled
@@ -230,7 +230,7 @@ class EngineClient:
             raise MessageTooLargeError(f"the request takes {len(data)} bytes to send to the engine, more than the "
                                        f"limit of {self.max_message_bytes}; send a shorter prompt or fewer stop "
                                        f"strings")
-        detok = None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer, params.stop)
+        detok = None if self.tokenizer is None else detokenizer_for(self.tokenizer, params)
         stream = _ClientStream(key, self._loop.create_future(), detok)
         self._streams[key] = stream
         self._pending += 1
@@ -316,7 +316,7 @@ class EngineClient:
         stream.token_ids += d.token_ids
         if stream.detok is not None:
             d.text = stream.detok.delta_text(d.token_ids, finished=d.finished, final_text=d.final_text,
-                                             output_ids=stream.token_ids)
+                                             output_ids=stream.token_ids, finish_reason=d.finish_reason)
 
     def _fail_all(self) -> None:
         self._closed = True

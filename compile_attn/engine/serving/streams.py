@@ -39,6 +39,7 @@ class Delta:
     num_output_tokens: int
     logprobs: list | None = None
     final_text: str | None = None  # on the last Delta: the request's whole text (None: not known to the engine)
+    stop_reason: int | str | None = None  # on the last Delta: the stop token id or stop string that ended it
 
     @classmethod
     def from_fields(cls, fields: tuple, text: str = "") -> Delta:
@@ -48,7 +49,7 @@ class Delta:
     def fields(self) -> tuple:
         """Every field but ``text``, as a tuple (pickles several times faster than the dataclass)."""
         return (self.token_ids, self.finished, self.finish_reason, self.num_prompt_tokens, self.num_output_tokens,
-                self.logprobs, self.final_text)
+                self.logprobs, self.final_text, self.stop_reason)
 
 
 class Port(Protocol):
@@ -132,18 +133,20 @@ class StreamState:
         stream.sent_tokens = sent + len(new)
         reason = (req.finish_reason or "abort") if finished else None
         final = req.text if finished else None
+        stop = req.stop_reason if finished else None
         if stream.as_fields:
-            return (new, finished, reason, num_prompt, stream.sent_tokens, logprobs, final)
+            return (new, finished, reason, num_prompt, stream.sent_tokens, logprobs, final, stop)
         text = "" if stream.detok is None else stream.detok.delta_text(
-            new, finished=finished, final_text=req.text, output_ids=req.output_ids if finished else ())
-        return Delta(new, text, finished, reason, num_prompt, stream.sent_tokens, logprobs, final)
+            new, finished=finished, final_text=req.text, output_ids=req.output_ids if finished else (),
+            finish_reason=reason)
+        return Delta(new, text, finished, reason, num_prompt, stream.sent_tokens, logprobs, final, stop)
 
 
 def merge_fields(a: tuple, b: tuple) -> tuple:
     """Two ``Delta.fields()`` of one request, ``a`` then ``b``, as one: the tokens (and logprobs) of both, the rest
     from ``b``."""
     logprobs = None if a[5] is None and b[5] is None else (a[5] or []) + (b[5] or [])
-    return (a[0] + b[0], b[1], b[2], b[3], b[4], logprobs, b[6])
+    return (a[0] + b[0], b[1], b[2], b[3], b[4], logprobs, b[6], b[7])
 
 
 def merge_deltas(a: Delta, b: Delta) -> Delta:

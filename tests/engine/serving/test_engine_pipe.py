@@ -126,7 +126,7 @@ def test_delta_fields_round_trip() -> None:
     back with the client's text."""
     from compile_attn.engine.serving.streams import Delta
 
-    d = Delta([5, 6], "ab", True, "stop", 3, 9, [{5: -0.1}, {6: -0.2}], "xxab")
+    d = Delta([5, 6], "ab", True, "stop", 3, 9, [{5: -0.1}, {6: -0.2}], "xxab", "yy")
     assert Delta.from_fields(d.fields(), "ab") == d
     assert len(d.fields()) == len(Delta.__dataclass_fields__) - 1  # every field but the text
 
@@ -179,8 +179,8 @@ def test_merged_deltas_carry_both_tokens_and_the_later_state() -> None:
     from compile_attn.engine.serving.streams import Delta, merge_deltas, merge_fields
 
     a = Delta([1], "a", False, None, 3, 1, None, None)
-    b = Delta([2, 3], "bc", True, "stop", 3, 3, [{2: -0.5}, {3: -0.1}], "xyz")
-    expected = Delta([1, 2, 3], "abc", True, "stop", 3, 3, [{2: -0.5}, {3: -0.1}], "xyz")
+    b = Delta([2, 3], "bc", True, "stop", 3, 3, [{2: -0.5}, {3: -0.1}], "xyz", 3)
+    expected = Delta([1, 2, 3], "abc", True, "stop", 3, 3, [{2: -0.5}, {3: -0.1}], "xyz", 3)
     assert merge_deltas(a, b) == expected
     assert merge_fields(a.fields(), b.fields()) == expected.fields()
     c = Delta([4], "", False, None, 3, 2, [{4: -1.0}], None)  # logprobs on one side only
