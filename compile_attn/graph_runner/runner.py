@@ -40,9 +40,11 @@ from compile_attn.graph_runner.shortcuts import ModelCalls
 from compile_attn.graph_runner.static_buffers import StaticBuffers
 from compile_attn.graph_runner.stats import GraphRunnerStats
 from compile_attn.graph_runner.verify import verify_runner
+from compile_attn.graph_runner.verify_layout import gather_rows, left_aligned_rows
 from compile_attn.graph_runner.verify_unroll import is_chain_verify, unroll_chain_verify
 from compile_attn.graph_runner.warmup import warm_up
 from compile_attn.graph_runner.step_kernels import TokenFeed
+from compile_attn.host_tensors import to_device_groups
 
 if TYPE_CHECKING:
     from compile_attn.attention.base import AttentionBackend
@@ -157,9 +159,14 @@ class GraphRunner:
         return mode, bucket
 
     def verify_route(self, fb: ForwardBatch) -> int | None:
-        """The request bucket of the full verify graph that runs ``fb`` (a chain verify batch whose requests all
-        verify ``verify_tokens`` tokens), or None (the batch takes ``route``'s way: decode rows or an extend)."""
-        if not self.verify_buckets or fb.chain_verify_tokens() != self.verify_tokens:
+        """The request bucket of the full verify graph that runs ``fb`` (a chain verify batch whose requests verify
+        ``verify_tokens`` tokens each, or fewer where ``verify_layout.left_aligned_rows`` can lay them out), or None
+        (the batch takes ``route``'s way: decode rows or an extend)."""
+        if not self.verify_buckets or not fb.forward_mode.is_verify() or fb.draft_parents is not None:
+            return None
+        q = self.verify_tokens
+        if fb.chain_verify_tokens() != q and left_aligned_rows(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu,
+                                                               q) is None:
             return None
         return next_bucket(self.verify_buckets, fb.batch_size)
 
@@ -364,12 +371,23 @@ class GraphRunner:
         kv = self.backend.kv_cache
         fb.check(kv)
         fb.write_pending_table(kv)
-        view = self.views.verify_view(fb, bucket, self.verify_tokens)
+        q, bs = self.verify_tokens, fb.batch_size
+        left_aligned = None
+        if fb.chain_verify_tokens() != q:  # fewer tokens for some requests: the last rows of their Q
+            rows = left_aligned_rows(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu, q)
+            assert rows is not None  # verify_route checked
+            prefix = [int(s) - q for s in fb.seq_lens_cpu[:bs]]
+            (rows_dev,), int32_fields = to_device_groups(
+                [([rows], torch.int64), ([prefix, [q] * bs, list(range(0, bs * q, q))], torch.int32)], self.device)
+            left_aligned = (rows_dev, int32_fields)
+        view = self.views.verify_view(fb, bucket, q, left_aligned)
         self.backend.init_forward_metadata_out_graph(view)
         with forward_context(view, self.backend, graph_mode=_FULL, bucket=view.graph_bucket):
             out = self._verify_graphs[bucket].replay()
         self.stats.runs[_FULL.value] += 1
         self.stats.verify_runs += 1
+        if left_aligned is not None:
+            return gather_rows(out, view.num_tokens, left_aligned[0])
         return _slice_tokens(out, view.num_tokens, fb.num_tokens)
 
     @torch.inference_mode()

@@ -1,6 +1,6 @@
-"""Full verify graphs (``GraphConfig.verify_tokens``): chain verify batches whose requests all verify Q tokens replay
-a graph of their own, keyed by requests and padded like decode views, where the backend has a verify mode; other
-verify batches replay the decode graphs as decode rows (``verify_unroll.py``). On the CPU the triton backend's
+"""Full verify graphs (``GraphConfig.verify_tokens``): chain verify batches whose requests verify Q tokens (or fewer,
+in the last rows of their Q) replay a graph of their own, keyed by requests and padded like decode views, where the
+backend has a verify mode; other verify batches replay the decode graphs as decode rows (``verify_unroll.py``). On the CPU the triton backend's
 kernels are interpreted (no full graphs), so a torch_native test double with a graph-recordable verify mode stands in
 for it; the outputs are checked against plain eager steps on a twin cache, and the routes through the runner's
 counters."""
@@ -56,8 +56,41 @@ def test_uniform_chain_verify_steps_replay_verify_graphs_padded_like_decode() ->
     assert runner.stats.runs["full"] == 3 and runner.stats.verify_runs == 2
 
 
+@pytest.mark.parametrize("lens", [[Q, Q - 1, 1], [1, 1, Q - 1], [Q - 1, Q - 1, Q - 1]],
+                         ids=["full-fewer-none", "nones-first", "all-fewer"])
+def test_fewer_drafts_take_the_last_rows_of_the_verify_graph(lens: list[int]) -> None:
+    """Requests verifying fewer than Q tokens (prompt lookup's mixed draft counts) replay the verify graph, their
+    tokens in the last rows of their Q (verify_layout.py): the outputs equal plain eager steps', in the batch's order,
+    twice over (stale filler rows would show), then a uniform step after them."""
+    model, twin = make_model(), Twin(seed=8)
+    runner = _runner(VerifyModeNative, twin, model)
+    ref_backend = CountingBackend(twin.caches[1], model.attention_layers())
+    ids = _prefill(twin, runner, model, ref_backend, 3)
+    for step_lens in (lens, list(reversed(lens)), [Q] * 3):
+        step = twin.step(ids, step_lens, ForwardMode.TARGET_VERIFY)
+        assert runner.verify_route(step.runner_batch) == 4
+        out = runner.run(step.runner_batch)
+        assert out.shape[0] == sum(step_lens)
+        torch.testing.assert_close(out, eager_reference(model, ref_backend, step.ref_batch), atol=1e-5, rtol=1e-5)
+    assert runner.stats.verify_runs == 3 and runner.stats.runs["full"] == 3
+
+
+def test_a_prefix_shorter_than_its_filler_rows_takes_the_decode_rows() -> None:
+    """A request whose prefix is shorter than its filler rows (one would see no key) keeps the decode-row route."""
+    model, twin = make_model(), Twin(seed=9)
+    runner = _runner(VerifyModeNative, twin, model)
+    ref_backend = CountingBackend(twin.caches[1], model.attention_layers())
+    ids = twin.new_requests(2)
+    prefill = twin.step(ids, [1, 6])  # request 0 holds one token: 1 < Q - 1 filler rows
+    torch.testing.assert_close(runner.run(prefill.runner_batch), eager_reference(model, ref_backend, prefill.ref_batch))
+    step = twin.step(ids, [1, Q], ForwardMode.TARGET_VERIFY)
+    assert runner.verify_route(step.runner_batch) is None
+    torch.testing.assert_close(runner.run(step.runner_batch), eager_reference(model, ref_backend, step.ref_batch),
+                               atol=1e-5, rtol=1e-5)
+    assert runner.stats.verify_runs == 0
+
+
 @pytest.mark.parametrize("backend_cls, lens", [
-    pytest.param(VerifyModeNative, [Q, Q - 1], id="draft-counts-differ"),
     pytest.param(VerifyModeNative, [Q + 1, Q + 1], id="another-Q"),
     pytest.param(CountingBackend, [Q, Q], id="backend-without-verify-mode"),
 ])

@@ -4,8 +4,9 @@ full verify graphs on the CPU (a torch_native test double with a verify mode: te
 (``gpu``) with the triton backend, whose verify steps must then have replayed the verify graphs.
 
 A draft model proposes K tokens for every request, so its verify steps are uniform (1 + K tokens per request) and take
-the verify mode; n-gram proposals differ in length between requests (a request without a match verifies none), and
-those steps keep the decode-row route (tests/engine/execution/speculative/test_speculative_engine.py)."""
+the verify mode; n-gram proposals differ in length between requests (a request without a match verifies none): in
+full verify graphs their tokens take the last rows of their 1 + K (graph_runner/verify_layout.py), eagerly the
+extend route."""
 
 from __future__ import annotations
 
@@ -74,6 +75,30 @@ def test_full_verify_graphs_give_plain_greedy_tokens_on_the_cpu(monkeypatch) -> 
     assert runner.verify_tokens == 4 and runner.verify_buckets == (1, 2, 4) and runner.stats.verify_graphs == 3
     _check_greedy(llm, model)
     assert runner.stats.verify_runs > 0 and llm.backend.verify_forwards > 0
+
+
+@_CPU
+def test_prompt_lookup_with_mixed_draft_counts_replays_the_verify_graphs_on_the_cpu(monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setattr(rank_parts, "create_backend", lambda name, kv, layers: VerifyModeNative(kv, layers))
+    model = _toy()
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    llm = LLM(model, graph_mode="full", compile=False, max_batch_size=4, max_num_tokens=64, max_context=64,
+              page_size=4, device="cpu", speculative_config=spec, overlap=False)  # overlap off: drafts every step
+    runner = llm.step_runner.runner
+    seen: list[list[int]] = []
+    run = runner.run
+
+    def record(fb, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if fb.forward_mode.is_verify() and runner.verify_route(fb) is not None:
+            seen.append(list(fb.extend_seq_lens_cpu))
+        return run(fb, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "run", record)
+    # periodic prompts: lookups match, with different draft counts per request as the matches run out
+    prompts = [[(3 * i + j) % 5 for j in range(n)] for i, n in enumerate([9, 14, 6, 11])]
+    _check_greedy(llm, model, prompts, n_new=12)
+    assert any(len(set(lens)) > 1 for lens in seen), seen  # mixed draft counts went through the verify graphs
+    assert runner.stats.verify_runs == len(seen) > 0
 
 
 @pytest.mark.gpu
