@@ -22,7 +22,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils import _pytree as pytree
 from tqdm import tqdm
 
 from compile_attn.batch import ForwardBatch, ForwardMode
@@ -40,7 +39,8 @@ from compile_attn.graph_runner.shortcuts import ModelCalls
 from compile_attn.graph_runner.static_buffers import StaticBuffers
 from compile_attn.graph_runner.stats import GraphRunnerStats
 from compile_attn.graph_runner.verify import verify_runner
-from compile_attn.graph_runner.verify_layout import gather_rows, left_aligned_rows
+from compile_attn.graph_runner.outputs import gather_rows, slice_tokens
+from compile_attn.graph_runner.verify_layout import end_aligned_rows
 from compile_attn.graph_runner.verify_unroll import is_chain_verify, unroll_chain_verify
 from compile_attn.graph_runner.warmup import warm_up
 from compile_attn.graph_runner.step_kernels import TokenFeed
@@ -160,12 +160,12 @@ class GraphRunner:
 
     def verify_route(self, fb: ForwardBatch) -> int | None:
         """The request bucket of the full verify graph that runs ``fb`` (a chain verify batch whose requests verify
-        ``verify_tokens`` tokens each, or fewer where ``verify_layout.left_aligned_rows`` can lay them out), or None
+        ``verify_tokens`` tokens each, or fewer where ``verify_layout.end_aligned_rows`` can lay them out), or None
         (the batch takes ``route``'s way: decode rows or an extend)."""
         if not self.verify_buckets or not fb.forward_mode.is_verify() or fb.draft_parents is not None:
             return None
         q = self.verify_tokens
-        if fb.chain_verify_tokens() != q and left_aligned_rows(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu,
+        if fb.chain_verify_tokens() != q and end_aligned_rows(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu,
                                                                q) is None:
             return None
         return next_bucket(self.verify_buckets, fb.batch_size)
@@ -360,7 +360,7 @@ class GraphRunner:
             else:
                 out = self._graphs[route].replay()
         self.stats.runs[mode.value] += 1
-        return _slice_tokens(out, bucket, fb.num_tokens)
+        return slice_tokens(out, bucket, fb.num_tokens)
 
     def _run_verify(self, fb: ForwardBatch, bucket: int, feed: TokenFeed | None) -> Any:
         """Replay the full verify graph of ``bucket`` requests for the chain verify batch ``fb``."""
@@ -372,23 +372,23 @@ class GraphRunner:
         fb.check(kv)
         fb.write_pending_table(kv)
         q, bs = self.verify_tokens, fb.batch_size
-        left_aligned = None
+        end_aligned = None
         if fb.chain_verify_tokens() != q:  # fewer tokens for some requests: the last rows of their Q
-            rows = left_aligned_rows(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu, q)
+            rows = end_aligned_rows(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu, q)
             assert rows is not None  # verify_route checked
             prefix = [int(s) - q for s in fb.seq_lens_cpu[:bs]]
             (rows_dev,), int32_fields = to_device_groups(
                 [([rows], torch.int64), ([prefix, [q] * bs, list(range(0, bs * q, q))], torch.int32)], self.device)
-            left_aligned = (rows_dev, int32_fields)
-        view = self.views.verify_view(fb, bucket, q, left_aligned)
+            end_aligned = (rows_dev, int32_fields)
+        view = self.views.verify_view(fb, bucket, q, end_aligned)
         self.backend.init_forward_metadata_out_graph(view)
         with forward_context(view, self.backend, graph_mode=_FULL, bucket=view.graph_bucket):
             out = self._verify_graphs[bucket].replay()
         self.stats.runs[_FULL.value] += 1
         self.stats.verify_runs += 1
-        if left_aligned is not None:
-            return gather_rows(out, view.num_tokens, left_aligned[0])
-        return _slice_tokens(out, view.num_tokens, fb.num_tokens)
+        if end_aligned is not None:
+            return gather_rows(out, view.num_tokens, end_aligned[0])
+        return slice_tokens(out, view.num_tokens, fb.num_tokens)
 
     @torch.inference_mode()
     def run_eager(self, fb: ForwardBatch) -> Any:
@@ -398,15 +398,3 @@ class GraphRunner:
             out = self.model_calls(fb, skip_guards=False)
         self.stats.runs[GraphMode.NONE.value] += 1
         return out
-
-
-def _slice_tokens(out: Any, bucket_tokens: int, real_tokens: int) -> Any:
-    if isinstance(out, torch.Tensor):  # the common case, without pytree's walk
-        return out[:real_tokens] if out.dim() and out.shape[0] == bucket_tokens else out
-
-    def cut(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == bucket_tokens:
-            return x[:real_tokens]
-        return x
-
-    return pytree.tree_map(cut, out)

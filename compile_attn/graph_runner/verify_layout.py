@@ -5,20 +5,16 @@ see the first ``seq_len - Q + 1 + t`` keys. A request verifying n < Q tokens (fe
 shorter match, or none) takes the last n of its Q rows, with ``seq_len = prefix + n``: its real tokens then see exactly
 their prefix, the drafts before them and themselves, as in an extend. The Q - n leading rows are filler: token id 0 at
 position 0, writing the scratch slot, and they see a part of the prefix (at least one key where the route is taken:
-``left_aligned_rows`` refuses a batch where a request's prefix is shorter than its filler). The graph's output rows of
-the real tokens are gathered back into the batch's order (``gather_rows``).
+``end_aligned_rows`` refuses a batch where a request's prefix is shorter than its filler). The graph's output rows of
+the real tokens are gathered back into the batch's order (``outputs.gather_rows``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
-
-import torch
-from torch.utils import _pytree as pytree
 
 
-def left_aligned_rows(prefix_lens: Sequence[int], extend_lens: Sequence[int], q: int) -> list[int] | None:
+def end_aligned_rows(prefix_lens: Sequence[int], extend_lens: Sequence[int], q: int) -> list[int] | None:
     """Each real token's row in the B x ``q`` layout (request b's n_b tokens in rows ``b*q + q - n_b ...``), or None
     where the layout cannot hold the batch: a request with no token or more than ``q``, or whose prefix is shorter
     than its filler rows (a filler row would see no key)."""
@@ -29,11 +25,3 @@ def left_aligned_rows(prefix_lens: Sequence[int], extend_lens: Sequence[int], q:
         start = b * q + q - n
         rows.extend(range(start, start + n))
     return rows
-
-
-def gather_rows(out: Any, bucket_tokens: int, rows: torch.Tensor) -> Any:
-    """The rows ``rows`` of every tensor of ``out`` that has the graph's ``bucket_tokens`` rows (the real tokens, in the
-    batch's order); other leaves as they are."""
-    if isinstance(out, torch.Tensor):
-        return out.index_select(0, rows) if out.dim() and out.shape[0] == bucket_tokens else out
-    return pytree.tree_map(lambda x: gather_rows(x, bucket_tokens, rows) if isinstance(x, torch.Tensor) else x, out)
