@@ -9,6 +9,7 @@ no request has a cached prefix, otherwise paged attention over the pool, or (``e
 "cascade"``) ragged over the new tokens merged with paged over the prefix by FlashInfer's base-2 LSE.
 An eager decode batch that carries shared-prefix groups (``fb.shared_prefix``, set by whoever builds it) runs
 FlashInfer's two-level cascade wrapper instead (``flashinfer/cascade.py``): each shared prefix is read once.
+The planning of eager steps lives in ``flashinfer/planner.py``; this module owns the contract and the runs.
 Verification steps run as extends; draft trees (``fb.draft_parents``) run paged attention with a custom mask
 (ancestors, and the sliding window on rotary positions) on FlashInfer's fa2 prefill (``plan_tree_prefill``).
 Over an fp8 pool the kernels read the stored bytes (FlashInfer's fp8 KV paths, queries in bf16) and the pool's
@@ -21,35 +22,21 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
 
-import numpy as np
 import torch
 
 from compile_attn.attention.base import AttentionBackend
-from compile_attn.attention.flashinfer.cascade import FlashInferCascadeDecode
 from compile_attn.attention.flashinfer.graph_state import DecodeGraphState
 from compile_attn.attention.flashinfer.library import load_flashinfer
-from compile_attn.attention.flashinfer.paged_indices import PagedKV, build_paged_kv
 from compile_attn.attention.flashinfer.plan_groups import group_layers, use_tensor_cores
+from compile_attn.attention.flashinfer.planner import StepPlan, StepPlanner
 from compile_attn.attention.flashinfer.warmup import build_kernels, kernel_specs
+from compile_attn.attention.flashinfer.wrappers import EagerWrappers, PlanDTypes, run_into
 from compile_attn.attention.kernel_loader import load_triton_ops
 from compile_attn.attention.kv_scale_fold import apply_v_scale_, as_stored, fold_k_scale
-from compile_attn.attention.flashinfer.wrappers import (
-    EagerWrappers,
-    PlanDTypes,
-    plan_decode,
-    plan_paged_prefill,
-    plan_ragged,
-    plan_tree_prefill,
-    run_into,
-)
 from compile_attn.attention.registry import register_backend
 from compile_attn.batch import ForwardBatch
-from compile_attn.draft_tree import has_tree, verify_mask
 from compile_attn.errors import UnsupportedConfigError
-from compile_attn.host_tensors import to_device, upload
 from compile_attn.graph_mode import GraphMode
 from compile_attn.kv.cache import KVCache
 from compile_attn.layer import AttentionLayer
@@ -60,20 +47,6 @@ SUPPORTED_HEAD_DIMS = (64, 128, 256)
 _KV_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
 _EXTEND_PREFIX_PATHS = ("paged", "cascade")
 _PREFILL_BACKENDS = ("fa2", "fa3", "auto")
-
-
-@dataclass
-class _StepPlan:
-    """What ``init_forward_metadata_out_graph`` planned for the current step."""
-
-    is_decode: bool
-    batch_size: int
-    num_tokens: int  # tokens that belong to a request (padding tokens come after them)
-    decode: list[Any] | None = None  # per group: the planned decode wrapper
-    extend_paths: list[str] | None = None  # per group: "ragged", "paged", "cascade" or "tree"
-    graph_bound: bool = False  # a graph bucket's decode: the page ids are gathered by in_graph
-    filled: bool = True  # False until in_graph has gathered a graph-bound step's page ids
-    cascade: list[FlashInferCascadeDecode] | None = None  # per group: a shared-prefix decode's planned wrapper
 
 
 @register_backend("flashinfer")
@@ -115,16 +88,16 @@ class FlashInferBackend(AttentionBackend):
         self.prefill_backend = prefill_backend
         self.graph_max_context = graph_max_context or kv_cache.max_context
         self.fast_decode_plan = fast_decode_plan
-        self._cascade: list[FlashInferCascadeDecode] | None = None
-        self.cascade_steps = 0  # eager decode steps run through the cascade wrappers (tests, debugging)
         kv_dtype = pool.dtype
         self.dtypes = PlanDTypes(q=q_dtype or (kv_dtype if kv_dtype.itemsize == 2 else torch.bfloat16), kv=kv_dtype)
         self.groups, self.layer_group = group_layers(self.layers.values())
         self.tensor_cores = [use_tensor_cores(g, kv_dtype, decode_use_tensor_cores) for g in self.groups]
         self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
         self._eager = EagerWrappers(self._fi, self.groups, self.tensor_cores, self.workspace, prefill_backend)
+        self._planner = StepPlanner(self._fi, kv_cache, self.groups, self._eager, self.dtypes, self.workspace,
+                                    extend_prefix_path)
         self._graph: DecodeGraphState | None = None
-        self._step: _StepPlan | None = None
+        self._step: StepPlan | None = None
         self._planned: torch.cuda.Event | None = None  # recorded after the last plan's host-to-device copies
         ps = self.page_size
         self._pages = {  # NHD paged views [num_pages + 1, page_size, Hkv, D] of the pool's slot buffers
@@ -162,6 +135,11 @@ class FlashInferBackend(AttentionBackend):
                 f"KVCache with dtype torch.bfloat16, torch.float16 or an fp8 type"
             )
 
+    @property
+    def cascade_steps(self) -> int:
+        """Eager decode steps run through the cascade wrappers (tests, debugging)."""
+        return self._planner.cascade_steps
+
     # ------------------------------------------------------------------ metadata contract
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         self._graph = DecodeGraphState(
@@ -184,7 +162,7 @@ class FlashInferBackend(AttentionBackend):
         elif fb.forward_mode.is_decode():
             self._step = self._plan_decode(fb)
         else:
-            self._step = self._plan_extend(fb)
+            self._step = self._planner.extend(fb)
         if self._step is not None and fb.input_ids.is_cuda and not in_capture:
             self._planned = torch.cuda.Event()
             self._planned.record()
@@ -198,87 +176,15 @@ class FlashInferBackend(AttentionBackend):
         self._graph.gather(self.kv_cache.req_to_token, fb.req_pool_indices)
         step.filled = True
 
-    def _plan_decode(self, fb: ForwardBatch) -> _StepPlan:
+    def _plan_decode(self, fb: ForwardBatch) -> StepPlan:
         if fb.graph_bucket is not None and self._graph is not None:
             self.check_graph_view(fb, self._graph.max_bs, self._graph.max_context)
             wrappers = self._graph.plan(fb.seq_lens_cpu, self.dtypes)
-            return _StepPlan(is_decode=True, batch_size=fb.batch_size, num_tokens=fb.batch_size, decode=wrappers,
-                             graph_bound=True, filled=False)
-        cascade = self._plan_cascade(fb)
-        if cascade is not None:
-            return cascade
-        kv = build_paged_kv(self.kv_cache.req_to_token, fb.req_pool_indices, fb.seq_lens_cpu, self.page_size)
-        wrappers = self._eager.decode
-        for group, wrapper in zip(self.groups, wrappers):
-            plan_decode(self._fi, wrapper, group, kv, self.page_size, self.dtypes)
-        return _StepPlan(is_decode=True, batch_size=fb.batch_size, num_tokens=fb.batch_size, decode=wrappers)
+            return StepPlan(is_decode=True, batch_size=fb.batch_size, num_tokens=fb.batch_size, decode=wrappers,
+                            graph_bound=True, filled=False)
+        return self._planner.decode(fb)
 
-    def _plan_cascade(self, fb: ForwardBatch) -> _StepPlan | None:
-        """Plan the cascade wrappers for an eager decode batch with shared-prefix groups that end on page boundaries
-        (FlashInfer reads whole pages) in a model without sliding windows; None otherwise."""
-        groups = tuple(fb.shared_prefix or ())
-        if not groups or any(g.uses_window for g in self.groups) or any(
-                p.prefix_len % self.page_size for p in groups):
-            return None
-        if self._cascade is None:
-            self._cascade = [FlashInferCascadeDecode(self.workspace) for _ in self.groups]
-        rows = fb.req_pool_indices_cpu if fb.req_pool_indices_cpu is not None else fb.req_pool_indices.tolist()
-        pairs = [(g.members, g.prefix_len) for g in groups]
-        for group, wrapper in zip(self.groups, self._cascade):
-            wrapper.plan(self.kv_cache.req_to_token, rows, fb.seq_lens_cpu.tolist(), pairs, page_size=self.page_size,
-                         num_qo_heads=group.num_qo_heads, num_kv_heads=group.num_kv_heads, head_dim=group.head_dim,
-                         sm_scale=group.sm_scale, logit_cap=group.logits_soft_cap, q_dtype=self.dtypes.q,
-                         kv_dtype=self.dtypes.kv)
-        self.cascade_steps += 1
-        return _StepPlan(is_decode=True, batch_size=fb.batch_size, num_tokens=fb.batch_size, cascade=self._cascade)
-
-    def _plan_extend(self, fb: ForwardBatch) -> _StepPlan:
-        ext, prefix = fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu
-        qo_indptr = torch.zeros(len(ext) + 1, dtype=torch.int32)
-        torch.cumsum(torch.tensor(ext, dtype=torch.int32), dim=0, out=qo_indptr[1:])
-        if has_tree(fb.draft_parents):
-            return self._plan_tree(fb, qo_indptr)
-        has_prefix = any(p > 0 for p in prefix)
-        paths = [
-            "ragged" if not has_prefix
-            else "cascade" if self.extend_prefix_path == "cascade" and not group.uses_window
-            else "paged"
-            for group in self.groups
-        ]
-        full_kv = prefix_kv = None
-        if "paged" in paths:
-            full_kv = build_paged_kv(self.kv_cache.req_to_token, fb.req_pool_indices, fb.seq_lens_cpu, self.page_size)
-        if "cascade" in paths:
-            prefix_kv = build_paged_kv(self.kv_cache.req_to_token, fb.req_pool_indices, prefix, self.page_size)
-        for g, (group, path) in enumerate(zip(self.groups, paths)):
-            if path in ("ragged", "cascade"):
-                plan_ragged(self._eager.ragged[g], group, qo_indptr, qo_indptr, self.dtypes.q)
-            if path == "paged":
-                self._plan_paged(g, qo_indptr, full_kv, causal=group.causal)
-            elif path == "cascade":  # the prefix lies wholly before every new token: no causal mask
-                self._plan_paged(g, qo_indptr, prefix_kv, causal=False)
-        return _StepPlan(is_decode=False, batch_size=fb.batch_size, num_tokens=int(qo_indptr[-1]), extend_paths=paths)
-
-    def _plan_tree(self, fb: ForwardBatch, qo_indptr: torch.Tensor) -> _StepPlan:
-        """A verification step with draft trees: every group runs paged attention over the whole sequence (the new
-        K/V are stored first) with the trees' custom mask, one mask per sliding window, uploaded in one copy."""
-        kv = build_paged_kv(self.kv_cache.req_to_token, fb.req_pool_indices, fb.seq_lens_cpu, self.page_size)
-        indptrs = tuple(to_device([qo_indptr, kv.indptr_cpu, kv.last_page_len_cpu], torch.int32, self.device))
-        windows = list(dict.fromkeys(g.window_left + 1 if g.uses_window else None for g in self.groups))
-        masks = [verify_mask(fb.extend_prefix_lens_cpu, fb.draft_parents, w) for w in windows]
-        on_device = upload(torch.from_numpy(np.concatenate(masks)), self.device).split([m.size for m in masks])
-        mask_of = dict(zip(windows, on_device))
-        for group, wrapper in zip(self.groups, self._eager.tree):
-            plan_tree_prefill(wrapper, group, indptrs, kv.indices, self.page_size, self.dtypes,
-                              mask_of[group.window_left + 1 if group.uses_window else None])
-        return _StepPlan(is_decode=False, batch_size=fb.batch_size, num_tokens=int(qo_indptr[-1]),
-                         extend_paths=["tree"] * len(self.groups))
-
-    def _plan_paged(self, g: int, qo_indptr: torch.Tensor, kv: PagedKV | None, causal: bool) -> None:
-        assert kv is not None
-        plan_paged_prefill(self._eager.paged[g], self.groups[g], qo_indptr, kv, self.page_size, self.dtypes, causal)
-
-    def _require_step(self, decode: bool) -> _StepPlan:
+    def _require_step(self, decode: bool) -> StepPlan:
         step = self._step
         if step is None or step.is_decode != decode:
             raise RuntimeError(

@@ -6,9 +6,8 @@ sliding-window size) and split-K scratch, and ``init_forward_metadata_in_graph``
 device with static shapes. Extend and mixed batches are prepared in ``init_forward_metadata_out_graph``
 from host lengths (the kernel's grid depends on them) and run eagerly between captured pieces.
 
-A decode layer run eagerly over graph-bound metadata (between piecewise graphs, or a breakable graph's
-break) keeps its launch after the first step (``DecodePlan``): while its q/k/v/out/slot tensors are the same
-(address, shape, strides, dtype), later steps relaunch it without the argument checks and launch keys.
+Where the buffers live and how an extend step is prepared: ``triton/prepare.py``; the kernel launches of one layer
+(with the bound relaunch of graph-bound decode layers, ``DecodePlan``): ``triton/launch.py``.
 
 An eager decode batch whose requests share a cached prefix (``fb.shared_prefix``, set by whoever builds the batch)
 runs the shared-prefix (cascade) kernels instead, and so does a decode batch the graph
@@ -30,62 +29,26 @@ decode attends to its new token as stored, extend to its new tokens as given (do
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
-from itertools import accumulate
-from typing import Any
+from collections.abc import Mapping, Sequence
 
-import numpy as np
 import torch
 
 from compile_attn.attention.base import AttentionBackend
 from compile_attn.attention.kernel_loader import kernels_interpreted, load_triton_ops
 from compile_attn.attention.registry import register_backend
 from compile_attn.attention.triton.cascade import CascadePlanner, CascadeStep
+from compile_attn.attention.triton.launch import DecodeLauncher, run_extend
+from compile_attn.attention.triton.metadata import DecodeGraphBuffers, DecodeStep, ExtendStep
+from compile_attn.attention.triton.prepare import DecodeBuffers, prepare_extend
 from compile_attn.attention.triton.verify_mode import VerifyPlanner, VerifyStep
-from compile_attn.attention.triton.metadata import (
-    DecodeGraphBuffers,
-    DecodeIndex,
-    DecodePlan,
-    DecodeStep,
-    ExtendStep,
-    SplitScratch,
-    TreeMask,
-    decode_inputs,
-)
 from compile_attn.batch import ForwardBatch
 from compile_attn import env
-from compile_attn.draft_tree import ancestor_masks, has_tree, tree_positions
 from compile_attn.errors import BackendUnavailableError, InvalidBatchError, UnsupportedConfigError
 from compile_attn.graph_mode import GraphMode
-from compile_attn.host_tensors import to_device
 from compile_attn.kv.cache import KVCache
 from compile_attn.layer import AttentionLayer
 
 logger = logging.getLogger(__name__)
-
-def _exclusive_cumsum(lens: Sequence[int]) -> list[int]:
-    """Host ``[len(lens) + 1]`` offsets."""
-    return [0, *accumulate(lens)]
-
-
-def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def _kv_scales(kv_cache: KVCache, layer_id: int) -> dict[str, torch.Tensor]:
-    """The kernels' ``k_scale``/``v_scale`` keywords for a layer: the fp8 pool's scales, none for another pool."""
-    scales = kv_cache.pool.kv_scales(layer_id)
-    return {} if scales is None else {"k_scale": scales[0], "v_scale": scales[1]}
-
-
-def _run_into(out: torch.Tensor, fn: Callable[[torch.Tensor], None]) -> None:
-    """Run a kernel that needs a last-dim-contiguous output; copy into ``out`` if it is not one."""
-    if out.stride(-1) == 1:
-        fn(out)
-    else:
-        tmp = torch.empty(out.shape, dtype=out.dtype, device=out.device)
-        fn(tmp)
-        out.copy_(tmp)
 
 
 @register_backend("triton")
@@ -140,17 +103,17 @@ class TritonBackend(AttentionBackend):
         self.head_shapes: list[tuple[int, int]] = list(
             dict.fromkeys((layer.num_heads, layer.v_head_dim) for layer in ordered)
         )
-        self._graph: DecodeGraphBuffers | None = None
-        self._eager_scratch: dict[tuple[int, int], SplitScratch] = {}
+        self._buffers = DecodeBuffers(self.device, self.windows, self.head_shapes, self.max_kv_splits,
+                                      self.graph_max_context)
         self._step: DecodeStep | ExtendStep | CascadeStep | VerifyStep | None = None
         # Shared-prefix decode needs every layer to see the whole sequence (no sliding window).
         self.cascade = CascadePlanner(kv_cache, self._ops) if self.windows == [None] else None
         self.verify = VerifyPlanner(kv_cache, self._ops, ordered, dict(
             num_sms=self.num_sms, max_kv_splits=self.max_kv_splits, deterministic=deterministic,
             split_size=self.split_size, programs_per_sm=self._programs_per_sm), self.one_launch_decode, deterministic)
-        # Graph-bound decode layers' launches, per (layer, batch size, save_kv_cache): see forward_decode.
-        self._decode_plans: dict[tuple[int, int, bool], DecodePlan] = {}
-        self.bound_decode_launches = 0  # decode layers launched through a DecodePlan (tests, debugging)
+        # Graph-bound decode layers' launches, per (layer, batch size, save_kv_cache): see triton/launch.py.
+        self._decoder = DecodeLauncher(self._ops, kv_cache, max_kv_splits=self.max_kv_splits,
+                                       one_launch=self.one_launch_decode, deterministic=deterministic)
         logger.info(
             "triton backend: %d layers, windows %s, max_kv_splits %d, split_size %d%s%s, %s",
             len(self.layers), ["full" if w is None else w for w in self.windows], self.max_kv_splits,
@@ -222,7 +185,12 @@ class TritonBackend(AttentionBackend):
     @property
     def graph_buffers(self) -> DecodeGraphBuffers | None:
         """The static decode buffers of ``init_cuda_graph_state`` (None before it ran)."""
-        return self._graph
+        return self._buffers.graph
+
+    @property
+    def bound_decode_launches(self) -> int:
+        """Decode layers launched through a ``DecodePlan`` (tests, debugging)."""
+        return self._decoder.bound_launches
 
     # ------------------------------------------------------------------ metadata contract
     def takes_shared_prefix_decode(self) -> bool:
@@ -233,21 +201,8 @@ class TritonBackend(AttentionBackend):
         return 1  # a padded request reads one token: row PAD_REQUEST's scratch slot
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        if self._graph is not None and self._graph.max_bs >= max_bs:
-            return  # graphs captured so far keep their buffers
-        indexes = {
-            w: DecodeIndex.allocate(w, max_bs, max_bs * self._index_capacity(w), self.device, zero=True)
-            for w in self.windows
-        }
-        scratch = {
-            shape: SplitScratch.allocate(max_bs, *shape, self.max_kv_splits, self.device) for shape in self.head_shapes
-        }
-        self._graph = DecodeGraphBuffers(max_bs, indexes, scratch)
-        self._decode_plans.clear()  # bound to the buffers just replaced
-
-    def _index_capacity(self, window: int | None) -> int:
-        """Most KV tokens one request reads in a decode graph."""
-        return self.graph_max_context if window is None else min(window, self.graph_max_context)
+        if self._buffers.allocate_graph(max_bs):  # else graphs captured so far keep their buffers
+            self._decoder.clear()  # bound to the buffers just replaced
 
     def init_forward_metadata_out_graph(self, fb: ForwardBatch, in_capture: bool = False) -> None:
         if fb.forward_mode.is_idle() or fb.batch_size == 0:
@@ -260,11 +215,11 @@ class TritonBackend(AttentionBackend):
             if cascade is not None:
                 self._step = cascade
             else:
-                self._step = self._alloc_eager_decode(fb) if eager else self._bind_graph_decode(fb)
+                self._step = self._buffers.allocate_eager(fb) if eager else self._bind_graph_decode(fb)
         elif (verify := self._prepare_verify(fb)) is not None:
             self._step = verify
         else:
-            self._step = self._prepare_extend(fb)
+            self._step = prepare_extend(fb, self._ops, self.kv_cache, self.device)
 
     def _prepare_verify(self, fb: ForwardBatch) -> VerifyStep | None:
         """Verify-mode metadata for a chain verify batch of uniform Q (None: the batch runs as an extend); a graph
@@ -272,11 +227,11 @@ class TritonBackend(AttentionBackend):
         q = fb.chain_verify_tokens()
         if q is None or not self.verify.supports(q):
             return None
-        graph = self._graph
+        graph = self._buffers.graph
         bind = fb.graph_bucket is not None and graph is not None and fb.num_tokens == fb.batch_size * q <= graph.max_bs
         if bind:
             self.check_graph_view(fb, graph.max_bs, self.graph_max_context)
-        return self.verify.prepare(fb, q, graph if bind else None, self._scratch_for)
+        return self.verify.prepare(fb, q, graph if bind else None, self._buffers.scratch_for)
 
     def init_forward_metadata_in_graph(self, fb: ForwardBatch) -> None:
         """Fill the decode token CSR and split counts on the device: static shapes, no host sync."""
@@ -297,53 +252,9 @@ class TritonBackend(AttentionBackend):
         step.filled = True
 
     def _bind_graph_decode(self, fb: ForwardBatch) -> DecodeStep:
-        graph = self._graph
+        graph = self._buffers.graph
         self.check_graph_view(fb, None if graph is None else graph.max_bs, self.graph_max_context)
-        bs = fb.batch_size
-        return DecodeStep(bs, graph.head(bs), graph.scratch, graph_bound=True)
-
-    def _alloc_eager_decode(self, fb: ForwardBatch) -> DecodeStep:
-        bs, lens = fb.batch_size, fb.seq_lens_cpu
-        indexes = {
-            w: DecodeIndex.allocate(w, bs, int(lens.sum() if w is None else lens.clamp(max=w).sum()), self.device,
-                                    zero=False)
-            for w in self.windows
-        }
-        return DecodeStep(bs, indexes, self._scratch_for(bs))
-
-    def _scratch_for(self, bs: int) -> dict[tuple[int, int], SplitScratch]:
-        """Scratch for an eager decode of ``bs`` requests: the graph's if it fits, else a grow-only set."""
-        if self._graph is not None and self._graph.max_bs >= bs:
-            return self._graph.scratch
-        if not self._eager_scratch or next(iter(self._eager_scratch.values())).capacity < bs:
-            self._eager_scratch = {
-                shape: SplitScratch.allocate(bs, *shape, self.max_kv_splits, self.device) for shape in self.head_shapes
-            }
-        return self._eager_scratch
-
-    def _prepare_extend(self, fb: ForwardBatch) -> ExtendStep:
-        ext, prefix = fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu
-        qo_cpu, kv_cpu = _exclusive_cumsum(ext), _exclusive_cumsum(prefix)
-        tree = None
-        if has_tree(fb.draft_parents):  # the trees' masks and positions ride in the offsets' copy
-            mask, mask_offsets = ancestor_masks(fb.draft_parents)
-            words = np.frombuffer(mask.tobytes() + bytes(-mask.size % 4), dtype=np.int32)  # uint8 as int32 words
-            qo_indptr, kv_indptr, mask_indptr, positions, mask_words = to_device(
-                [qo_cpu, kv_cpu, mask_offsets, tree_positions(prefix, fb.draft_parents), words], torch.int32,
-                self.device)
-            tree = TreeMask(mask_words.view(torch.uint8)[: mask.size], mask_indptr, positions)
-        else:
-            qo_indptr, kv_indptr = to_device([qo_cpu, kv_cpu], torch.int32, self.device)  # one copy
-        total_prefix = kv_cpu[-1]
-        kv_indices = torch.empty(max(total_prefix, 1), dtype=torch.int32, device=self.device)
-        if total_prefix:
-            self._ops.build_kv_indices(
-                self.kv_cache.req_to_token, fb.req_pool_indices, fb.extend_prefix_lens, kv_indptr, kv_indices
-            )
-        return ExtendStep(
-            num_tokens=qo_cpu[-1], qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices,
-            max_len_extend=max(ext, default=0), draft_parents=fb.draft_parents, tree=tree,
-        )
+        return self._buffers.bind_graph(fb.batch_size)
 
     def _require_step(self, decode: bool, fb: ForwardBatch) -> DecodeStep | ExtendStep:
         step = self._step
@@ -372,55 +283,7 @@ class TritonBackend(AttentionBackend):
             return
         step = self._require_step(decode=True, fb=fb)
         assert isinstance(step, DecodeStep)
-        loc = fb.out_cache_loc if save_kv_cache else None
-        scales = _kv_scales(self.kv_cache, layer.layer_id)
-        if self.decode_stores_kv_first and loc is not None:  # every row's K/V in place before any row attends
-            k_buf, v_buf = self.kv_cache.pool.get_kv(layer.layer_id)
-            self._ops.store_kv(k_buf, v_buf, loc, _last_dim_contiguous(k), _last_dim_contiguous(v), **scales)
-            loc = None  # the kernel still takes each row's own token from k/v
-        bind = step.graph_bound
-        if bind:
-            # Between piecewise graphs a decode layer gets the same tensors every step (a graph's static outputs,
-            # the runner's static buffers, the graph-bound metadata): then its launch repeats as bound the first
-            # time, without the argument checks and launch keys (this runs once per layer per step, on the
-            # host's critical path).
-            plan_key = (layer.layer_id, step.batch_size, save_kv_cache)
-            inputs = decode_inputs(q, k, v, out, loc)
-            plan = self._decode_plans.get(plan_key)
-            if plan is not None and plan.inputs == inputs and plan.indexes is step.indexes:
-                if plan.launch():
-                    self.bound_decode_launches += 1
-                    return
-                bind = False  # a launch hook (profiler) is active: launch the regular way, keep the plan
-        k_buf, v_buf = self.kv_cache.pool.get_kv(layer.layer_id)
-        bs = step.batch_size
-        idx = step.indexes[layer.sliding_window]
-        scratch = step.scratch[(layer.num_heads, layer.v_head_dim)]
-        # The common case (one row per request, contiguous rows) takes no slicing or copying. The kernel takes
-        # each request's new token from k/v and (save_kv_cache) stores it: no separate store_kv launch.
-        if q.shape[0] != bs:
-            q, bind = q[:bs], False
-        if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
-            q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
-            bind = False
-        padded = out.shape[0] > bs
-
-        def decode(launch: Callable[..., Any], o: torch.Tensor) -> Any:  # both launch forms take these arguments
-            return launch(q, k_buf, v_buf, o, idx.kv_indptr, idx.kv_indices, idx.num_kv_splits, self.max_kv_splits,
-                          scratch.attn_logits, scratch.attn_lse, layer.scaling, layer.logit_cap, k_new=k, v_new=v,
-                          new_loc=loc, semaphores=scratch.semaphores if self.one_launch_decode else None,
-                          batch_invariant=self.deterministic, **scales)
-
-        if bind and not padded and out.stride(-1) == 1 and not (
-            self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        ):
-            again = decode(self._ops.decode_attention_fwd_and_bind, out)
-            if again is not None:
-                self._decode_plans[plan_key] = DecodePlan(inputs, step.indexes, again)
-            return
-        _run_into(out[:bs] if padded else out, lambda o: decode(self._ops.decode_attention_fwd, o))
-        if padded:
-            out[bs:].zero_()
+        self._decoder.run(step, q, k, v, layer, fb, out, save_kv_cache, self.decode_stores_kv_first)
 
     def forward_extend(self, q, k, v, layer, fb, out, save_kv_cache) -> None:
         step = self._step
@@ -429,19 +292,4 @@ class TritonBackend(AttentionBackend):
             return
         step = self._require_step(decode=False, fb=fb)
         assert isinstance(step, ExtendStep)
-        k_buf, v_buf = self.kv_cache.pool.get_kv(layer.layer_id)
-        scales = _kv_scales(self.kv_cache, layer.layer_id)
-        k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
-        if save_kv_cache:  # padding tokens of a bucket write the scratch slot (out_cache_loc PAD_SLOT)
-            self._ops.store_kv(k_buf, v_buf, fb.out_cache_loc, k, v, **scales)
-        n = step.num_tokens
-        if n:
-            qn = _last_dim_contiguous(q[:n])
-            _run_into(out[:n], lambda o: self._ops.extend_attention_fwd(
-                qn, k[:n], v[:n], o, k_buf, v_buf, step.qo_indptr, step.kv_indptr, step.kv_indices,
-                step.max_len_extend, layer.scaling, is_causal=layer.causal,
-                sliding_window=layer.sliding_window or -1, logit_cap=layer.logit_cap,
-                **({} if step.tree is None else step.tree.kernel_args()), **scales,
-            ))
-        if out.shape[0] > n:
-            out[n:].zero_()  # padding tokens of a graph bucket
+        run_extend(self._ops, self.kv_cache, step, q, k, v, layer, fb, out, save_kv_cache)

@@ -1,8 +1,8 @@
 """Per-step metadata of the triton attention backend: decode token CSRs, split-K scratch, extend offsets, the
 static decode buffers graphs read, and the bound launches of graph-bound decode layers.
 
-Data only: the backend (``attention/triton/backend.py``) fills these; the kernels (``attention/kernels``) read
-them.
+Data only: the backend (``attention/triton/backend.py``, ``prepare.py``) fills these; the kernels
+(``attention/kernels``) read them.
 """
 
 from __future__ import annotations

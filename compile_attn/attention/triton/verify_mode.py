@@ -19,6 +19,7 @@ from types import ModuleType
 import torch
 
 from compile_attn.attention.kernels.decode_checks import MAX_VERIFY_ROWS
+from compile_attn.attention.triton.launch import kv_scale_args, last_dim_contiguous
 from compile_attn.attention.triton.metadata import DecodeGraphBuffers, DecodeIndex, SplitScratch
 from compile_attn.batch import ForwardBatch
 from compile_attn.env import verify_mode
@@ -41,10 +42,6 @@ class VerifyStep:
     @property
     def num_rows(self) -> int:
         return self.batch_size * self.tokens_per_request
-
-
-def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 class VerifyPlanner:
@@ -96,16 +93,15 @@ class VerifyPlanner:
         """Store the step's K/V (``save_kv_cache``; padding tokens write the scratch slot), then verify-mode attention
         of its ``B x Q`` rows into ``out`` (trailing padding tokens' rows zeroed)."""
         k_buf, v_buf = self.kv_cache.pool.get_kv(layer.layer_id)
-        scales = self.kv_cache.pool.kv_scales(layer.layer_id)
-        kw = {} if scales is None else {"k_scale": scales[0], "v_scale": scales[1]}
+        kw = kv_scale_args(self.kv_cache, layer.layer_id)
         if save_kv_cache:
-            self.ops.store_kv(k_buf, v_buf, fb.out_cache_loc, _last_dim_contiguous(k), _last_dim_contiguous(v), **kw)
+            self.ops.store_kv(k_buf, v_buf, fb.out_cache_loc, last_dim_contiguous(k), last_dim_contiguous(v), **kw)
         n = step.num_rows
         scratch = step.scratch[(layer.num_heads, layer.v_head_dim)]
         target = out[:n] if out.stride(-1) == 1 else torch.empty_like(out[:n])
         idx = step.index
         self.ops.decode_attention_fwd(
-            _last_dim_contiguous(q[:n]), k_buf, v_buf, target, idx.kv_indptr, idx.kv_indices, idx.num_kv_splits,
+            last_dim_contiguous(q[:n]), k_buf, v_buf, target, idx.kv_indptr, idx.kv_indices, idx.num_kv_splits,
             max_kv_splits, scratch.attn_logits, scratch.attn_lse, layer.scaling, layer.logit_cap,
             semaphores=scratch.semaphores if self.one_launch else None, batch_invariant=self.deterministic,
             tokens_per_request=step.tokens_per_request, **kw,
