@@ -31,12 +31,12 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import time
 from collections.abc import Callable
 
 import torch
 
+from compile_attn.bench.decode_step import BenchConfig, _timed
 from compile_attn.engine.execution.sampling.grammar import (GrammarCache, GuidedRows, apply_token_bitmask_,
                                                            bitmask_width)
 from compile_attn.engine.execution.sampling.sampler import SamplingPlan, sample, warmup
@@ -97,31 +97,6 @@ def guided_rows(cache: GrammarCache, rows: int, fraction: float) -> GuidedRows:
     return GuidedRows(cache, at, matchers, rows)
 
 
-def median_ms(fn: Callable[[], object], device: torch.device, reps: int, warm: int, events: bool) -> float:
-    """Median time of ``fn``: CUDA events around it (device time) when ``events``, else wall clock with a
-    synchronize after each call."""
-    for _ in range(warm):
-        fn()
-    times = []
-    for _ in range(reps):
-        if events and device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def bench(rows: int, vocab: int, device: torch.device, rows_state: GuidedRows, reps: int, warm: int) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():  # the logits of an inference-mode forward, as in the engine
@@ -133,6 +108,11 @@ def bench(rows: int, vocab: int, device: torch.device, rows_state: GuidedRows, r
     every_row = g == rows
     dev_buf = host.to(device)
     masked = logits.clone()
+    # Medians of reps calls after warm untimed ones: CUDA events (device time) on a GPU, else wall clock; the
+    # step times are wall clock with a synchronize around each call, the host's fill times wall clock.
+    events = BenchConfig(device=device.type, iters=reps, warmup=warm)
+    wall = BenchConfig(device=device.type, iters=reps, warmup=warm, wall_clock=True)
+    on_host = BenchConfig(device="cpu", iters=reps, warmup=warm)
 
     def copy_and_mask() -> None:
         buf = host.to(device, non_blocking=True)
@@ -177,16 +157,14 @@ def bench(rows: int, vocab: int, device: torch.device, rows_state: GuidedRows, r
             pick(masked)
 
         r = dict(case=case, rows=rows, vocab=vocab, guided_rows=g, device=str(device))
-        r["plain_ms"] = median_ms(lambda: pick(logits), device, reps, warm, events=True)
-        r["guided_ms"] = median_ms(guided_device, device, reps, warm, events=True)
+        r["plain_ms"] = _timed(lambda: pick(logits), events)
+        r["guided_ms"] = _timed(guided_device, events)
         r["excess_ms"] = r["guided_ms"] - r["plain_ms"]
-        r["fill_ms"] = median_ms(lambda: rows_state.host_bitmask(width, pin), torch.device("cpu"), reps, warm,
-                                 events=False)
-        r["plain_step_ms"] = median_ms(lambda: pick(logits), device, reps, warm, events=False)
-        r["guided_step_ms"] = median_ms(guided_step, device, reps, warm, events=False)
-        r["mask_kernel_ms"] = median_ms(mask_kernel("torch"), device, reps, warm, events=True)
-        r["xgrammar_kernel_ms"] = (median_ms(xgr_kernel, device, reps, warm, events=True)
-                                   if xgr_kernel is not None else None)
+        r["fill_ms"] = _timed(lambda: rows_state.host_bitmask(width, pin), on_host)
+        r["plain_step_ms"] = _timed(lambda: pick(logits), wall)
+        r["guided_step_ms"] = _timed(guided_step, wall)
+        r["mask_kernel_ms"] = _timed(mask_kernel("torch"), events)
+        r["xgrammar_kernel_ms"] = _timed(xgr_kernel, events) if xgr_kernel is not None else None
         results.append(r)
     return results
 

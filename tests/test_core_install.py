@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import json
 import re
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.hidden_packages import ROOT
+from tests.hidden_packages import run_python as run_hidden
 
 # What only the extras install (torch itself requires sympy, jinja2, networkx, ...: those stay importable).
 EXTRAS_PACKAGES = ("transformers", "tokenizers", "huggingface_hub", "safetensors", "accelerate", "fastapi", "uvicorn",
@@ -27,33 +24,10 @@ EXTRAS_PACKAGES = ("transformers", "tokenizers", "huggingface_hub", "safetensors
 HEAVY = ("torch._dynamo", "torch._inductor", "transformers", "tokenizers", "huggingface_hub", "fastapi", "uvicorn",
          "zmq", "httpx", "triton", "sympy")
 
-# Every finder of sys.meta_path is wrapped to find nothing for a blocked package: importing one raises
-# ModuleNotFoundError and importlib.util.find_spec returns None, as when it is not installed.
-BLOCKER = """
-import sys
-BLOCKED = set({blocked!r})
-class Hide:
-    def __init__(self, inner):
-        self.inner = inner
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in BLOCKED or not hasattr(self.inner, "find_spec"):
-            return None
-        return self.inner.find_spec(name, path, target)
-    def invalidate_caches(self):
-        getattr(self.inner, "invalidate_caches", lambda: None)()
-assert not [m for m in sys.modules if m.split(".")[0] in BLOCKED]
-sys.meta_path[:] = [Hide(f) for f in sys.meta_path]
-"""
-
-
 def run_python(code: str, *, blocked: tuple[str, ...] = (), timeout: float = 300) -> str:
     """Run ``code`` in a fresh interpreter (this checkout first on the path, ``blocked`` packages refused); its
     stdout, or the test fails with its stderr."""
-    prelude = BLOCKER.format(blocked=sorted(blocked)) if blocked else ""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "TRITON_INTERPRET": "0"}
-    out = subprocess.run([sys.executable, "-c", prelude + code], capture_output=True, text=True, env=env, cwd=ROOT,
-                         timeout=timeout)
+    out = run_hidden(code, hidden=blocked, env={"TRITON_INTERPRET": "0"}, timeout=timeout)
     assert out.returncode == 0, f"exit {out.returncode}\n{out.stderr[-4000:]}"
     return out.stdout
 

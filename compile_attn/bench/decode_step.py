@@ -43,6 +43,7 @@ class BenchConfig:
     inductor_config: dict = field(default_factory=dict)  # Inductor config patches for the compiled pieces
     compile_sizes: Sequence[int] | None = None  # GraphConfig.compile_sizes (None: the device decides)
     static_inductor_config: dict = field(default_factory=dict)  # patches for the static compiles only
+    wall_clock: bool = False  # time with the host's clock and a synchronize around each call, not CUDA events
 
     def compile_options(self) -> dict:
         """The GraphConfig fields this benchmark varies, for every model it compiles (decode rows, engine starts)."""
@@ -68,13 +69,15 @@ class Row:
 
 
 def _timed(fn: Callable[[], object], cfg: BenchConfig) -> float:
-    """Median milliseconds of ``fn`` over ``cfg.iters`` runs after ``cfg.warmup``."""
+    """Median milliseconds of ``fn`` over ``cfg.iters`` runs after ``cfg.warmup``: CUDA events around each call on
+    CUDA (device time), else wall clock; ``cfg.wall_clock`` times CUDA calls by wall clock too, with a synchronize
+    before and after each (the host's time until ``fn`` and its device work are done)."""
     for _ in range(cfg.warmup):
         fn()
     times = []
     cuda = cfg.device == "cuda"
     for _ in range(cfg.iters):
-        if cuda:
+        if cuda and not cfg.wall_clock:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn()
@@ -82,8 +85,12 @@ def _timed(fn: Callable[[], object], cfg: BenchConfig) -> float:
             end.synchronize()
             times.append(start.elapsed_time(end))
         else:
+            if cuda:
+                torch.cuda.synchronize()
             t0 = time.perf_counter()
             fn()
+            if cuda:
+                torch.cuda.synchronize()
             times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 

@@ -6,9 +6,6 @@ from the import system (so the backend's own module would fail to import)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,8 +15,8 @@ from compile_attn import AttentionLayer, KVCache, create_backend
 from compile_attn.attention import check_backend_installed, registry
 from compile_attn.engine import LLM, EngineConfig
 from compile_attn.errors import BackendUnavailableError
+from tests.hidden_packages import run_python
 
-ROOT = Path(__file__).resolve().parents[2]
 EXTRA = {"triton": "triton", "flashinfer": "flashinfer", "fa3": "fa3"}
 PACKAGE = {"triton": "triton", "flashinfer": "flashinfer", "fa3": "sgl_kernel"}
 
@@ -64,22 +61,6 @@ def test_installed_backends_and_auto_pass(nothing_installed: None) -> None:
         EngineConfig(attn_backend=name, device="cpu")
 
 
-HIDE = """
-import sys
-HIDDEN = {hidden!r}
-class Hide:
-    def __init__(self, inner):
-        self.inner = inner
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in HIDDEN or not hasattr(self.inner, "find_spec"):
-            return None
-        return self.inner.find_spec(name, path, target)
-sys.meta_path[:] = [Hide(f) for f in sys.meta_path]
-from compile_attn.cli import main
-sys.exit(main({argv!r}))
-"""
-
-
 @pytest.mark.parametrize("backend", ["triton", "flashinfer", "fa3"])
 @pytest.mark.parametrize("command", ["generate", "serve"])
 def test_the_command_line_says_it_in_one_line_before_loading(command: str, backend: str, tmp_path: Path) -> None:
@@ -87,10 +68,8 @@ def test_the_command_line_says_it_in_one_line_before_loading(command: str, backe
     any model loads (generate's built-in model warns when it is built; serve's model does not even exist)."""
     argv = (["generate", "--device", "cpu"] if command == "generate" else ["serve", str(tmp_path / "no-model"),
                                                                            "--device", "cpu"])
-    code = HIDE.format(hidden=["triton", "flashinfer", "sgl_kernel"], argv=[*argv, "--backend", backend])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT,
-                         timeout=300)
+    code = f"import sys\nfrom compile_attn.cli import main\nsys.exit(main({[*argv, '--backend', backend]!r}))\n"
+    out = run_python(code, hidden=("triton", "flashinfer", "sgl_kernel"))
     assert out.returncode == 1, out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1, out.stderr
