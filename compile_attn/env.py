@@ -18,6 +18,7 @@ CASCADE_ENV = "COMPILE_ATTN_CASCADE_DECODE"  # 1 / true / on / yes: shared-prefi
 SAMPLER_COMPILE_ENV = "COMPILE_ATTN_SAMPLER_COMPILE"  # 1 / 0: compile the portable sampler or not (default: CUDA)
 START_PROFILE_ENV = "COMPILE_ATTN_START_PROFILE"  # a file prefix: `compile-attn bench --engine` profiles each start
 VERIFY_MODE_ENV = "COMPILE_ATTN_VERIFY_MODE"  # 0 / false / off / no: triton chain verify steps as decode rows, not in the kernel's verify mode
+MIXED_DECODE_ENV = "COMPILE_ATTN_MIXED_DECODE_ROWS"  # 0 / false / off / no: triton runs a mixed batch's decode rows in the extend kernel
 API_KEY_ENV = "COMPILE_ATTN_API_KEY"  # the server's key when --api-key is not given (a key on the command line shows)
 VLLM_API_KEY_ENV = "VLLM_API_KEY"  # vLLM's name for it, read when API_KEY_ENV is not set
 
@@ -70,6 +71,13 @@ def verify_mode() -> bool:
     runner captures verify graphs for them): on unless ``COMPILE_ATTN_VERIFY_MODE`` = 0 / false / off / no, which
     runs those steps as decode rows in the decode graphs (docs/speculative.md, "Verify graphs")."""
     return os.environ.get(VERIFY_MODE_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def mixed_decode_rows() -> bool:
+    """The default of the triton backend's ``mixed_decode_rows``: a mixed batch's leading decode rows run in the
+    decode kernel (``attention/triton/mixed.py``); on unless ``COMPILE_ATTN_MIXED_DECODE_ROWS`` = 0 / false / off /
+    no (A/B runs)."""
+    return not switched_off(MIXED_DECODE_ENV)
 
 
 def sampler_compile() -> bool | None:

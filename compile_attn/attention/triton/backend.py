@@ -4,7 +4,9 @@ Decode can be captured as one full CUDA graph: ``init_cuda_graph_state`` allocat
 buffers (``kv_indptr``/``kv_indices``/``num_kv_splits``, one set for full attention and one per
 sliding-window size) and split-K scratch, and ``init_forward_metadata_in_graph`` fills them on the
 device with static shapes. Extend and mixed batches are prepared in ``init_forward_metadata_out_graph``
-from host lengths (the kernel's grid depends on them) and run eagerly between captured pieces.
+from host lengths (the kernel's grid depends on them) and run eagerly between captured pieces; a mixed batch's
+leading decode rows (extend length 1 over a cached prefix) get a decode step of their own there and run in the
+split-K decode kernel beside the extend kernel's launch for the other rows (``triton/mixed.py``).
 
 Where the buffers live and how an extend step is prepared: ``triton/prepare.py``; the kernel launches of one layer
 (with the bound relaunch of graph-bound decode layers, ``DecodePlan``): ``triton/launch.py``.
@@ -39,6 +41,7 @@ from compile_attn.attention.registry import register_backend
 from compile_attn.attention.triton.cascade import CascadePlanner, CascadeStep
 from compile_attn.attention.triton.launch import DecodeLauncher, run_extend
 from compile_attn.attention.triton.metadata import DecodeGraphBuffers, DecodeStep, ExtendStep
+from compile_attn.attention.triton.mixed import leading_decode_rows
 from compile_attn.attention.triton.prepare import DecodeBuffers, prepare_extend
 from compile_attn.attention.triton.verify_mode import VerifyPlanner, VerifyStep
 from compile_attn.batch import ForwardBatch
@@ -70,6 +73,7 @@ class TritonBackend(AttentionBackend):
         split_size: int | None = None,
         graph_max_context: int | None = None,
         one_launch_decode: bool | None = None,
+        mixed_decode_rows: bool | None = None,
     ) -> None:
         """Options: ``max_kv_splits`` (most KV splits per decode request; default kernels.DEFAULT_MAX_KV_SPLITS),
         ``deterministic`` (fixed ``split_size``-token splits and one KV tile size for every batch size, so a
@@ -77,7 +81,9 @@ class TritonBackend(AttentionBackend):
         kernels.DEFAULT_SPLIT_SIZE; the shortest split otherwise), ``graph_max_context`` (longest sequence a
         decode graph serves; default the cache's max_context), ``one_launch_decode`` (the split kernel merges the
         splits itself, one launch per decode layer; False: a separate merge kernel, two launches; default on
-        unless the environment sets ``COMPILE_ATTN_DECODE_ONE_LAUNCH=0``, for A/B runs)). Decode batches that carry
+        unless the environment sets ``COMPILE_ATTN_DECODE_ONE_LAUNCH=0``, for A/B runs)), ``mixed_decode_rows`` (an
+        extend/mixed batch's leading decode rows run in the decode kernel, ``triton/mixed.py``; default on unless the
+        environment sets ``COMPILE_ATTN_MIXED_DECODE_ROWS=0``, for A/B runs). Decode batches that carry
         ``shared_prefix`` groups read each shared prefix once (``triton/cascade.py``)."""
         self._ops = load_triton_ops()
         # Stage-1 programs per SM for the decode's KV splits: twice as many over an fp8 cache (half a tile's bytes).
@@ -94,6 +100,7 @@ class TritonBackend(AttentionBackend):
         if one_launch_decode is None:
             one_launch_decode = env.one_launch_decode()
         self.one_launch_decode = bool(one_launch_decode)
+        self.mixed_decode_rows = env.mixed_decode_rows() if mixed_decode_rows is None else bool(mixed_decode_rows)
         self.graph_max_context = graph_max_context or kv_cache.max_context
         self.num_sms = (
             torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 1
@@ -115,10 +122,11 @@ class TritonBackend(AttentionBackend):
         self._decoder = DecodeLauncher(self._ops, kv_cache, max_kv_splits=self.max_kv_splits,
                                        one_launch=self.one_launch_decode, deterministic=deterministic)
         logger.info(
-            "triton backend: %d layers, windows %s, max_kv_splits %d, split_size %d%s%s, %s",
+            "triton backend: %d layers, windows %s, max_kv_splits %d, split_size %d%s%s%s, %s",
             len(self.layers), ["full" if w is None else w for w in self.windows], self.max_kv_splits,
             self.split_size, ", deterministic" if deterministic else "",
             "" if self.one_launch_decode else ", two-launch decode (separate merge kernel)",
+            "" if self.mixed_decode_rows else ", mixed batches' decode rows in the extend kernel",
             "interpreted kernels, so no full decode graphs (graph mode support: piecewise)"
             if self._interpreted else f"{self.num_sms} SMs",
         )
@@ -219,7 +227,17 @@ class TritonBackend(AttentionBackend):
         elif (verify := self._prepare_verify(fb)) is not None:
             self._step = verify
         else:
-            self._step = prepare_extend(fb, self._ops, self.kv_cache, self.device)
+            self._step = prepare_extend(fb, self._ops, self.kv_cache, self.device, self._prepare_decode_rows(fb))
+
+    def _prepare_decode_rows(self, fb: ForwardBatch) -> DecodeStep | None:
+        """The decode step of an extend/mixed batch's leading decode rows (``triton/mixed.py``), its CSRs and split
+        counts filled on the device now (out of graph, with the extend offsets); None: every row runs as extend."""
+        rows = leading_decode_rows(fb) if self.mixed_decode_rows else 0
+        if not rows:
+            return None
+        step = self._buffers.allocate_rows(rows, fb.seq_lens_cpu[:rows])
+        self._fill_decode(step, fb.req_pool_indices[:rows], fb.seq_lens[:rows])
+        return step
 
     def _prepare_verify(self, fb: ForwardBatch) -> VerifyStep | None:
         """Verify-mode metadata for a chain verify batch of uniform Q (None: the batch runs as an extend); a graph
@@ -240,10 +258,14 @@ class TritonBackend(AttentionBackend):
             self.verify.fill(step, fb, self.kv_cache.pool.num_kv_heads)
             return
         if not isinstance(step, DecodeStep):
-            return  # extend metadata is prepared in out_graph
-        for idx in step.indexes.values():  # one launch per window
+            return  # extend metadata (a mixed batch's decode rows' too) is prepared in out_graph
+        self._fill_decode(step, fb.req_pool_indices, fb.seq_lens)
+
+    def _fill_decode(self, step: DecodeStep, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        """A decode step's token CSRs and split counts for these requests, on the device: one launch per window."""
+        for idx in step.indexes.values():
             self._ops.build_decode_metadata(
-                self.kv_cache.req_to_token, fb.req_pool_indices, fb.seq_lens, idx.kv_indptr, idx.kv_indices,
+                self.kv_cache.req_to_token, req_pool_indices, seq_lens, idx.kv_indptr, idx.kv_indices,
                 idx.num_kv_splits, num_sms=self.num_sms, max_kv_splits=self.max_kv_splits,
                 deterministic=self.deterministic, split_size=self.split_size,
                 num_kv_heads=self.kv_cache.pool.num_kv_heads, window=idx.window, kv_start=idx.kv_start,
@@ -293,3 +315,7 @@ class TritonBackend(AttentionBackend):
         step = self._require_step(decode=False, fb=fb)
         assert isinstance(step, ExtendStep)
         run_extend(self._ops, self.kv_cache, step, q, k, v, layer, fb, out, save_kv_cache)
+        if step.decode is not None:  # the leading decode rows: their K/V stored above, each attends its own from k/v
+            d = step.decode_rows
+            self._decoder.run(step.decode, q[:d], k[:d], v[:d], layer, fb, out[:d], save_kv_cache=False,
+                              stores_kv_first=False)

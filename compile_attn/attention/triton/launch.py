@@ -1,5 +1,6 @@
 """Kernel launches of the triton backend for one layer: decode (split-K, with the bound relaunch of graph-bound
-decode layers) and extend, over metadata the backend prepared (``metadata.py``, ``prepare.py``).
+decode layers) and extend (a mixed batch's leading decode rows left to decode, ``mixed.py``), over metadata the
+backend prepared (``metadata.py``, ``prepare.py``).
 
 A decode layer run eagerly over graph-bound metadata (between piecewise graphs, or a breakable graph's break) keeps
 its launch after the first step (``DecodePlan``): while its q/k/v/out/slot tensors are the same (address, shape,
@@ -115,17 +116,18 @@ def run_extend(ops: ModuleType, kv_cache: KVCache, step: ExtendStep, q: torch.Te
                v: torch.Tensor, layer: AttentionLayer, fb: ForwardBatch, out: torch.Tensor,
                save_kv_cache: bool) -> None:
     """Store the step's K/V (``save_kv_cache``), then paged extend attention of its tokens into ``out`` (padding
-    tokens of a graph bucket zeroed)."""
+    tokens of a graph bucket zeroed). The rows of a step's leading decode rows (``step.decode_rows``) are left to
+    the decode kernel (``DecodeLauncher.run`` over ``step.decode``); their K/V are stored here with the rest."""
     k_buf, v_buf = kv_cache.pool.get_kv(layer.layer_id)
     scales = kv_scale_args(kv_cache, layer.layer_id)
     k, v = last_dim_contiguous(k), last_dim_contiguous(v)
     if save_kv_cache:  # padding tokens of a bucket write the scratch slot (out_cache_loc PAD_SLOT)
         ops.store_kv(k_buf, v_buf, fb.out_cache_loc, k, v, **scales)
-    n = step.num_tokens
-    if n:
-        qn = last_dim_contiguous(q[:n])
-        run_into(out[:n], lambda o: ops.extend_attention_fwd(
-            qn, k[:n], v[:n], o, k_buf, v_buf, step.qo_indptr, step.kv_indptr, step.kv_indices,
+    d, n = step.decode_rows, step.num_tokens
+    if n > d:
+        qn = last_dim_contiguous(q[d:n])
+        run_into(out[d:n], lambda o: ops.extend_attention_fwd(
+            qn, k[d:n], v[d:n], o, k_buf, v_buf, step.qo_indptr, step.kv_indptr, step.kv_indices,
             step.max_len_extend, layer.scaling, is_causal=layer.causal,
             sliding_window=layer.sliding_window or -1, logit_cap=layer.logit_cap,
             **({} if step.tree is None else step.tree.kernel_args()), **scales,

@@ -122,15 +122,26 @@ class TreeMask:
 @dataclass
 class ExtendStep:
     """Extend/mixed/verify metadata: new-token offsets, the token CSR of each request's cached prefix, and a
-    verification step's draft trees."""
+    verification step's draft trees.
 
-    num_tokens: int  # tokens that belong to a request; padding tokens of a bucket come after them
-    qo_indptr: torch.Tensor  # [bs + 1] int32
-    kv_indptr: torch.Tensor  # [bs + 1] int32, prefix lengths
+    With ``decode`` set (a mixed batch's leading decode rows, ``triton/mixed.py``) its ``decode_rows`` first requests
+    (one token each: the batch's first ``decode_rows`` tokens) run in the decode kernel over ``decode``'s CSRs, and
+    the offsets (``qo_indptr``, ``kv_indptr``, ``kv_indices``, ``max_len_extend``) describe the requests after them
+    only, their tokens counted from token ``decode_rows``."""
+
+    num_tokens: int  # tokens that belong to a request (decode rows included); padding tokens of a bucket follow
+    qo_indptr: torch.Tensor  # [extend requests + 1] int32
+    kv_indptr: torch.Tensor  # [extend requests + 1] int32, prefix lengths
     kv_indices: torch.Tensor  # [>= total prefix] int32
     max_len_extend: int
     draft_parents: tuple[tuple[int, ...], ...] | None = None  # the batch's, as prepared
     tree: TreeMask | None = None  # set when some request's draft_parents are not a chain
+    decode: DecodeStep | None = None  # the leading decode rows' decode step (filled), if they are split off
+
+    @property
+    def decode_rows(self) -> int:
+        """Requests (and tokens) at the batch's start that run in the decode kernel."""
+        return 0 if self.decode is None else self.decode.batch_size
 
 
 @dataclass

@@ -2,7 +2,8 @@
 extend step's offsets (with draft trees' masks and positions).
 
 ``DecodeBuffers`` owns the static decode buffers that graphs read (``init_cuda_graph_state``) and an eager decode's
-own CSRs and grow-only scratch; ``prepare_extend`` builds an extend step from host lengths. The backend
+own CSRs and grow-only scratch; ``prepare_extend`` builds an extend step from host lengths (over the requests after
+a mixed batch's leading decode rows where those have a decode step of their own, ``mixed.py``). The backend
 (``backend.py``) decides which step a batch gets and fills a decode step's CSR on the device; nothing here launches
 attention.
 """
@@ -72,7 +73,10 @@ class DecodeBuffers:
 
     def allocate_eager(self, fb: ForwardBatch) -> DecodeStep:
         """An eager decode step with CSRs sized for ``fb``'s host sequence lengths."""
-        bs, lens = fb.batch_size, fb.seq_lens_cpu
+        return self.allocate_rows(fb.batch_size, fb.seq_lens_cpu)
+
+    def allocate_rows(self, bs: int, lens: torch.Tensor) -> DecodeStep:
+        """An eager decode step of ``bs`` requests with CSRs sized for their host sequence lengths ``lens``."""
         indexes = {
             w: DecodeIndex.allocate(w, bs, int(lens.sum() if w is None else lens.clamp(max=w).sum()), self.device,
                                     zero=False)
@@ -91,10 +95,15 @@ class DecodeBuffers:
         return self._eager_scratch
 
 
-def prepare_extend(fb: ForwardBatch, ops: ModuleType, kv_cache: KVCache, device: torch.device) -> ExtendStep:
+def prepare_extend(fb: ForwardBatch, ops: ModuleType, kv_cache: KVCache, device: torch.device,
+                   decode: DecodeStep | None = None) -> ExtendStep:
     """An extend step's query/prefix offsets and prefix KV indices (draft trees' masks and positions ride in the
-    offsets' one host-to-device copy)."""
-    ext, prefix = fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu
+    offsets' one host-to-device copy). With ``decode`` (the decode step of the batch's leading decode rows,
+    ``triton/mixed.py``) the offsets cover the requests after those rows only."""
+    d = 0 if decode is None else decode.batch_size
+    if d and has_tree(fb.draft_parents):
+        raise ValueError("a batch with draft trees runs every row in the extend kernel: no decode rows split off")
+    ext, prefix = fb.extend_seq_lens_cpu[d:], fb.extend_prefix_lens_cpu[d:]
     qo_cpu, kv_cpu = _exclusive_cumsum(ext), _exclusive_cumsum(prefix)
     tree = None
     if has_tree(fb.draft_parents):  # the trees' masks and positions ride in the offsets' copy
@@ -108,8 +117,11 @@ def prepare_extend(fb: ForwardBatch, ops: ModuleType, kv_cache: KVCache, device:
     total_prefix = kv_cpu[-1]
     kv_indices = torch.empty(max(total_prefix, 1), dtype=torch.int32, device=device)
     if total_prefix:
-        ops.build_kv_indices(kv_cache.req_to_token, fb.req_pool_indices, fb.extend_prefix_lens, kv_indptr, kv_indices)
+        rows, prefix_lens = fb.req_pool_indices, fb.extend_prefix_lens
+        if d:
+            rows, prefix_lens = rows[d:], prefix_lens[d:]
+        ops.build_kv_indices(kv_cache.req_to_token, rows, prefix_lens, kv_indptr, kv_indices)
     return ExtendStep(
-        num_tokens=qo_cpu[-1], qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices,
-        max_len_extend=max(ext, default=0), draft_parents=fb.draft_parents, tree=tree,
+        num_tokens=d + qo_cpu[-1], qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices,
+        max_len_extend=max(ext, default=0), draft_parents=fb.draft_parents, tree=tree, decode=decode,
     )

@@ -2,8 +2,9 @@
 shared-prefix decode through the attention op, against the float64 reference over the pool's dequantised values;
 the step's K/V stored as ``kv/fp8.quantize`` stores them; graph-bound decode reading the scales' current values.
 
-What each path attends to: a decode step its new token as stored (quantised), an extend / mixed / verification step
-its new tokens as given (the prefix from the pool). The kernels' own tests (tests/attention/kernels/test_fp8_kv.py)
+What each path attends to: a decode step its new token as stored (quantised), and so do a mixed batch's leading decode
+rows (they run in the decode kernel, ``attention/triton/mixed.py``); an extend / mixed / verification step's other
+rows their new tokens as given (the prefix from the pool). The kernels' own tests (tests/attention/kernels/test_fp8_kv.py)
 bound the quantisation error against the original values.
 """
 
@@ -45,6 +46,19 @@ def set_scales(kv, dtype: torch.dtype) -> None:
         v_scale.copy_(torch.linspace(5.0, 3.0, heads) / fp8_max(dtype))
 
 
+def decode_kernel_rows(fb: ForwardBatch) -> int:
+    """Tokens the decode kernel attends to (as stored): all of a decode step's; of an extend or mixed batch, its
+    leading rows of one new token over a cached prefix when prefill rows follow them; none of a verify step's."""
+    if fb.forward_mode.is_decode():
+        return fb.num_tokens
+    if fb.forward_mode not in (ForwardMode.EXTEND, ForwardMode.MIXED) or fb.draft_parents is not None:
+        return 0
+    rows = 0
+    while rows < fb.batch_size and fb.extend_seq_lens_cpu[rows] == 1 and fb.extend_prefix_lens_cpu[rows] > 0:
+        rows += 1
+    return rows if rows < fb.batch_size else 0
+
+
 def run_fp8_case(case: Case, kv_dtype: torch.dtype, q_dtype: torch.dtype, seed: int = 0,
                  backend_kwargs: dict | None = None) -> list[float]:
     """Every layer of ``case`` through the op over an fp8 pool; checks the stored bytes; returns the errors against
@@ -72,8 +86,10 @@ def run_fp8_case(case: Case, kv_dtype: torch.dtype, q_dtype: torch.dtype, seed: 
         loc = fb.out_cache_loc
         assert torch.equal(k_pool[loc].view(torch.uint8), quantize(k, k_scale, kv_dtype).view(torch.uint8))
         assert torch.equal(v_pool[loc].view(torch.uint8), quantize(v, v_scale, kv_dtype).view(torch.uint8))
-        if fb.forward_mode.is_decode():  # decode attends to its new token as stored
-            k, v = as_stored(k, k_scale, kv_dtype), as_stored(v, v_scale, kv_dtype)
+        d = decode_kernel_rows(fb)  # decode attends to its new token as stored
+        if d:
+            k = torch.cat([as_stored(k[:d], k_scale, kv_dtype), k[d:]])
+            v = torch.cat([as_stored(v[:d], v_scale, kv_dtype), v[d:]])
         expected = reference_attention(
             q, k, v, *dequantized_pool(kv, layer.layer_id), kv.req_to_token, step.rows, step.prefix_lens,
             step.extend_lens, scaling=layer.scaling, sliding_window=layer.sliding_window, logit_cap=layer.logit_cap)
