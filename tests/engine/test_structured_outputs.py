@@ -350,6 +350,9 @@ def test_guided_rows_fill_one_buffer_of_masks_and_rows(llm: LLM) -> None:
     allowed = {t for t in range(llm.vocab_size) if (int(buf[t // 32]) >> (t % 32)) & 1}
     assert allowed and all("yes".startswith(s) or "no".startswith(s)
                            for s in (llm.tokenizer.decode([t]) for t in allowed))
+    full = rows.host_bitmask_all_rows(width, pin=False)  # the one-pass layout: every row, the free ones all ones
+    assert full.shape == (4, width) and (full[[0, 2]] == -1).all()
+    assert torch.equal(full[1], buf[:width]) and torch.equal(full[3], buf[width:2 * width])
     logits = torch.zeros(4, llm.vocab_size)
     rows.apply(logits)
     assert torch.isfinite(logits[[0, 2]]).all()

@@ -103,13 +103,15 @@ class GrammarCache:
     def __len__(self) -> int:
         return len(self._compiled)
 
-    def fill(self, matchers: Sequence[Any], bitmask: torch.Tensor) -> None:
-        """Fill row i of the CPU int32 ``bitmask[len(matchers), W]`` with ``matchers[i]``'s allowed next tokens."""
+    def fill(self, matchers: Sequence[Any], bitmask: torch.Tensor, rows: Sequence[int] | None = None) -> None:
+        """Fill row ``rows[i]`` (``i`` when ``rows`` is None) of the CPU int32 ``bitmask[N, W]`` with ``matchers[i]``'s
+        allowed next tokens; other rows are left as they are."""
+        at = list(range(len(matchers))) if rows is None else list(rows)
         if len(matchers) == 1 or self._batch is None:
-            for i, m in enumerate(matchers):
+            for i, m in zip(at, matchers):
                 m.fill_next_token_bitmask(bitmask, i)
         else:
-            self._batch.batch_fill_next_token_bitmask(list(matchers), bitmask)
+            self._batch.batch_fill_next_token_bitmask(list(matchers), bitmask, None if rows is None else at)
 
 
 class GuidedRows:
@@ -138,16 +140,34 @@ class GuidedRows:
         buf[g * width:] = torch.tensor(self.at, dtype=torch.int32)
         return buf
 
+    def host_bitmask_all_rows(self, width: int, pin: bool) -> torch.Tensor:
+        """An int32 host ``[num_rows, width]`` bitmask: the grammar rows filled by their matchers, every other row
+        all ones (every token allowed); pinned when ``pin``."""
+        buf = torch.empty(self.num_rows, width, dtype=torch.int32, pin_memory=pin)
+        free = torch.ones(self.num_rows, dtype=torch.bool)
+        free[self.at] = False
+        buf[free] = -1  # -1: every bit set
+        self.cache.fill(self.matchers, buf, self.at)
+        return buf
+
     def apply(self, logits: torch.Tensor) -> None:
         """Set, in place, the logits of the grammar rows' disallowed tokens to -inf: the bitmasks go to the device in
-        one copy (filled while the device still runs the step's forward), then ``apply_token_bitmask_``."""
+        one copy (filled while the device still runs the step's forward), then ``apply_token_bitmask_``.
+
+        When only some rows have a grammar and the bitmask covers the whole vocabulary, the host writes a bitmask of
+        every row (the others all ones) and the device masks the batch in one pass, which costs the same as a fully
+        guided batch; the row-index path (a device-side scatter of G rows into a full bitmask first) measured slower."""
         rows, vocab = logits.shape
         if rows != self.num_rows:
             raise ValueError(f"GuidedRows for {self.num_rows} rows applied to logits of {rows} rows")
         width = bitmask_width(self.cache.vocab_size or vocab)
         g = len(self.matchers)
-        buf = self.host_bitmask(width, pin=logits.is_cuda)
         with torch.inference_mode():  # the logits of an inference-mode forward are changed in place
+            if g < rows and width * BITS >= vocab:
+                full = self.host_bitmask_all_rows(width, pin=logits.is_cuda)
+                apply_token_bitmask_(logits, full.to(logits.device, non_blocking=True), None)
+                return
+            buf = self.host_bitmask(width, pin=logits.is_cuda)
             dev = buf.to(logits.device, non_blocking=True)
             every_row = g == rows  # ``at`` is increasing: every row, in order
             apply_token_bitmask_(logits, dev[: g * width].view(g, width), None if every_row else dev[g * width:])
