@@ -36,6 +36,7 @@ from compile_attn import ForwardBatch  # noqa: E402
 from compile_attn.bench import decode_step as bench  # noqa: E402
 from compile_attn.bench.run_info import run_info  # noqa: E402
 from compile_attn.engine import LLM  # noqa: E402
+from compile_attn.engine.execution.speculative.draft_model import DraftModelProposer  # noqa: E402
 from compile_attn.engine.requests.request import Request  # noqa: E402
 from compile_attn.engine.requests.sampling_params import SamplingParams  # noqa: E402
 
@@ -102,6 +103,9 @@ def main() -> None:
     ap.add_argument("--accepted", choices=("none", "all", "half"), default="none",
                     help="drafts the target keeps between proposals: none (one-token catch-ups, decode steps), all "
                          "(two tokens per request, the draft's verify graphs), half (every other request)")
+    ap.add_argument("--extend-catch-up", action="store_true",
+                    help="catch-ups on the extend route, no draft verify graphs (DraftModelProposer.CATCH_UP_TOKENS = "
+                         "0): the comparison")
     ap.add_argument("--tiny", action="store_true", help="two tiny models on the CPU (smoke run)")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -120,6 +124,8 @@ def main() -> None:
                                        "num_speculative_tokens": args.k})
     if args.tiny:
         options.update(graph_mode="full", compile=False)
+    if args.extend_catch_up:
+        DraftModelProposer.CATCH_UP_TOKENS = 0
     llm = LLM(make(target_shape), **options)
     result = dict(run_info=run_info(sys.argv), args=vars(args), draft=[], target=[])
     for bs in sizes:
