@@ -19,9 +19,9 @@ from tqdm.auto import tqdm
 
 from compile_attn.batch import ForwardBatch, ForwardMode
 from compile_attn.engine.execution.in_flight import InFlightStep, has_placeholders
-from compile_attn.engine.execution.memory_profile import check_memory_after_capture, size_kv_cache
+from compile_attn.engine.execution.memory_profile import check_memory_after_capture
 from compile_attn.engine.execution.model_loading import LoadedModel, load_for_engine, resolve_sources
-from compile_attn.engine.execution.rank_parts import build_kv_cache, build_step_runner
+from compile_attn.engine.execution.rank_parts import build_kv_cache, build_step_runner, rank_kv_tokens
 from compile_attn.engine.execution.sampling import sampler
 from compile_attn.engine.execution.sampling.grammar import GrammarCache, GuidedRows
 from compile_attn.engine.execution.speculative.penalties import drafts_before, record_accepted
@@ -99,8 +99,7 @@ class LLM:
         self.vocab_size = find_vocab_size(self.model)  # None: prompts' token ids are only checked to be >= 0
         spec = config.speculative_config
         draft = load_draft(config, max_context, self.vocab_size, self.model)  # None without one; before sizing the KV
-        sized = size_kv_cache(self.model, layers, config, max_context) if not config.kv_cache_tokens else None
-        kv_cache_tokens = sized.kv_cache_tokens if sized else config.kv_cache_tokens
+        kv_cache_tokens, sized = rank_kv_tokens(self.model, layers, config, max_context)
         if sized and draft is not None:  # the draft's KV holds as many tokens: the two share what was sized
             kv_cache_tokens = draft.share_of(kv_cache_tokens, layers, config.page_size, config.kv_dtype)
         if self._tp is not None:  # every rank allocates the same pages: the smallest rank's size
