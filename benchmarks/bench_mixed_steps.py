@@ -9,7 +9,7 @@ The LM head is not in either (the engine runs it on the sampled rows only). FLOP
 tokens for the linear layers, plus attention (the chunk's causal C x C / 2 and each decode row's ``--context``).
 
     python benchmarks/bench_mixed_steps.py --decode-rows 0,64,256 --exact --out mixed_steps.json
-    python benchmarks/bench_mixed_steps.py --tiny        # a CPU smoke run
+    python benchmarks/bench_mixed_steps.py --tiny        # a CPU smoke run (small sizes by default)
 
 Random bf16 weights of the Llama-3.2-1B shape (``LLAMA_1B``), triton, 8,192 tokens per step at most.
 """
@@ -32,6 +32,9 @@ from compile_attn.engine import LLM
 from compile_attn.graph_runner.replay_view import next_bucket
 
 CHUNKS = "256,512,768,1024,1536,2048,2600,3072,4096,4200,5120,6144,7168,8192"
+# The sizes an option left unset takes: on the GPU, and with --tiny (a CPU smoke run of a few graphs, about a minute).
+DEFAULTS = dict(chunks=CHUNKS, decode_rows="0,64,256", context=1000, max_num_tokens=8192)
+TINY_DEFAULTS = dict(chunks="16,40,64", decode_rows="0,4", context=64, max_num_tokens=128)
 
 
 def step_flops(shape: dict, chunk: int, rows: int, context: int) -> float:
@@ -46,16 +49,23 @@ def step_flops(shape: dict, chunk: int, rows: int, context: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--chunks", default=CHUNKS)
-    ap.add_argument("--decode-rows", default="0,64,256")
-    ap.add_argument("--context", type=int, default=1000, help="cached tokens of each decoding row")
-    ap.add_argument("--max-num-tokens", type=int, default=8192)
+    ap.add_argument("--chunks", help=f"prefill chunk sizes (default {CHUNKS}; --tiny: {TINY_DEFAULTS['chunks']})")
+    ap.add_argument("--decode-rows", help=f"decoding rows beside the chunk (default {DEFAULTS['decode_rows']}; "
+                                          f"--tiny: {TINY_DEFAULTS['decode_rows']})")
+    ap.add_argument("--context", type=int, help=f"cached tokens of each decoding row (default {DEFAULTS['context']}; "
+                                                f"--tiny: {TINY_DEFAULTS['context']})")
+    ap.add_argument("--max-num-tokens", type=int, help=f"tokens per step at most (default "
+                                                       f"{DEFAULTS['max_num_tokens']}; --tiny: "
+                                                       f"{TINY_DEFAULTS['max_num_tokens']})")
     ap.add_argument("--exact", action="store_true", help="also time the exact token count without graphs")
     ap.add_argument("--backend", default="triton")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU (smoke run)")
     ap.add_argument("--out")
     args = ap.parse_args()
+    for name, value in (TINY_DEFAULTS if args.tiny else DEFAULTS).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     device = "cpu" if args.tiny else "cuda"
     shape = dict(TINY if args.tiny else LLAMA_1B)
     dtype = torch.float32 if args.tiny else torch.bfloat16

@@ -1,7 +1,7 @@
 """The serving engine, in three layers: ``requests/`` (the request lifecycle: requests, sampling parameters,
 admission, the scheduler, EngineConfig), ``execution/`` (one step on the device: step runner, sampling, memory and KV
-sizing, model loading) and ``serving/`` (AsyncLLM and its pipes); ``llm.py`` (LLM) ties them. This package re-exports
-the public names."""
+sizing, model loading) and ``serving/`` (AsyncLLM and its pipes); ``llm.py`` (LLM) ties them (``intake.py``: how it
+queues one call's requests). This package re-exports the public names."""
 
 import importlib as _importlib
 

@@ -19,9 +19,9 @@ from tqdm.auto import tqdm
 
 from compile_attn.batch import ForwardBatch, ForwardMode
 from compile_attn.engine.execution.in_flight import InFlightStep, has_placeholders
-from compile_attn.engine.execution.memory_profile import check_memory_after_capture, size_kv_cache
+from compile_attn.engine.execution.memory_profile import check_memory_after_capture
 from compile_attn.engine.execution.model_loading import LoadedModel, load_for_engine, resolve_sources
-from compile_attn.engine.execution.rank_parts import build_kv_cache, build_step_runner
+from compile_attn.engine.execution.rank_parts import build_kv_cache, build_step_runner, rank_kv_tokens
 from compile_attn.engine.execution.sampling import sampler
 from compile_attn.engine.execution.sampling.grammar import GrammarCache, GuidedRows
 from compile_attn.engine.execution.speculative.penalties import drafts_before, record_accepted
@@ -32,15 +32,15 @@ from compile_attn.engine.execution.sampling.logprobs import unpack as unpack_log
 from compile_attn.engine.execution.sampling.penalties import PenaltyState
 from compile_attn.engine.execution.sampling.step import forward_and_sample
 from compile_attn.engine.execution.step_extras import StepExtras, start_penalty_rows
-from compile_attn.engine.requests.admission import encode_prompt, find_vocab_size, split_params, split_prompts
+from compile_attn.engine.intake import admit, grammar_cache
+from compile_attn.engine.requests.admission import find_vocab_size, split_prompts
 from compile_attn.engine.requests.chat import render_chat, split_conversations
 from compile_attn.engine.requests.config import EngineConfig
-from compile_attn.engine.requests.errors import EngineBusyError, InvalidRequestError, RequestTypeError
+from compile_attn.engine.requests.errors import EngineBusyError, RequestTypeError
 from compile_attn.engine.requests.request import Request, RequestOutput, RequestStatus, request_output
 from compile_attn.engine.requests.sampling_params import SamplingParams
 from compile_attn.engine.requests.scheduler import ScheduledStep, Scheduler
-from compile_attn.engine.requests.stop_strings import StopStringMatcher, backend_tokenizer
-from compile_attn.engine.requests.token_writer import TokenWriter, sample_seed
+from compile_attn.engine.requests.token_writer import TokenWriter, seed_generator
 from compile_attn.graph_runner import step_kernels
 from compile_attn.graph_runner.step_kernels import TokenFeed
 from compile_attn.kv.cache import KVCache
@@ -99,8 +99,7 @@ class LLM:
         self.vocab_size = find_vocab_size(self.model)  # None: prompts' token ids are only checked to be >= 0
         spec = config.speculative_config
         draft = load_draft(config, max_context, self.vocab_size, self.model)  # None without one; before sizing the KV
-        sized = size_kv_cache(self.model, layers, config, max_context) if not config.kv_cache_tokens else None
-        kv_cache_tokens = sized.kv_cache_tokens if sized else config.kv_cache_tokens
+        kv_cache_tokens, sized = rank_kv_tokens(self.model, layers, config, max_context)
         if sized and draft is not None:  # the draft's KV holds as many tokens: the two share what was sized
             kv_cache_tokens = draft.share_of(kv_cache_tokens, layers, config.page_size, config.kv_dtype)
         if self._tp is not None:  # every rank allocates the same pages: the smallest rank's size
@@ -132,12 +131,7 @@ class LLM:
             if sized:
                 check_memory_after_capture(device, config.gpu_memory_utilization)
         self.writer = TokenWriter(loaded.eos_token_ids, self.vocab_size, max_context)  # finish checks
-        # EngineConfig.seed: unseeded requests' seeds come from this generator; like vLLM's seed it also seeds the
-        # device's CUDA generator (which FlashInfer's sampling kernels draw from for unseeded rows)
-        self._seed_generator = torch.Generator().manual_seed(config.seed) if config.seed is not None else None
-        if config.seed is not None and device.type == "cuda":
-            with torch.cuda.device(device):
-                torch.cuda.manual_seed(config.seed)
+        self._seed_generator = seed_generator(config.seed, device)  # unseeded requests' seeds (EngineConfig.seed)
         if config.capture and device.type == "cuda" and self.vocab_size:  # the sampler's kernels, before traffic
             sampler.warmup(device, self.vocab_size, config.max_batch_size, dtype=dtype)
         if config.capture:  # the step's own kernels (the feed of in-flight tokens), before traffic
@@ -225,7 +219,7 @@ class LLM:
     def _run(self, prompts: list[Any], params: Any, use_tqdm: bool | None,
              prompt_texts: list[str] | None = None) -> list[RequestOutput]:
         """Admit, then step until every request of this call (and any queued before) finishes."""
-        groups = self._admit(prompts, params, prompt_texts=prompt_texts)
+        groups = admit(self, prompts, params, prompt_texts=prompt_texts)  # checks all, then queues (engine/intake.py)
         requests = [r for group in groups for r in group]
         try:
             start = time.perf_counter()
@@ -249,7 +243,7 @@ class LLM:
         ``generate``'s prompts; RequestTooLargeError if it can never fit the KV cache. One request is one sample:
         ``SamplingParams.n`` > 1 is refused here (``generate`` takes it)."""
         with self._exclusive("add_request"):
-            (group,) = self._admit([prompt], params, one_sample=True)
+            (group,) = admit(self, [prompt], params, one_sample=True)
         return group[0]
 
     def abort_request(self, req: Request) -> None:
@@ -277,55 +271,9 @@ class LLM:
         with self._exclusive("step"):
             return self._step()
 
-    def _admit(self, prompts: list[Any], params: Any, *, prompt_texts: list[str] | None = None,
-               one_sample: bool = False) -> list[list[Request]]:
-        """Check every prompt and parameter, then queue them all: per prompt, one request per sample (``n``).
-        On any error nothing is queued or changed."""
-        params_list = split_params(params, len(prompts))
-        ids = [encode_prompt(p, i, tokenizer=self.tokenizer, vocab_size=self.vocab_size)
-               for i, p in enumerate(prompts)]
-        texts = prompt_texts or [p if isinstance(p, str) else None for p in prompts]
-        groups: list[list[Request]] = []
-        next_id = self._next_id
-        for i, (t, sp, text) in enumerate(zip(ids, params_list, texts)):
-            if one_sample and sp.n != 1:
-                raise InvalidRequestError(f"add_request queues one sample but got n={sp.n}; call generate() for n "
-                                          f"samples, or add_request n times with different seeds")
-            if sp.stop:
-                backend_tokenizer(self.tokenizer)  # refused here, not at the first step, without a fast tokenizer
-            if sp.has_penalties and self.vocab_size is None:
-                raise InvalidRequestError("presence / frequency / repetition penalties need the model's vocabulary "
-                                          "size, which this model does not tell (no config.vocab_size); leave them "
-                                          "at 0, 0, 1")
-            if sp.guided_decoding is not None:  # compiled (or found in the cache) now, not in a step
-                self._grammar_cache().compile(sp.guided_decoding)
-            groups.append([Request(next_id + k, t, sp, seed=0, prompt=text) for k in range(sp.n)])
-            next_id += sp.n
-        requests = [r for group in groups for r in group]
-        for req in requests:  # refuse the whole call before queueing anything
-            self.scheduler.check_fits(req)
-        for group in groups:
-            for k, req in enumerate(group):
-                req.seed = sample_seed(req.params.seed, k, self._seed_generator)
-                if req.params.stop:
-                    req.stop_matcher = StopStringMatcher(self.tokenizer, req.params.stop,
-                                                         skip_special_tokens=req.params.skip_special_tokens)
-                if req.params.logprobs is not None:
-                    req.logprobs = []
-                if req.params.guided_decoding is not None:
-                    req.grammar = self._grammar_cache().matcher(req.params.guided_decoding)
-                if req.params.has_penalties and self.penalties is None:
-                    self.penalties = PenaltyState(self.kv_cache.req_to_token.shape[0], self.vocab_size, self.device)
-                self.scheduler.add(req)
-        self._next_id = next_id
-        return groups
-
     def _grammar_cache(self) -> GrammarCache:
-        """The compiled grammars of structured outputs over this model's tokenizer and vocabulary, made on first use
-        (its EOS ids end a finished grammar)."""
-        if self.grammars is None:
-            self.grammars = GrammarCache(self.tokenizer, self.vocab_size, sorted(self.writer.eos_token_ids))
-        return self.grammars
+        """The compiled grammars of structured outputs, made on first use (engine/intake.py)."""
+        return grammar_cache(self)
 
     @contextlib.contextmanager
     def _exclusive(self, call: str) -> Iterator[None]:

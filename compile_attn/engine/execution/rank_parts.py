@@ -1,6 +1,7 @@
-"""What every rank of an engine builds the same way: its KV cache (with an fp8 pool's scales) and its attention
-backend and step runner. ``LLM._build`` (rank 0, or the only rank) and a tensor-parallel worker
-(engine/tensor_parallel/worker.py) both call these, so the ranks cannot drift apart in what they store or capture.
+"""What every rank of an engine builds the same way: its KV cache's size before the ranks agree on one, its KV
+cache (with an fp8 pool's scales) and its attention backend and step runner. ``LLM._build`` (rank 0, or the only
+rank) and a tensor-parallel worker (engine/tensor_parallel/worker.py) both call these, so the ranks cannot drift
+apart in what they store or capture.
 """
 
 from __future__ import annotations
@@ -9,12 +10,22 @@ from typing import Any
 
 from compile_attn.attention import create_backend
 from compile_attn.attention.base import AttentionBackend
+from compile_attn.engine.execution.memory_profile import size_kv_cache
 from compile_attn.engine.execution.model_loading import LoadedModel
 from compile_attn.engine.execution.speculative.setup import decode_graph_rows
 from compile_attn.engine.execution.step_runner import StepRunner
 from compile_attn.engine.requests.config import EngineConfig
 from compile_attn.kv.cache import KVCache
 from compile_attn.kv.kv_scales import setup_kv_scales
+
+
+def rank_kv_tokens(model: Any, layers: list[Any], config: EngineConfig, max_context: int) -> tuple[int, bool]:
+    """``(tokens, sized)``: the KV tokens this rank can hold, ``config.kv_cache_tokens`` when set, else what memory
+    sizing gives (``size_kv_cache``, sized=True). Rank 0 then gives a draft model its share of a sized cache (the
+    draft runs on rank 0 alone), and the ranks allocate the smallest count of them all."""
+    if config.kv_cache_tokens:
+        return config.kv_cache_tokens, False
+    return size_kv_cache(model, layers, config, max_context).kv_cache_tokens, True
 
 
 def build_kv_cache(cache_type: type[KVCache], layers: list[Any], loaded: LoadedModel, config: EngineConfig,

@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from compile_attn.engine.requests.errors import InvalidRequestError, RequestTypeError
+from compile_attn.engine.requests.mapping_keys import field_names, refuse_unknown_keys
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 EXTRA = "structured"  # the extra that installs xgrammar: pip install 'compile-attn[structured]'
@@ -125,11 +126,7 @@ class GuidedDecodingParams:
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> GuidedDecodingParams:
         """``GuidedDecodingParams(**values)``, refusing unknown keys by name."""
-        names = {f.name for f in fields(cls)}
-        unknown = [k for k in values if k not in names]
-        if unknown:
-            raise InvalidRequestError(f"unknown guided_decoding field(s) {', '.join(map(repr, unknown))}; known: "
-                                      f"{', '.join(sorted(names))}")
+        refuse_unknown_keys(values, field_names(cls), "unknown guided_decoding field(s)")
         return cls(**values)
 
     @classmethod

@@ -11,11 +11,12 @@ import math
 import numbers
 import operator
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 from compile_attn.engine.requests.errors import InvalidRequestError, RequestTypeError
 from compile_attn.engine.requests.guided_decoding import GuidedDecodingParams
+from compile_attn.engine.requests.mapping_keys import field_names, refuse_unknown_keys
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # the sampler holds top_k, seeds and token ids as int64
 
@@ -184,13 +185,8 @@ class SamplingParams:
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> SamplingParams:
         """``SamplingParams(**values)``, refusing keys that are neither fields nor vLLM's names by name."""
-        names = {f.name for f in fields(cls)} | set(ALIASES) | set(UNSUPPORTED)
-        unknown = [k for k in values if k not in names]
-        if unknown:
-            raise InvalidRequestError(
-                f"unknown sampling parameter(s) {', '.join(map(repr, unknown))}; known: "
-                f"{', '.join(sorted({f.name for f in fields(cls)} | set(ALIASES)))}"
-            )
+        known = field_names(cls) | set(ALIASES)
+        refuse_unknown_keys(values, known | set(UNSUPPORTED), "unknown sampling parameter(s)", known=known)
         return cls(**values)
 
     @property
@@ -205,10 +201,8 @@ class SamplingParams:
 
 def _refuse_unsupported(values: Mapping[str, Any]) -> None:
     """vLLM options not implemented here, given a value other than "off", are refused by name; other names too."""
-    unknown = [k for k in values if k not in UNSUPPORTED]
-    if unknown:
-        raise RequestTypeError(f"SamplingParams got unknown parameter(s) {', '.join(map(repr, unknown))}; known: "
-                               f"{', '.join(sorted({f.name for f in fields(SamplingParams)} | set(ALIASES)))}")
+    refuse_unknown_keys(values, UNSUPPORTED, "SamplingParams got unknown parameter(s)",
+                        known=field_names(SamplingParams) | set(ALIASES), error=RequestTypeError)
     used = [f"{k}={v!r}" for k, v in values.items() if v != UNSUPPORTED[k]]
     if used:
         raise InvalidRequestError(f"{', '.join(used)}: not supported yet by compile_attn's sampler; leave "

@@ -5,7 +5,8 @@ outside the vocabulary (the request alone finishes with "error"), a token its gr
 token, EOS, a stop string, a finished grammar ("stop"), the length limits (``max_new_tokens``, the context); a
 request with a grammar (structured outputs) has each written token fed to its matcher here. Decode steps write one
 token per request; a verify step writes each accepted token through the same call, so every check holds token by
-token. ``sample_seed`` gives each sample of a request its seed.
+token. ``sample_seed`` gives each sample of a request its seed (``seed_generator``: where unseeded requests' seeds
+come from with ``EngineConfig.seed``).
 """
 
 from __future__ import annotations
@@ -99,3 +100,15 @@ def sample_seed(seed: int | None, index: int, generator: torch.Generator | None 
     if index == 0:
         return seed
     return int(np.random.SeedSequence([seed % 2**64, index]).generate_state(1, np.uint64)[0] >> 1)
+
+
+def seed_generator(seed: int | None, device: torch.device) -> torch.Generator | None:
+    """The engine's generator of unseeded requests' seeds with ``EngineConfig.seed`` (None without one). Like vLLM's
+    seed it also seeds ``device``'s CUDA generator (which FlashInfer's sampling kernels draw from for unseeded
+    rows)."""
+    if seed is None:
+        return None
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            torch.cuda.manual_seed(seed)
+    return torch.Generator().manual_seed(seed)

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import queue
 import threading
 import time
 import weakref
@@ -30,6 +28,7 @@ from compile_attn.engine.llm import LLM
 from compile_attn.engine.requests.request import RequestStatus
 from compile_attn.engine.requests.sampling_params import SamplingParams
 from compile_attn.engine.serving.detokenizer import detokenizer_for
+from compile_attn.engine.serving.inbox import Inbox
 from compile_attn.engine.serving.loop_stats import LoopStats
 from compile_attn.engine.serving.streams import (Delta, EngineOverloadedError, EngineStoppedError, LoopSink, Port,
                                                  RequestStream, StreamState)
@@ -50,13 +49,7 @@ class AsyncLLM:
         self.llm, self.max_pending, self.max_step_retries = llm, max_pending, max_step_retries
         self.stats = LoopStats()
         self.num_failed_steps = 0  # step() calls that raised (each undone by the LLM)
-        self._inbox: queue.Queue = queue.Queue()
-        # A byte per command wakes an idle loop; pipes of consumers in other processes (``attach``) are polled by
-        # the loop itself between steps (a reader thread would need the interpreter lock the loop holds).
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
-        self._wake_lock = threading.Lock()  # the write end is closed under it once the loop ends
+        self._inbox = Inbox()  # commands for the loop thread, and the pipe that wakes it (see inbox.py)
         self._ports: list[Port] = []  # loop thread only: consumers in other processes (``attach``)
         self._active: dict[int, StreamState] = {}  # loop thread only: request_id -> stream
         self._loop_sinks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its LoopSink
@@ -201,14 +194,7 @@ class AsyncLLM:
 
     def _post(self, cmd: tuple) -> None:
         """Queue ``cmd`` for the loop thread and wake it if idle."""
-        self._inbox.put(cmd)
-        with self._wake_lock:
-            if self._wake_w is None:  # the loop has ended
-                return
-            try:
-                os.write(self._wake_w, b"\0")
-            except BlockingIOError:  # the wake pipe is full: the loop has wake-ups enough
-                pass
+        self._inbox.post(cmd)
 
     def _command(self, cmd: tuple) -> None:
         """Run ``cmd`` now when on the loop thread (a pipe's message), else queue it."""
@@ -227,7 +213,7 @@ class AsyncLLM:
                         port.on_idle()
                     if not any(port.readable() for port in self._ports):
                         t0 = time.perf_counter()
-                        wait([self._wake_r, *(w for port in self._ports for w in port.waitables())])
+                        wait([self._inbox.wake_fd, *(w for port in self._ports for w in port.waitables())])
                         self.stats.add_idle(time.perf_counter() - t0)
                 t1 = time.perf_counter()
                 if self._drain_commands():
@@ -277,27 +263,17 @@ class AsyncLLM:
                 except Exception:  # noqa: BLE001 - the port's peer may be gone; its channel is released next
                     logger.debug("flushing a port at the loop's end failed", exc_info=True)
                 port.release()
-            with self._wake_lock:
-                os.close(self._wake_w)
-                self._wake_w = None
-            os.close(self._wake_r)
+            self._inbox.close()
 
     def _drain_commands(self) -> bool:
         """Handle every queued command; True on "stop" (the loop then ends)."""
-        try:
-            while os.read(self._wake_r, 4096):
-                pass
-        except BlockingIOError:
-            pass
-        while True:
-            try:
-                cmd = self._inbox.get_nowait()
-            except queue.Empty:
-                return False
+        self._inbox.drain_wakeups()
+        while (cmd := self._inbox.get()) is not None:
             if cmd[0] == "stop":
                 self._stop_all()
                 return True
             self._handle(cmd)
+        return False
 
     def _read_ports(self) -> None:
         """Every command the attached ports hold now; a port whose peer is gone is dropped (its on_close)."""
@@ -355,11 +331,7 @@ class AsyncLLM:
         for stream in list(self._active.values()):
             self._abort(stream, None)
             stream.put(stream.next_delta(finished=True))
-        while True:  # what came in after "stop" is refused, not left waiting
-            try:
-                cmd = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+        while (cmd := self._inbox.get()) is not None:  # what came in after "stop" is refused, not left waiting
             stopped = EngineStoppedError("the engine was shut down before this reached it")
             if cmd[0] == "add":
                 self._release()

@@ -27,8 +27,7 @@ import torch.distributed as dist
 from compile_attn.batch import ForwardBatch
 from compile_attn.distributed.state import destroy_tensor_parallel, init_tensor_parallel, tp_group, tp_host_group
 from compile_attn.distributed.step_message import StepMessage, StepReceiver
-from compile_attn.engine.execution.memory_profile import size_kv_cache
-from compile_attn.engine.execution.rank_parts import build_kv_cache, build_step_runner
+from compile_attn.engine.execution.rank_parts import build_kv_cache, build_step_runner, rank_kv_tokens
 from compile_attn.engine.requests.admission import find_vocab_size
 from compile_attn.engine.requests.config import EngineConfig
 from compile_attn.engine.tensor_parallel.loading import load_rank
@@ -83,8 +82,7 @@ class Worker:
         model = loaded.model
         layers = model.attention_layers()
         self.vocab_size = find_vocab_size(model)
-        sized = size_kv_cache(model, layers, config, spec.max_context) if not config.kv_cache_tokens else None
-        tokens = agree_min(sized.kv_cache_tokens if sized else config.kv_cache_tokens, device)
+        tokens = agree_min(rank_kv_tokens(model, layers, config, spec.max_context)[0], device)  # a draft: rank 0 only
         self.kv_cache = build_kv_cache(MirroredKVCache, layers, loaded, config, spec.max_context, tokens, device)
         _, self.step_runner = build_step_runner(model, layers, self.kv_cache, config)
         if config.capture:
