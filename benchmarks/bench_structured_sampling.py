@@ -104,9 +104,9 @@ def bench(rows: int, vocab: int, device: torch.device, rows_state: GuidedRows, r
     width = bitmask_width(vocab)
     g = len(rows_state.matchers)
     pin = device.type == "cuda"
-    host = rows_state.host_bitmask(width, pin)  # filled once: the device-time cases copy this one
+    host = rows_state.fill_host(logits)  # filled once: the device-time cases copy this one (the engine's layout)
     every_row = g == rows
-    dev_buf = host.to(device)
+    dev_buf = rows_state.host_bitmask(width, pin).to(device)  # the G rows and their row indices: the kernels alone
     masked = logits.clone()
     # Medians of reps calls after warm untimed ones: CUDA events (device time) on a GPU, else wall clock; the
     # step times are wall clock with a synchronize around each call, the host's fill times wall clock.
@@ -115,9 +115,7 @@ def bench(rows: int, vocab: int, device: torch.device, rows_state: GuidedRows, r
     on_host = BenchConfig(device="cpu", iters=reps, warmup=warm)
 
     def copy_and_mask() -> None:
-        buf = host.to(device, non_blocking=True)
-        with torch.inference_mode():
-            apply_token_bitmask_(masked, buf[: g * width].view(g, width), None if every_row else buf[g * width:])
+        rows_state.mask(masked, host)
 
     def mask_kernel(backend: str) -> Callable[[], None]:
         def run() -> None:
@@ -160,7 +158,7 @@ def bench(rows: int, vocab: int, device: torch.device, rows_state: GuidedRows, r
         r["plain_ms"] = _timed(lambda: pick(logits), events)
         r["guided_ms"] = _timed(guided_device, events)
         r["excess_ms"] = r["guided_ms"] - r["plain_ms"]
-        r["fill_ms"] = _timed(lambda: rows_state.host_bitmask(width, pin), on_host)
+        r["fill_ms"] = _timed(lambda: rows_state.fill_host(logits), on_host)
         r["plain_step_ms"] = _timed(lambda: pick(logits), wall)
         r["guided_step_ms"] = _timed(guided_step, wall)
         r["mask_kernel_ms"] = _timed(mask_kernel("torch"), events)

@@ -151,24 +151,37 @@ class GuidedRows:
         return buf
 
     def apply(self, logits: torch.Tensor) -> None:
-        """Set, in place, the logits of the grammar rows' disallowed tokens to -inf: the bitmasks go to the device in
-        one copy (filled while the device still runs the step's forward), then ``apply_token_bitmask_``.
+        """Set, in place, the logits of the grammar rows' disallowed tokens to -inf: ``fill_host`` then ``mask``."""
+        self.mask(logits, self.fill_host(logits))
 
-        When only some rows have a grammar and the bitmask covers the whole vocabulary, the host writes a bitmask of
-        every row (the others all ones) and the device masks the batch in one pass, which costs the same as a fully
-        guided batch; the row-index path (a device-side scatter of G rows into a full bitmask first) measured slower."""
+    def _one_pass(self, vocab: int) -> bool:
+        """Whether a partly guided step masks every row in one pass: the host writes a bitmask of every row (the
+        others all ones) and the device masks the batch as it would a fully guided one. The row-index path (G rows
+        scattered into a full bitmask on the device first) measured slower; it stays for a bitmask narrower than
+        the logits (its tail is banned in the guided rows only)."""
+        return len(self.matchers) < self.num_rows and bitmask_width(self.cache.vocab_size or vocab) * BITS >= vocab
+
+    def fill_host(self, logits: torch.Tensor) -> torch.Tensor:
+        """The step's host bitmask for ``logits`` (pinned on a GPU), filled by the matchers: ``host_bitmask_all_rows``
+        or ``host_bitmask``. Filled while the device still runs the step's forward."""
         rows, vocab = logits.shape
         if rows != self.num_rows:
             raise ValueError(f"GuidedRows for {self.num_rows} rows applied to logits of {rows} rows")
         width = bitmask_width(self.cache.vocab_size or vocab)
-        g = len(self.matchers)
+        if self._one_pass(vocab):
+            return self.host_bitmask_all_rows(width, pin=logits.is_cuda)
+        return self.host_bitmask(width, pin=logits.is_cuda)
+
+    def mask(self, logits: torch.Tensor, host: torch.Tensor) -> None:
+        """Copy ``fill_host``'s buffer to the device in one copy and mask ``logits`` in place
+        (``apply_token_bitmask_``)."""
+        rows, vocab = logits.shape
         with torch.inference_mode():  # the logits of an inference-mode forward are changed in place
-            if g < rows and width * BITS >= vocab:
-                full = self.host_bitmask_all_rows(width, pin=logits.is_cuda)
-                apply_token_bitmask_(logits, full.to(logits.device, non_blocking=True), None)
+            dev = host.to(logits.device, non_blocking=True)
+            if self._one_pass(vocab):
+                apply_token_bitmask_(logits, dev, None)
                 return
-            buf = self.host_bitmask(width, pin=logits.is_cuda)
-            dev = buf.to(logits.device, non_blocking=True)
+            g, width = len(self.matchers), bitmask_width(self.cache.vocab_size or vocab)
             every_row = g == rows  # ``at`` is increasing: every row, in order
             apply_token_bitmask_(logits, dev[: g * width].view(g, width), None if every_row else dev[g * width:])
 
