@@ -2,13 +2,9 @@
 target's verify step against its decode step, in one run; with an acceptance measured elsewhere
 (examples/speculative_acceptance.py), the projected speedup.
 
-* Draft cost: ``DraftModelProposer.propose`` for B requests of ``--context`` tokens in steady state (a catch-up step,
-  then K - 1 decode steps; the K drafts copied to the host once), wall-clock median after a device sync, against K x
-  the draft's decode step of B requests (CUDA-event median of its graph replay, at each request's mean context over
-  the run). Target <= 1.1x. ``--accepted`` sets what the target keeps between proposals, so what the catch-up feeds:
-  ``none`` (each request feeds its last token again: a decode step), ``all`` (every request takes its K drafts and a
-  bonus token and feeds two tokens: the draft's verify graphs) or ``half`` (every other request: one and two tokens).
-  The JSON counts the timed proposals' verify-graph runs and their steps outside full graphs (piecewise or eager).
+* Draft cost: ``DraftModelProposer.propose`` for B requests of ``--context`` tokens in steady state (each request
+  feeds one token, then K - 1 decode steps; the K drafts copied to the host once), wall-clock median after a device
+  sync, against K x the draft's decode step of B requests (CUDA-event median of its graph replay). Target <= 1.1x.
 * Target steps: the decode step of B requests and the chain verify step of B x (1 + K) tokens (full decode graphs).
 * Projection: a request gains ``L`` tokens per verify step (L = ``--accepted-length``, the mean accepted length),
   so tokens per second scale by L x decode / (draft + verify).
@@ -36,7 +32,6 @@ from compile_attn import ForwardBatch  # noqa: E402
 from compile_attn.bench import decode_step as bench  # noqa: E402
 from compile_attn.bench.run_info import run_info  # noqa: E402
 from compile_attn.engine import LLM  # noqa: E402
-from compile_attn.engine.execution.speculative.draft_model import DraftModelProposer  # noqa: E402
 from compile_attn.engine.requests.request import Request  # noqa: E402
 from compile_attn.engine.requests.sampling_params import SamplingParams  # noqa: E402
 
@@ -49,46 +44,34 @@ LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, nu
 TINY_DRAFT = dict(bench.TINY, num_hidden_layers=1)
 
 
-def draft_times(llm: LLM, bs: int, context: int, iters: int, device: str, vocab: int, accepted: str = "none",
-                ) -> dict:
-    """A proposal for ``bs`` requests of ``context`` tokens (steady state; ``accepted``: what the target keeps
-    between proposals) against K draft decode steps."""
+def draft_times(llm: LLM, bs: int, context: int, iters: int, device: str, vocab: int) -> dict:
+    """A proposal for ``bs`` requests of ``context`` tokens (steady state) against K draft decode steps."""
     draft = llm.speculator.draft
     k = draft.k
     gen = torch.Generator().manual_seed(bs)
     reqs = [Request(10_000 + i, torch.randint(0, vocab, (context,), generator=gen).tolist(), SamplingParams(),
                     seed=0)
             for i in range(bs)]
-    drafts = draft.propose(reqs, [k] * bs)  # first call: each request's whole context is fed (the catch-up)
-    stats = draft.runner.runner.stats
-    verify_runs, runs = stats.verify_runs, dict(stats.runs)
-    keeps = [accepted == "all" or (accepted == "half" and i % 2 == 0) for i in range(bs)]
+    draft.propose(reqs, [k] * bs)  # first call: each request's whole context is fed (the catch-up)
     walls = []
     for _ in range(iters + 5):
-        for r, keep, (tokens, _) in zip(reqs, keeps, drafts):
-            if keep:  # every draft accepted and a bonus token: the catch-up feeds the last draft and the bonus
-                r.token_ids.extend([*tokens, tokens[-1]])
         sync(device)
         t0 = time.perf_counter()
-        # the drafts the target did not keep are cut; each request feeds one or two tokens and drafts again
-        drafts = draft.propose(reqs, [k] * bs)
+        draft.propose(reqs, [k] * bs)  # the drafts past each request's last token are cut and drafted again
         sync(device)
         walls.append(1e3 * (time.perf_counter() - t0))
     propose_ms = statistics.median(walls[5:])
-    not_full = sum(n - runs.get(mode, 0) for mode, n in stats.runs.items() if mode != "full")
-    # One draft decode step of the same rows, each at its mean context over the run.
+    # One draft decode step of the same rows: each request's last token again over its own slot.
     kv, rows = draft.kv_cache, [draft._rows[r.request_id].row for r in reqs]
-    prefix = [(context + len(r.token_ids)) // 2 - 1 for r in reqs]
-    for row, p in zip(rows, prefix):
-        kv.truncate(row, p)
-    fb = ForwardBatch.build(req_pool_indices=rows, prefix_lens=prefix, extend_lens=[1] * bs,
+    for r in rows:
+        kv.truncate(r, context - 1)
+    fb = ForwardBatch.build(req_pool_indices=rows, prefix_lens=[context - 1] * bs, extend_lens=[1] * bs,
                             out_cache_loc=kv.alloc_extend(rows, [1] * bs),
-                            input_ids=[r.token_ids[p] for r, p in zip(reqs, prefix)], device=device)
+                            input_ids=[r.token_ids[-1] for r in reqs], device=device)
     decode_ms = median_ms(lambda: draft.runner.run(fb, None), device, iters)
     draft.forget(set())
-    return dict(batch_size=bs, k=k, context=context, accepted=accepted, propose_ms=propose_ms,
-                draft_decode_ms=decode_ms, ratio=propose_ms / (k * decode_ms),
-                verify_graph_runs=stats.verify_runs - verify_runs, steps_not_in_full_graphs=not_full)
+    return dict(batch_size=bs, k=k, context=context, propose_ms=propose_ms, draft_decode_ms=decode_ms,
+                ratio=propose_ms / (k * decode_ms))
 
 
 def main() -> None:
@@ -100,12 +83,6 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--accepted-length", type=float, default=None,
                     help="mean accepted length per verify step to project the speedup with")
-    ap.add_argument("--accepted", choices=("none", "all", "half"), default="none",
-                    help="drafts the target keeps between proposals: none (one-token catch-ups, decode steps), all "
-                         "(two tokens per request, the draft's verify graphs), half (every other request)")
-    ap.add_argument("--extend-catch-up", action="store_true",
-                    help="catch-ups on the extend route, no draft verify graphs (DraftModelProposer.CATCH_UP_TOKENS = "
-                         "0): the comparison")
     ap.add_argument("--tiny", action="store_true", help="two tiny models on the CPU (smoke run)")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -114,23 +91,19 @@ def main() -> None:
     dtype = torch.float32 if args.tiny else torch.bfloat16
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     make = lambda shape: bench._hf_model(bench.BenchConfig(shape=dict(shape), device=device), "sdpa", dtype)  # noqa: E731
-    grow = 0 if args.accepted == "none" else (args.iters + 5) * (args.k + 1)  # tokens a request gains in a run
     options = dict(attn_backend=args.backend if not args.tiny else "torch_native", device=device, dtype=dtype,
                    max_batch_size=max(sizes), max_num_tokens=max(2048, max(sizes) * (args.k + 1)),
-                   max_context=args.context + grow + 2 * args.k + 8,
-                   kv_cache_tokens=2 * max(sizes) * (args.context + grow + 2 * args.k + 16) + 4096,
+                   max_context=args.context + 2 * args.k + 8,
+                   kv_cache_tokens=2 * max(sizes) * (args.context + 2 * args.k + 16) + 4096,
                    compile_options={"cache_dir": None},
                    speculative_config={"method": "draft_model", "model": make(draft_shape),
                                        "num_speculative_tokens": args.k})
     if args.tiny:
         options.update(graph_mode="full", compile=False)
-    if args.extend_catch_up:
-        DraftModelProposer.CATCH_UP_TOKENS = 0
     llm = LLM(make(target_shape), **options)
     result = dict(run_info=run_info(sys.argv), args=vars(args), draft=[], target=[])
     for bs in sizes:
-        result["draft"].append(draft_times(llm, bs, args.context, args.iters, device, target_shape["vocab_size"],
-                                           args.accepted))
+        result["draft"].append(draft_times(llm, bs, args.context, args.iters, device, target_shape["vocab_size"]))
     result["target"] = step_times(llm, sizes, args.k, args.context, args.iters, device, target_shape["vocab_size"])
     print("| B | K draft steps (propose) ms | K x draft decode ms | ratio | target decode ms | verify ms | "
           "projected speedup |\n|---|---|---|---|---|---|---|")

@@ -144,7 +144,8 @@ class GraphRunner:
             return None
         if fb.forward_mode.is_decode():
             mode, bucket = self.plan.decode, next_bucket(self.decode_buckets, fb.batch_size)
-        elif (bucket := self._decode_rows_bucket(fb)) is not None:
+        elif self.plan.decode is GraphMode.FULL and self.backend.decode_stores_kv_first and is_chain_verify(fb) and (
+                bucket := next_bucket(self.decode_buckets, fb.num_tokens)) is not None:
             return GraphMode.FULL, bucket  # its tokens as decode rows (verify_unroll.py)
         else:
             mode, bucket = self.plan.extend, next_bucket(self.extend_buckets, fb.num_tokens)
@@ -168,18 +169,6 @@ class GraphRunner:
                                                                q) is None:
             return None
         return next_bucket(self.verify_buckets, fb.batch_size)
-
-    def _decode_rows_bucket(self, fb: ForwardBatch) -> int | None:
-        """The full decode graph that runs the chain verify batch ``fb`` as decode rows (``verify_unroll.py``), or
-        None."""
-        if self.plan.decode is GraphMode.FULL and self.backend.decode_stores_kv_first and is_chain_verify(fb):
-            return next_bucket(self.decode_buckets, fb.num_tokens)
-        return None
-
-    def verify_in_full_graph(self, fb: ForwardBatch) -> bool:
-        """Whether the chain verify batch ``fb`` runs in a full graph: a verify graph (``verify_route``) or the
-        decode graph of its token count, its tokens as decode rows."""
-        return self.verify_route(fb) is not None or self._decode_rows_bucket(fb) is not None
 
     def shared_prefix_route(self, fb: ForwardBatch) -> Route | None:
         """The piecewise ``(mode, token bucket)`` for a decode batch that carries shared-prefix groups the backend

@@ -1,16 +1,11 @@
 """Draft-model proposals: a smaller model of the target's tokenizer, run by the engine's own machinery (its own KV
 cache, attention backend and graph runner), proposes each request's next K tokens greedily.
 
-Per engine step, for the requests that may draft: one catch-up step feeds each request the tokens its draft KV does
+Per engine step, for the requests that may draft: one extend step feeds each request the tokens its draft KV does
 not hold yet (usually the target's newest token and the drafts it accepted; the whole prompt the first time, in
 chunks of ``max_num_tokens``) and takes the argmax of its last row; then K - 1 decode steps (full decode graphs)
 feed those argmaxes back on the device (``TokenFeed`` placeholders: no host round trip between them) and take
-theirs. In steady state the catch-up feeds one or two tokens per request (two when every draft was accepted: the
-target's newest token and the last draft, whose KV the draft never wrote); such a batch is a causal chain batch like
-a target's verify step, so it runs as one (``ForwardMode.TARGET_VERIFY``) in a full graph: the draft runner's verify
-graphs of ``CATCH_UP_TOKENS`` tokens per request (a request feeding one token takes the last of its rows), or where
-the backend has no verify mode the decode graph of its token count, as decode rows. When every request feeds one
-token the step is a plain decode step; first prompts and longer catch-ups take the extend route (piecewise graphs). The K drafts per request come back to the host in one copy. The draft's KV then holds the request's tokens
+theirs. The K drafts per request come back to the host in one copy. The draft's KV then holds the request's tokens
 and its first K - 1 drafts; at the next proposal whatever of those the target did not keep is cut off
 (``KVCache.truncate``), so accepted drafts' KV is reused and nothing is recomputed.
 
@@ -28,16 +23,14 @@ from typing import Any
 import torch
 
 from compile_attn.attention import create_backend
-from compile_attn.batch import ForwardBatch, ForwardMode
+from compile_attn.batch import ForwardBatch
 from compile_attn.engine.execution.kv_sizing import kv_bytes_per_token
 from compile_attn.engine.execution.model_loading import load_for_engine
-from compile_attn.engine.execution.speculative.graph_sizes import verify_graph_sizes
 from compile_attn.engine.execution.step_runner import StepRunner
 from compile_attn.engine.requests.admission import find_vocab_size
 from compile_attn.engine.requests.errors import EngineOptionError
 from compile_attn.engine.requests.request import Request
 from compile_attn.errors import KVCacheExhaustedError
-from compile_attn.graph_mode import GraphMode
 from compile_attn.graph_runner.step_kernels import TokenFeed
 from compile_attn.host_tensors import to_device
 from compile_attn.kv.cache import KVCache
@@ -84,10 +77,6 @@ class DraftModelProposer:
     """Proposes up to ``num_speculative_tokens`` greedy drafts per request with a draft model (``model``: an HF
     directory, a ``transformers`` config, an HF model or a protocol model, as ``LLM``'s ``model``)."""
 
-    # The most tokens a steady-state catch-up feeds a request (the target's newest token and, when every draft was
-    # accepted, the last draft): its runner's verify graphs hold this many tokens per request (0: none).
-    CATCH_UP_TOKENS = 2
-
     def __init__(self, model: Any, num_speculative_tokens: int, options: DraftEngineOptions,
                  target_vocab_size: int | None) -> None:
         self.k = num_speculative_tokens
@@ -120,24 +109,14 @@ class DraftModelProposer:
 
     def build(self, kv_cache_tokens: int) -> None:
         """Make the draft's KV cache (``kv_cache_tokens`` tokens, the target's count: every request's draft KV
-        mirrors its target KV plus K - 1 drafts), backend and step runner. The runner's graphs take a catch-up step
-        (``CATCH_UP_TOKENS`` per request): verify graphs of that many tokens per request, and decode graphs of up to
-        ``max_batch_size x CATCH_UP_TOKENS`` rows, which run it as decode rows where the backend has no verify mode
-        (that backend then stores a step's KV before attending, as the target's does with speculation)."""
+        mirrors its target KV plus K - 1 drafts), backend and step runner."""
         o = self.options
         self.kv_cache = KVCache.for_layers(self.layers, max_batch_size=o.max_batch_size, max_context=o.max_context,
                                            kv_cache_tokens=kv_cache_tokens, page_size=o.page_size, dtype=o.dtype,
                                            device=o.device)
         backend = create_backend(o.attn_backend, self.kv_cache, self.layers)
-        c, rows, options = self.CATCH_UP_TOKENS, o.max_batch_size, o.compile_options
-        if c:
-            rows *= c
-            # the draft's own verify graphs, whatever the target's verify steps hold
-            options = {**(verify_graph_sizes(options, rows) or {}), "verify_tokens": c}
-            if not backend.supports_verify_mode(c):
-                backend.store_decode_kv_first()
         self.runner = StepRunner(self.model, backend, graph_mode=o.graph_mode, compile=o.compile,
-                                 compile_options=options, max_batch_size=rows,
+                                 compile_options=o.compile_options, max_batch_size=o.max_batch_size,
                                  max_num_tokens=o.max_num_tokens)
         logger.info("draft model: %d layers, KV cache %d tokens (%.1f MiB)", len(self.layers), kv_cache_tokens,
                     self.kv_cache.pool.bytes / 2**20)
@@ -290,7 +269,9 @@ class DraftModelProposer:
             prefix = [len(states[i].held) for i in picked]
             lens = [take[i] for i in picked]
             ids = [t for i in picked for t in pending[i][: take[i]]]
-            fb = self._catch_up_batch(rows, prefix, lens, kv.alloc_extend(rows, lens), ids)
+            loc = kv.alloc_extend(rows, lens)
+            fb = ForwardBatch.build(req_pool_indices=rows, prefix_lens=prefix, extend_lens=lens, out_cache_loc=loc,
+                                    input_ids=ids, device=device)
             done_now = [j for j, i in enumerate(picked) if take[i] == len(pending[i])]
             ends, total = [], 0
             for n in lens:
@@ -311,24 +292,6 @@ class DraftModelProposer:
                 result_lp[at] = firsts_lp
         assert result is not None
         return result, result_lp
-
-    def _catch_up_batch(self, rows: list[int], prefix: list[int], lens: list[int], loc: torch.Tensor,
-                        ids: list[int]) -> ForwardBatch:
-        """The batch of one catch-up step. Where every request feeds 1 to ``CATCH_UP_TOKENS`` tokens (not all one:
-        that is a decode step) it is a chain verify batch (``TARGET_VERIFY``: causal, each token sees its prefix and
-        the tokens fed before it) if the runner runs that in a full graph (a verify graph, or decode rows); else a
-        plain batch (decode, mixed or extend)."""
-        runner, device = self.runner, self.options.device
-        assert runner is not None
-        one_each = max(lens) == 1 and min(prefix) > 0
-        if (self.CATCH_UP_TOKENS and max(lens) <= self.CATCH_UP_TOKENS and not one_each
-                and runner.runner.plan.decode is GraphMode.FULL):
-            fb = ForwardBatch.build(req_pool_indices=rows, prefix_lens=prefix, extend_lens=lens, out_cache_loc=loc,
-                                    input_ids=ids, forward_mode=ForwardMode.TARGET_VERIFY, device=device)
-            if runner.runner.verify_in_full_graph(fb):
-                return fb
-        return ForwardBatch.build(req_pool_indices=rows, prefix_lens=prefix, extend_lens=lens, out_cache_loc=loc,
-                                  input_ids=ids, device=device)
 
 
 def _top(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -63,8 +63,6 @@ class _Features:
 class EagleProposer(DraftModelProposer):
     """Proposes up to ``num_speculative_tokens`` greedy drafts per request with the EAGLE head in ``path``."""
 
-    CATCH_UP_TOKENS = 0  # its catch-up feeds pairs with the target's features: the extend route, no verify graphs
-
     def __init__(self, path: Any, num_speculative_tokens: int, options: DraftEngineOptions, target: Any) -> None:
         self.k = num_speculative_tokens
         self.options = options

@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from compile_attn.config import GraphConfig
 from compile_attn.engine.execution.speculative.draft_model import DraftEngineOptions, DraftModelProposer
 from compile_attn.engine.execution.speculative.eagle import EagleProposer
-from compile_attn.engine.execution.speculative.graph_sizes import verify_graph_sizes
 from compile_attn.engine.requests.config import EngineConfig
 
 
@@ -44,3 +44,14 @@ def decode_graph_rows(config: EngineConfig) -> tuple[int, Mapping[str, Any] | No
     if spec is not None and spec.topk == 1 and "verify_tokens" not in (options or {}):
         options = {**(options or {}), "verify_tokens": q}
     return rows, options
+
+
+def verify_graph_sizes(options: Mapping[str, Any] | None, rows: int) -> Mapping[str, Any] | None:
+    """``options`` with decode graphs up to ``rows`` rows (the default sizes continued in steps of 8) where they
+    leave ``decode_batch_sizes`` to its default and verify steps (``rows``: requests x (1 + K)) need more rows."""
+    options = dict(options or {})
+    default = GraphConfig.decode_batch_sizes
+    if "decode_batch_sizes" in options or rows <= default[-1]:
+        return options or None
+    options["decode_batch_sizes"] = (*default, *range(default[-1] + 8, rows + 8, 8))
+    return options
