@@ -105,3 +105,59 @@ def test_other_chain_verify_steps_replay_decode_graphs_as_rows(backend_cls: type
     out = runner.run(step.runner_batch)
     torch.testing.assert_close(out, eager_reference(model, ref_backend, step.ref_batch), atol=1e-5, rtol=1e-5)
     assert runner.stats.runs["full"] == 1 and runner.stats.verify_runs == 0  # the decode graph of its token count
+
+
+def _tree_runner(twin: Twin, model, trees: bool = True) -> GraphRunner:  # noqa: ANN001
+    backend = VerifyModeNative(twin.caches[0], model.attention_layers())
+    runner = GraphRunner(model, backend, GraphConfig(mode="full", decode_batch_sizes=DECODE, cache_dir=None,
+                                                     verify_tokens=Q, verify_trees=trees),
+                         max_batch_size=4 * Q, max_num_tokens=32)
+    runner.capture()
+    return runner
+
+
+TREES = ((-1, 0, 0), (-1, 0, 1), (-1, 0, 0))  # Q = 3 tokens each: two trees and a chain
+
+
+def test_tree_verify_steps_replay_the_tree_verify_graphs() -> None:
+    """``verify_trees``: draft trees of Q tokens per request replay the verify graph of their request bucket, the
+    ancestor masks written out of graph; the outputs equal plain eager steps (the extend path's tree masks), twice
+    (stale masks would show), then chain steps (Q and fewer tokens) through the same tree graphs."""
+    model, twin = make_model(), Twin(seed=11)
+    runner = _tree_runner(twin, model)
+    assert runner.verify_buckets == BUCKETS and runner.stats.verify_graphs == len(BUCKETS)
+    ref_backend = CountingBackend(twin.caches[1], model.attention_layers())
+    ids = _prefill(twin, runner, model, ref_backend, 3)
+    for trees in (TREES, tuple(reversed(TREES))):
+        step = twin.step(ids, [Q] * 3, ForwardMode.TARGET_VERIFY, draft_parents=trees)
+        assert runner.verify_route(step.runner_batch) == 4
+        out = runner.run(step.runner_batch)
+        ref = eager_reference(model, ref_backend, step.ref_batch)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert runner.backend.tree_forwards > 0 and runner.stats.verify_runs == 2
+    chains = twin.step(ids, [Q] * 3, ForwardMode.TARGET_VERIFY)
+    assert not torch.allclose(eager_reference(model, CountingBackend(twin.caches[1], model.attention_layers()),
+                                              chains.ref_batch)[:Q], ref[:Q], atol=1e-3)  # the trees mattered
+    for step in (chains, twin.step(ids, [Q, 1, Q - 1], ForwardMode.TARGET_VERIFY)):
+        if step is not chains:
+            assert runner.verify_route(step.runner_batch) == 4  # fewer tokens: end-aligned, as chains of Q
+        torch.testing.assert_close(runner.run(step.runner_batch),
+                                   eager_reference(model, ref_backend, step.ref_batch), atol=1e-5, rtol=1e-5)
+    assert runner.stats.verify_runs == 4 and runner.stats.runs["full"] == 4
+
+
+def test_other_tree_steps_keep_their_route() -> None:
+    """Trees of other token counts take the extend route (eager here: a full-only runner), and a runner whose verify
+    graphs are for chains sends every tree there."""
+    model, twin = make_model(), Twin(seed=12)
+    tree_runner, chain_runner = _tree_runner(twin, model), _tree_runner(twin, model, trees=False)
+    ref_backend = CountingBackend(twin.caches[1], model.attention_layers())
+    ids = _prefill(twin, tree_runner, model, ref_backend, 2)
+    step = twin.step(ids, [4, 2], ForwardMode.TARGET_VERIFY, draft_parents=((-1, 0, 0, 1), (-1, 0)))
+    assert tree_runner.verify_route(step.runner_batch) is None
+    torch.testing.assert_close(tree_runner.run(step.runner_batch), eager_reference(model, ref_backend, step.ref_batch),
+                               atol=1e-5, rtol=1e-5)
+    assert tree_runner.stats.verify_runs == 0
+    uniform = twin.step(ids, [Q, Q], ForwardMode.TARGET_VERIFY, draft_parents=TREES[:2])
+    assert chain_runner.verify_route(uniform.runner_batch) is None
+    assert tree_runner.verify_route(uniform.runner_batch) == 2

@@ -101,6 +101,47 @@ def test_prompt_lookup_with_mixed_draft_counts_replays_the_verify_graphs_on_the_
     assert runner.stats.verify_runs == len(seen) > 0
 
 
+def _tree_spec() -> dict:
+    """A draft model's trees: its top 2 tokens at each of 2 depths, so 4 drafts (Q = 5) for every request."""
+    return {**_draft_spec(), "num_speculative_tokens": 2, "topk": 2}
+
+
+@pytest.mark.slow
+@_CPU
+def test_triton_verify_mode_runs_draft_trees_on_the_cpu() -> None:
+    model = _toy()
+    llm = LLM(model, attn_backend="triton", graph_mode="none", compile=False, max_batch_size=4, max_num_tokens=64,
+              max_context=64, page_size=4, device="cpu", speculative_config=_tree_spec())
+    _check_greedy(llm, model, PROMPTS[1:2], n_new=4)  # few steps: the interpreter is slow
+    assert llm.backend.verify.tree_steps > 0 and llm.speculator.stats.tree_verified > 0
+
+
+@_CPU
+def test_draft_trees_replay_the_tree_verify_graphs_on_the_cpu(monkeypatch) -> None:  # noqa: ANN001
+    """topk > 1: the engine captures tree verify graphs of 1 + num_draft_tokens tokens per request; its tree verify
+    steps replay them (none captured on first traffic) and the greedy tokens are plain greedy decoding's."""
+    monkeypatch.setattr(rank_parts, "create_backend", lambda name, kv, layers: VerifyModeNative(kv, layers))
+    model = _toy()
+    llm = LLM(model, graph_mode="full", compile=False, max_batch_size=4, max_num_tokens=64, max_context=64,
+              page_size=4, device="cpu", speculative_config=_tree_spec())
+    runner = llm.step_runner.runner
+    assert runner.verify_tokens == 5 and runner.verify_trees and runner.verify_buckets == (1, 2, 4)
+    captures = dict(runner.stats.captures)
+    trees = []
+    run = runner.run
+
+    def record(fb, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if fb.draft_parents is not None and runner.verify_route(fb) is not None:
+            trees.append(fb.draft_parents)
+        return run(fb, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "run", record)
+    _check_greedy(llm, model, n_new=6)
+    assert trees and runner.stats.verify_runs >= len(trees) and llm.backend.tree_forwards > 0
+    assert any(parents != tuple(range(-1, 4)) for step in trees for parents in step)  # real trees, not chains
+    assert dict(runner.stats.captures) == captures
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_triton_verify_steps_replay_the_verify_graphs_on_a_gpu() -> None:
