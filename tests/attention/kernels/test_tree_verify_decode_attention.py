@@ -150,3 +150,23 @@ def test_a_bad_tree_mask_is_named(mask: torch.Tensor, match: str) -> None:
     q = torch.randn(4, 2, 64, generator=gen).to(DEVICE)
     with pytest.raises(ValueError, match=match):
         run_tree(cache, q, torch.ones(2, dtype=torch.int32, device=DEVICE), 2, 2, mask.to(DEVICE), one_launch=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the serving-size case)")
+@pytest.mark.parametrize("one_launch", [False, True])
+def test_tree_verify_serving_size_gpu(one_launch: bool) -> None:
+    """64 requests x random trees of 8 tokens over 500-token prefixes, 32 q / 8 KV heads, head dim 64, bf16, shuffled
+    slots, several splits per request: against the float64 ancestor reference."""
+    rng = random.Random(0)
+    gen = torch.Generator().manual_seed(0)
+    tokens, bs = 8, 64
+    lengths = [500 + rng.randrange(40) + tokens for _ in range(bs)]
+    trees = [random_parents(tokens, rng) for _ in range(bs)]
+    cache = make_paged_cache(lengths, 8, 64, 64, 1, torch.bfloat16, gen)
+    q = torch.randn(bs * tokens, 32, 64, generator=gen).to(torch.bfloat16).to(DEVICE)
+    splits = torch.tensor([rng.randint(1, 8) for _ in range(bs)], dtype=torch.int32, device=DEVICE)
+    mask = torch.tensor([w for parents in trees for w in bits_of(parents)], dtype=torch.int64, device=DEVICE)
+    out = run_tree(cache, q, splits, 8, tokens, mask, one_launch=one_launch)
+    assert not out.isnan().any()
+    assert rel_err(out, reference_tree(cache, q, trees, 0.125)) <= TOLERANCE[torch.bfloat16]

@@ -6,7 +6,8 @@ full verify graphs on the CPU (a torch_native test double with a verify mode: te
 A draft model proposes K tokens for every request, so its verify steps are uniform (1 + K tokens per request) and take
 the verify mode; n-gram proposals differ in length between requests (a request without a match verifies none): in
 full verify graphs their tokens take the last rows of their 1 + K (graph_runner/verify_layout.py), eagerly the
-extend route."""
+extend route. With topk > 1 (draft trees) the engine captures tree verify graphs of 1 + num_draft_tokens tokens per
+request, which a draft model's uniform trees replay."""
 
 from __future__ import annotations
 
@@ -166,3 +167,31 @@ def test_triton_verify_steps_replay_the_verify_graphs_on_a_gpu() -> None:
         assert out.token_ids[:first_tie] == ref[:first_tie], f"first undecidable position {first_tie}"
     assert runner.stats.verify_runs > 0  # (steps near max_new_tokens may verify fewer drafts: decode rows)
     assert llm.backend.verify.steps >= runner.stats.verify_runs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_triton_tree_verify_steps_replay_the_tree_verify_graphs_on_a_gpu() -> None:
+    """bf16 on a GPU, a draft model's trees (topk 2 at each of 3 depths: 6 drafts, Q = 7): tokens equal HF's greedy
+    ones up to the first near-tie, and the tree verify steps replayed the tree verify graphs."""
+    from tests.engine.bf16_reference import greedy_up_to_first_tie, small_llama
+
+    model = small_llama()
+    prompts = [([(13 * i + 7 * j) % 1024 for j in range(8)] * 4)[:n] for i, n in enumerate([9, 24, 32, 17])]
+    refs = [greedy_up_to_first_tie(model, p, 24) for p in prompts]
+    draft = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(0.02 * p.float().std() * torch.randn_like(p))
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3, "topk": 2}
+    llm = LLM(model, attn_backend="triton", max_batch_size=8, max_context=256, max_num_tokens=256,
+              speculative_config=spec)
+    runner = llm.step_runner.runner
+    assert runner.plan.decode.value == "full" and runner.verify_tokens == 7 and runner.verify_trees
+    assert runner.stats.verify_graphs > 0
+    captures = dict(runner.stats.captures)
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    for out, (ref, first_tie) in zip(outs, refs):
+        assert out.token_ids[:first_tie] == ref[:first_tie], f"first undecidable position {first_tie}"
+    assert runner.stats.verify_runs > 0 and llm.backend.verify.tree_steps > 0
+    assert dict(runner.stats.captures) == captures  # nothing captured on speculative traffic
