@@ -30,6 +30,7 @@ from compile_attn.attention.triton.launch import kv_scale_args, last_dim_contigu
 from compile_attn.attention.triton.metadata import DecodeGraphBuffers, DecodeIndex, SplitScratch
 from compile_attn.batch import ForwardBatch
 from compile_attn.draft_tree import ancestor_bits, chain
+from compile_attn.host_tensors import int_tensor, upload, upload_into
 from compile_attn.env import verify_mode
 from compile_attn.kv.cache import KVCache
 from compile_attn.layer import AttentionLayer
@@ -69,7 +70,7 @@ def tree_mask_words(draft_parents: tuple[tuple[int, ...], ...], batch_size: int,
     padding = ancestor_bits(chain(q))
     words = [w for parents in draft_parents for w in ancestor_bits(parents)]
     words.extend(padding * (batch_size - len(draft_parents)))
-    return torch.tensor(words, dtype=torch.int64)
+    return int_tensor(words)
 
 
 class VerifyPlanner:
@@ -104,11 +105,11 @@ class VerifyPlanner:
             mask = None
             if words is not None:
                 mask = graph.tree_mask[: bs * q]
-                mask.copy_(words, non_blocking=True)
+                upload_into(mask, words)
             step = VerifyStep(bs, q, graph.head(bs)[None], graph.scratch, graph_bound=True, tree_mask=mask)
         else:
             index = DecodeIndex.allocate(None, bs, int(fb.seq_lens_cpu[:bs].sum()), self.kv_cache.device, zero=False)
-            mask = None if words is None else words.to(self.kv_cache.device, non_blocking=True)
+            mask = None if words is None else upload(words, self.kv_cache.device)
             step = VerifyStep(bs, q, index, scratch_for(bs * q), tree_mask=mask)
         self.steps += 1
         self.tree_steps += words is not None
