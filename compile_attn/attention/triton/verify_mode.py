@@ -9,12 +9,12 @@ in a graph runner's verify view (``fb.graph_bucket`` set, padded requests on row
 uses the static decode buffers, so the step can be one full CUDA graph. Layers with a sliding window take the extend
 route (a token's window would start at its own position, which one CSR per request cannot say).
 
-A draft tree verify batch whose requests all verify Q tokens (``ForwardBatch.draft_parents`` set, ``uniform_verify_
-tokens``) runs the same way with the kernel's tree mask: each query row's ancestors and itself among its request's Q
-new keys as the bits of one int64 word (``draft_tree.ancestor_bits``), built on the host from the parents and copied to
-the device out of graph (into the static ``DecodeGraphBuffers.tree_mask`` in a verify view, so a captured tree verify
-graph reads each step's trees). The tokens' positions (``prefix + depth``) are the batch's own ``positions``. Requests
-of a view without parents (padded ones) take a chain's bits.
+A draft tree verify batch whose requests all verify Q tokens (``ForwardBatch.draft_parents`` set,
+``uniform_verify_tokens``) runs the same way with the kernel's tree mask: each query row's ancestors and itself among
+its request's Q new keys as the bits of one int64 word (``draft_tree.ancestor_bits``), built on the host from the
+parents and copied to the device out of graph (into the static ``DecodeGraphBuffers.tree_mask`` in a verify view, so
+a captured tree verify graph reads each step's trees). The tokens' positions (``prefix + depth``) are the batch's own
+``positions``. Requests of a view without parents (padded ones) take a chain's bits.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from compile_attn.layer import AttentionLayer
 
 @dataclass
 class VerifyStep:
-    """Metadata of one verify step in verify mode (a chain, or draft trees with ``tree_mask``): ``batch_size`` requests (a view's padded ones included) of
-    ``tokens_per_request`` tokens, their token CSR and the per-row split scratch."""
+    """Metadata of one verify step in verify mode (chains, or draft trees with ``tree_mask``): ``batch_size`` requests
+    (a view's padded ones included) of ``tokens_per_request`` tokens, their token CSR and the per-row split scratch."""
 
     batch_size: int
     tokens_per_request: int
@@ -96,9 +96,9 @@ class VerifyPlanner:
     def prepare(self, fb: ForwardBatch, tokens_per_request: int, graph: DecodeGraphBuffers | None,
                 scratch_for: Callable[[int], dict[tuple[int, int], SplitScratch]]) -> VerifyStep:
         """The verify step of ``fb`` (a verify batch of ``tokens_per_request`` tokens per request that ``supports``;
-        with ``draft_parents``, their tree mask uploaded now): bound to ``graph``'s static decode buffers where given (a graph runner's verify view), else
-        with a CSR of its own and ``scratch_for(rows)`` (eager, or between piecewise graphs: then trailing padding
-        tokens may follow the B x Q)."""
+        with ``draft_parents``, their tree mask uploaded now): bound to ``graph``'s static decode buffers and tree mask
+        where given (a graph runner's verify view), else with a CSR of its own and ``scratch_for(rows)`` (eager, or
+        between piecewise graphs: then trailing padding tokens may follow the B x Q)."""
         bs, q = fb.batch_size, tokens_per_request
         words = None if fb.draft_parents is None else tree_mask_words(fb.draft_parents, bs, q)
         if graph is not None:
