@@ -93,6 +93,11 @@ class GraphConfig:
     graphs of their own, one per decode bucket of requests whose tokens fit, where the attention backend has a
     verify mode (``AttentionBackend.supports_verify_mode``); None: no verify graphs. The engine sets it for chain
     speculation. The compiled pieces see those steps' token counts through the symbolic-shape compile.
+    verify_trees: the verify graphs are captured for draft trees (speculative ``topk`` > 1; the engine sets it with
+    ``verify_tokens`` = 1 + the tree's draft tokens): each replay reads the step's per-token ancestor masks from a
+    static buffer written out of graph, and verify batches of draft trees (``ForwardBatch.draft_parents``) whose
+    requests all verify ``verify_tokens`` tokens replay them too (chains as trees of one branch). Where the backend
+    cannot verify trees (``AttentionBackend.supports_tree_verify``) no verify graphs are captured.
     """
 
     mode: GraphMode = GraphMode.FULL_AND_PIECEWISE
@@ -109,6 +114,7 @@ class GraphConfig:
     compile_sizes: tuple[int, ...] | None = None
     static_inductor_config: dict[str, Any] = field(default_factory=dict, hash=False)
     verify_tokens: int | None = None
+    verify_trees: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", GraphMode.parse(self.mode))

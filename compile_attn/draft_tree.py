@@ -9,6 +9,7 @@ lists and turns them into positions and masks on the host; it imports nothing of
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Sequence
 
@@ -113,6 +114,19 @@ def ancestor_masks(parents: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.nda
     np.cumsum([b.size for b in blocks], out=offsets[1:])
     flat = np.concatenate(blocks) if blocks else np.zeros(0, dtype=np.bool_)
     return flat.view(np.uint8), offsets
+
+
+@functools.lru_cache(maxsize=1024)
+def ancestor_bits(parents: Parents) -> tuple[int, ...]:
+    """Token i's ancestors and itself as the bits of one int64 word (bit j: token j; at most 64 tokens), two's
+    complement for bit 63: the rows of ``ancestor_mask`` as the triton decode kernel's verify mode takes them. Cached
+    per tree (a speculative config's trees repeat their shapes)."""
+    if len(parents) > 64:
+        raise ValueError(f"ancestor_bits packs at most 64 tokens into an int64 word, got a tree of {len(parents)}")
+    words: list[int] = []
+    for i, p in enumerate(parents):
+        words.append((words[p] if p >= 0 else 0) | (1 << i))
+    return tuple(w - (1 << 64) if w >= 1 << 63 else w for w in words)
 
 
 def verify_mask(prefix_lens: Sequence[int], parents: Sequence[Sequence[int]], window: int | None = None) -> np.ndarray:

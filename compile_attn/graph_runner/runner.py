@@ -11,7 +11,10 @@ shared-prefix (cascade) kernels goes to the piecewise graphs of its token count 
 chain verify batch (speculative decoding) whose requests all verify ``GraphConfig.verify_tokens`` tokens runs in a full
 verify graph of its own, keyed by its number of requests (the decode buckets), where the backend supports a verify
 mode (``AttentionBackend.supports_verify_mode``); other chain verify batches replay the full decode graph of their
-token count, their tokens as decode rows (``verify_unroll.py``). See docs/graph_runner.md.
+token count, their tokens as decode rows (``verify_unroll.py``). With ``GraphConfig.verify_trees`` the verify graphs
+are captured for draft trees (the backend's per-token ancestor masks in a static buffer, written out of graph) and
+verify batches of draft trees whose requests all verify ``verify_tokens`` tokens replay them too; other tree batches
+take the extend route. See docs/graph_runner.md.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from compile_attn.graph_runner.static_buffers import StaticBuffers
 from compile_attn.graph_runner.stats import GraphRunnerStats
 from compile_attn.graph_runner.verify import verify_runner
 from compile_attn.graph_runner.outputs import gather_rows, slice_tokens
-from compile_attn.graph_runner.verify_layout import end_aligned_rows
+from compile_attn.graph_runner.verify_layout import end_aligned_rows, view_parents
 from compile_attn.graph_runner.verify_unroll import is_chain_verify, unroll_chain_verify
 from compile_attn.graph_runner.warmup import warm_up
 from compile_attn.graph_runner.step_kernels import TokenFeed
@@ -93,9 +96,13 @@ class GraphRunner:
         )
         # Full verify graphs: requests x verify_tokens tokens, for the decode buckets whose tokens fit.
         self.verify_tokens = q = config.verify_tokens or 0
+        # Tree verify graphs (config.verify_trees): every replay carries per-token ancestor masks (graph_runner/
+        # verify_layout.py's view_parents); they need a backend that verifies trees.
+        self.verify_trees = bool(config.verify_trees)
         self.verify_buckets: tuple[int, ...] = (
             tuple(s for s in self.decode_buckets if s * q <= decode_limit)
             if q and self.plan.decode is GraphMode.FULL and backend.supports_verify_mode(q)
+            and (not self.verify_trees or backend.supports_tree_verify())
             else ()
         )
         self.buffers = StaticBuffers(max_batch_size, max_num_tokens, self.device)
@@ -160,13 +167,17 @@ class GraphRunner:
 
     def verify_route(self, fb: ForwardBatch) -> int | None:
         """The request bucket of the full verify graph that runs ``fb`` (a chain verify batch whose requests verify
-        ``verify_tokens`` tokens each, or fewer where ``verify_layout.end_aligned_rows`` can lay them out), or None
-        (the batch takes ``route``'s way: decode rows or an extend)."""
-        if not self.verify_buckets or not fb.forward_mode.is_verify() or fb.draft_parents is not None:
+        ``verify_tokens`` tokens each, or fewer where ``verify_layout.end_aligned_rows`` can lay them out; with tree
+        verify graphs also a batch of draft trees whose requests all verify ``verify_tokens`` tokens), or None (the
+        batch takes ``route``'s way: decode rows or an extend)."""
+        if not self.verify_buckets or not fb.forward_mode.is_verify():
             return None
         q = self.verify_tokens
-        if fb.chain_verify_tokens() != q and end_aligned_rows(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu,
-                                                               q) is None:
+        if fb.draft_parents is not None:
+            if not self.verify_trees or fb.extend_seq_lens_cpu.count(q) != fb.batch_size:
+                return None
+        elif fb.chain_verify_tokens() != q and end_aligned_rows(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu,
+                                                                 q) is None:
             return None
         return next_bucket(self.verify_buckets, fb.batch_size)
 
@@ -267,6 +278,8 @@ class GraphRunner:
         fill = backend.get_cuda_graph_seq_len_fill_value()
         if verify:
             view = self.views.verify_view(self._scratch_verify(bucket), bucket, self.verify_tokens)
+            if self.verify_trees:  # chains as draft trees: the graph records the backend's tree variant
+                view.draft_parents = view_parents(None, bucket, self.verify_tokens)
         else:
             view = self.buffers.dummy_decode(bucket, fill) if full else self.buffers.dummy_extend(bucket)
         backend.init_forward_metadata_out_graph(view, in_capture=True)
@@ -363,7 +376,7 @@ class GraphRunner:
         return slice_tokens(out, bucket, fb.num_tokens)
 
     def _run_verify(self, fb: ForwardBatch, bucket: int, feed: TokenFeed | None) -> Any:
-        """Replay the full verify graph of ``bucket`` requests for the chain verify batch ``fb``."""
+        """Replay the full verify graph of ``bucket`` requests for the verify batch ``fb`` (chains, or draft trees)."""
         if not self.captured:
             raise RuntimeError("GraphRunner.run() needs graphs: call runner.capture() once before the first step")
         if feed is not None:
@@ -381,6 +394,8 @@ class GraphRunner:
                 [([rows], torch.int64), ([prefix, [q] * bs, list(range(0, bs * q, q))], torch.int32)], self.device)
             end_aligned = (rows_dev, int32_fields)
         view = self.views.verify_view(fb, bucket, q, end_aligned)
+        if self.verify_trees:  # the backend writes the trees' masks into its static buffer (out of graph)
+            view.draft_parents = view_parents(fb.draft_parents, bucket, q)
         self.backend.init_forward_metadata_out_graph(view)
         with forward_context(view, self.backend, graph_mode=_FULL, bucket=view.graph_bucket):
             out = self._verify_graphs[bucket].replay()

@@ -20,7 +20,8 @@ class GraphRunnerStats:
     the compile, or the load of cached pieces). direct_calls: piecewise steps that called the compiled graph
     directly, without Dynamo's frame (``GraphConfig.direct_calls``). shared_prefix_runs: decode steps with
     shared-prefix groups run piecewise for the backend's shared-prefix kernels (``GraphRunner.shared_prefix_route``).
-    verify_graphs / verify_runs: full verify graphs captured and chain verify steps replayed in them (both also
+    verify_graphs / verify_runs: full verify graphs captured and verify steps replayed in them (chains; draft trees
+    too where the graphs are tree verify graphs, ``GraphConfig.verify_trees``) (both also
     counted in ``captures`` / ``runs`` under "full"; ``GraphRunner.verify_route``).
     """
 

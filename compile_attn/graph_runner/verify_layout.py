@@ -7,11 +7,17 @@ their prefix, the drafts before them and themselves, as in an extend. The Q - n 
 position 0, writing the scratch slot, and they see a part of the prefix (at least one key where the route is taken:
 ``end_aligned_rows`` refuses a batch where a request's prefix is shorter than its filler). The graph's output rows of
 the real tokens are gathered back into the batch's order (``outputs.gather_rows``).
+
+Tree verify graphs (``GraphConfig.verify_trees``) give every view draft parents (``view_parents``): the batch's trees,
+chains of Q for its chain requests and padded requests. An end-aligned chain request's rows then see the first
+``t + 1`` of the last Q keys, as in a chain graph: its filler rows' keys are prefix keys.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+from compile_attn.draft_tree import chain
 
 
 def end_aligned_rows(prefix_lens: Sequence[int], extend_lens: Sequence[int], q: int) -> list[int] | None:
@@ -25,3 +31,11 @@ def end_aligned_rows(prefix_lens: Sequence[int], extend_lens: Sequence[int], q: 
         start = b * q + q - n
         rows.extend(range(start, start + n))
     return rows
+
+
+def view_parents(draft_parents: Sequence[tuple[int, ...]] | None, bucket: int, q: int) -> tuple[tuple[int, ...], ...]:
+    """The draft parents of a tree verify graph's view of ``bucket`` requests x ``q`` rows: ``draft_parents`` (a tree
+    batch's, each of ``q`` tokens) or, for a chain batch (None), chains of ``q``; padded requests chains of ``q``."""
+    pad = chain(q)
+    given = tuple(draft_parents) if draft_parents is not None else ()
+    return given + (pad,) * (bucket - len(given))

@@ -20,6 +20,7 @@ from tests.reference import max_rel_error
 
 from compile_attn import AttentionLayer, ForwardBatch, ForwardMode, KVCache, create_backend, forward_context
 from compile_attn.graph_runner import ReplayViews, StaticBuffers
+from compile_attn.graph_runner.verify_layout import view_parents
 
 
 @dataclass(frozen=True)
@@ -146,7 +147,7 @@ class VerifyRun:
 def run_verify(case: VerifyCase, backend_name: str, device: str, dtype: torch.dtype, *, seed: int = 0,
                backend_kwargs: dict | None = None, tree: bool = True, graph_bucket: int | None = None) -> VerifyRun:
     """Build ``case`` as a TARGET_VERIFY batch (``tree=False``: without draft_parents, so only chains are meant) and
-    run every layer through the attention op on ``backend_name``. ``graph_bucket`` (chains of one length Q): run it
+    run every layer through the attention op on ``backend_name``. ``graph_bucket`` (requests of one length Q): run it
     as a graph runner's verify view padded to that many requests (``ReplayViews.verify_view``), its metadata through
     out_graph and in_graph over the backend's static buffers; ``VerifyRun.batch`` is then the view."""
     gen = torch.Generator().manual_seed(seed)
@@ -219,12 +220,16 @@ def path_chain_outputs(run: VerifyRun, backend_name: str, backend_kwargs: dict |
 
 
 def verify_graph_view(backend: object, fb: ForwardBatch, bucket: int) -> ForwardBatch:
-    """``fb`` (chains of one length Q) as a graph runner's verify view of ``bucket`` requests over fresh static
-    buffers (the backend's sized for them), its metadata prepared as a graph replay does (out_graph, then in_graph)."""
-    q = fb.chain_verify_tokens()
-    assert q is not None, "a verify view needs chains of one length"
+    """``fb`` (chains, or draft trees, of one length Q) as a graph runner's verify view of ``bucket`` requests over
+    fresh static buffers (the backend's sized for them), its metadata prepared as a graph replay does (out_graph, then
+    in_graph); draft trees go with the view as a tree verify graph's runner passes them (padded requests: chains)."""
+    lens = set(fb.extend_seq_lens_cpu)
+    assert len(lens) == 1, "a verify view needs requests of one length"
+    q = lens.pop()
     buffers = StaticBuffers(bucket * q, bucket * q, fb.device)
     view = ReplayViews(buffers, backend.get_cuda_graph_seq_len_fill_value()).verify_view(fb, bucket, q)
+    if fb.draft_parents is not None:
+        view.draft_parents = view_parents(fb.draft_parents, bucket, q)
     backend.init_cuda_graph_state(buffers.max_batch_size, buffers.max_num_tokens)
     backend.init_forward_metadata_out_graph(view)
     backend.init_forward_metadata_in_graph(view)

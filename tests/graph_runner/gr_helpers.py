@@ -16,6 +16,7 @@ import torch
 
 from compile_attn import ForwardBatch, ForwardMode, KVCache, forward_context, get_forward_context
 from compile_attn.attention.torch_native.backend import TorchNativeBackend, _gather, _masked_attention, _visibility
+from compile_attn.draft_tree import ancestor_mask
 from compile_attn.models import ToyDecoder, ToyDecoderConfig
 
 SMALL = ToyDecoderConfig(
@@ -81,22 +82,32 @@ class CountingBackend(TorchNativeBackend):
 
 class VerifyModeNative(CountingBackend):
     """torch_native with a verify mode: a graph runner's verify view (Q tokens per request) attends like decode with Q
-    rows per request over the static slot table, filled in graph, so CPU op tapes replay it like a CUDA graph.
+    rows per request over the static slot table, filled in graph, so CPU op tapes replay it like a CUDA graph; a tree
+    view's ancestor masks go into a static buffer out of graph, as the triton backend's tree masks do.
     Other batches (eager verify batches included) take torch_native's own paths."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.verify_table: torch.Tensor | None = None
-        self.verify_forwards = 0
+        self.tree_allowed: torch.Tensor | None = None  # a tree view's [B, Q, Q] ancestor masks (static, per Q)
+        self._tree_buffers: dict[int, torch.Tensor] = {}
+        self.verify_forwards = self.tree_forwards = 0
 
     def supports_verify_mode(self, tokens_per_request: int) -> bool:
         return True
 
     def init_forward_metadata_out_graph(self, fb: ForwardBatch, in_capture: bool = False) -> None:
         super().init_forward_metadata_out_graph(fb, in_capture)
-        q = fb.chain_verify_tokens()
+        lens = fb.extend_seq_lens_cpu
+        q = lens[0] if fb.forward_mode.is_verify() and fb.batch_size and lens.count(lens[0]) == len(lens) else None
         view = fb.graph_bucket is not None and q is not None and fb.num_tokens == fb.batch_size * q
         self.verify_table = self._cg_table[: fb.batch_size] if view else None
+        self.tree_allowed = None
+        if view and fb.draft_parents is not None:  # written out of graph into a buffer the recorded steps read
+            buf = self._tree_buffers.setdefault(q, torch.zeros(self._cg_table.shape[0], q, q, dtype=torch.bool,
+                                                               device=self.device))
+            self.tree_allowed = buf[: fb.batch_size]
+            self.tree_allowed.copy_(torch.stack([ancestor_mask(p) for p in fb.draft_parents]))
 
     def init_forward_metadata_in_graph(self, fb: ForwardBatch) -> None:
         super().init_forward_metadata_in_graph(fb)
@@ -117,6 +128,11 @@ class VerifyModeNative(CountingBackend):
         k_pos = torch.arange(width, device=q.device).expand(bs, width)
         q_pos = fb.seq_lens.long()[:, None] - nq + torch.arange(nq, device=q.device)
         allowed = _visibility(q_pos, k_pos, k_pos < fb.seq_lens[:, None], layer)
+        if self.tree_allowed is not None:  # of the last nq keys, a token sees its ancestors and itself
+            self.tree_forwards += 1
+            draft = k_pos - (fb.seq_lens.long()[:, None] - nq)
+            seen = self.tree_allowed.gather(2, draft.clamp(0, nq - 1)[:, None, :].expand(bs, nq, width))
+            allowed &= (draft < 0)[:, None, :] | seen
         qh = q.float().view(bs, nq, layer.num_kv_heads, layer.group_size, layer.head_dim)
         out.copy_(_masked_attention(qh, k_all, v_all, allowed, layer).reshape(out.shape))
 
@@ -175,7 +191,8 @@ class Twin:
                 kv.free_request(row)
             del self.lens[i]
 
-    def step(self, ids: list[int], extend_lens: list[int], mode: ForwardMode | None = None) -> Step:
+    def step(self, ids: list[int], extend_lens: list[int], mode: ForwardMode | None = None,
+             draft_parents: tuple[tuple[int, ...], ...] | None = None) -> Step:
         prefix = [self.lens[i] for i in ids]
         tokens = [self.rng.randrange(self.cfg.vocab_size) for _ in range(sum(extend_lens))]
         fbs = []
@@ -190,6 +207,7 @@ class Twin:
                     out_cache_loc=loc,
                     input_ids=tokens,
                     forward_mode=mode,
+                    draft_parents=draft_parents,
                     device=self.device,
                 )
             )

@@ -19,7 +19,9 @@ stage 2 is its own launch.
 A chain verify step (``tokens_per_request`` Q > 1, the ``Q_PER_REQ`` constexpr) runs as decode of the requests with
 Q query tokens each, their K/V already in the cache: a program's rows are the request's tokens x the group's heads,
 so a KV tile is read once per request for all its tokens, and token t sees the request's first ``seq_len - Q + 1 + t``
-keys. A row whose keys end before a split takes no part in it (no partial; the merge skips it).
+keys. A row whose keys end before a split takes no part in it (no partial; the merge skips it). A draft tree's verify
+step (``tree_mask``, the ``HAS_TREE_MASK`` constexpr) adds a per-row bitmask over the request's last Q keys: a token
+sees the prefix, its ancestors and itself (a row's last key is still its own, so the split bookkeeping is the chain's).
 
 An fp8 cache (``k_scale``/``v_scale``: float32 per KV head, stored = real / scale) is read as fp8 and converted
 to the query's dtype in registers (exact: fp8 values are bf16/fp16 values); the scales cost nothing per element:
@@ -60,7 +62,12 @@ from compile_attn.attention.kernels._common import (
     quantize_fp8,
     softcap,
 )
-from compile_attn.attention.kernels.decode_checks import check_decode_shapes, check_new_tokens, check_semaphores
+from compile_attn.attention.kernels.decode_checks import (
+    check_decode_shapes,
+    check_new_tokens,
+    check_semaphores,
+    check_tree_mask,
+)
 from compile_attn.attention.kernels.launch import BoundLaunch, CachedLaunch
 
 # Split boundaries are multiples of this many tokens; every stage-1 BLOCK_N divides it.
@@ -101,6 +108,7 @@ def _decode_split_kernel(
     Semaphores,
     K_Scale,
     V_Scale,
+    Tree_Mask,
     sm_scale,
     logit_cap,
     stride_qb,
@@ -143,6 +151,7 @@ def _decode_split_kernel(
     FP8_MAX: tl.constexpr,
     FP8_EMULATE: tl.constexpr,
     Q_PER_REQ: tl.constexpr,
+    HAS_TREE_MASK: tl.constexpr,
 ):
     if USE_PDL:
         # A programmatic dependent launch starts while the kernel before it finishes: wait for that kernel (and,
@@ -169,6 +178,9 @@ def _decode_split_kernel(
     hi = tl.minimum(lo + split_len, seq_len)
     # Keys each row sees: all of them in decode; token t of Q_PER_REQ sees seq_len - Q_PER_REQ + 1 + t (causal).
     row_len = seq_len - (Q_PER_REQ - 1) + tok
+    if HAS_TREE_MASK:  # a draft tree: of the last Q_PER_REQ keys a row sees those its bits name (ancestors, itself)
+        tree_bits = tl.load(Tree_Mask + rows, mask=mask_h, other=0).to(tl.int64)
+        draft_lo = seq_len - Q_PER_REQ
     # FUSE_NEW: the split holding the last position (the step's new token) reads that token from K_New/V_New.
     has_new = (hi == seq_len) & (hi > lo)
     hi_cache = hi
@@ -211,6 +223,10 @@ def _decode_split_kernel(
             mask_qk = mask_n[None, :] & (offs_n[None, :] < row_len[:, None])
         else:
             mask_qk = mask_n[None, :]
+        if HAS_TREE_MASK:
+            draft_j = offs_n - draft_lo  # the key's index among the request's draft-region keys (< 0: the prefix)
+            seen = ((tree_bits[:, None] >> tl.maximum(draft_j, 0).to(tl.int64)[None, :]) & 1) != 0
+            mask_qk = mask_qk & ((draft_j < 0)[None, :] | seen)
         qk = tl.where(mask_qk, qk * 1.4426950408889634, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -530,6 +546,7 @@ def decode_attention_fwd(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     tokens_per_request: int = 1,
+    tree_mask: torch.Tensor | None = None,
 ) -> None:
     """Decode attention of ``q[B, Hq, D]`` over the cache into ``out[B, Hq, Dv]``.
 
@@ -562,11 +579,17 @@ def decode_attention_fwd(
     Token ``t`` attends to its request's first ``seq_len - Q + 1 + t`` keys (causal; none: zeros). One program reads
     each KV tile once for all ``Q`` tokens x the GQA group (at most 64 rows). ``attn_logits``/``attn_lse``/
     ``semaphores`` are per query row, as in decode with ``B * Q`` rows. ``tokens_per_request=1`` is decode.
+
+    ``tree_mask`` (int64 ``[>= B * Q]``, the verify mode only: a draft tree verify step): bit ``j`` of row ``b*Q + t``
+    says whether token ``t`` sees request ``b``'s draft-region key ``j`` (its key ``seq_len - Q + j``; its ancestors and
+    itself, ``draft_tree``); keys before the draft region are seen by every token, keys after ``t`` by none. Without
+    it (chains) the kernel is the one without the mask (the ``HAS_TREE_MASK`` constexpr off).
     """
     for launch, grid, args, kwargs in _decode_launches(
         q, k_buffer, v_buffer, out, kv_indptr, kv_indices, num_kv_splits, max_kv_splits, attn_logits, attn_lse,
         sm_scale, logit_cap, k_new=k_new, v_new=v_new, new_loc=new_loc, semaphores=semaphores,
         batch_invariant=batch_invariant, k_scale=k_scale, v_scale=v_scale, tokens_per_request=tokens_per_request,
+        tree_mask=tree_mask,
     ):
         launch(grid, *args, **kwargs)
 
@@ -619,6 +642,7 @@ def _decode_launches(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     tokens_per_request: int = 1,
+    tree_mask: torch.Tensor | None = None,
 ) -> list[tuple[CachedLaunch, tuple, tuple, dict]]:
     """The checked launches (launcher, grid, positional and keyword arguments) of one decode_attention_fwd."""
     check_device(_decode_split_kernel, q, k_buffer, v_buffer, out, kv_indptr, kv_indices)
@@ -644,6 +668,8 @@ def _decode_launches(
     if semaphores is not None:
         check_semaphores(semaphores, num_rows, num_q_heads, q.device)
     fp8 = check_kv_scales(k_buffer, v_buffer, k_scale, v_scale)
+    if tree_mask is not None:
+        check_tree_mask(tree_mask, num_rows, q.device)
     if bs == 0:
         return []
 
@@ -670,6 +696,7 @@ def _decode_launches(
         semaphores if fuse_merge else kv_indptr,  # unread placeholder when FUSE_MERGE is off
         k_scale if fp8 else kv_indptr,  # unread placeholders for an unquantised cache
         v_scale if fp8 else kv_indptr,
+        tree_mask if tree_mask is not None else kv_indptr,  # unread placeholder for chains
         float(sm_scale),
         float(logit_cap),
         *qs[:2],
@@ -683,7 +710,7 @@ def _decode_launches(
         max_kv_splits,
     )
     split_kwargs = dict(FUSE_NEW=fuse_new, STORE_NEW=new_loc is not None, FUSE_MERGE=fuse_merge, USE_PDL=pdl,
-                        **split_meta)
+                        HAS_TREE_MASK=tree_mask is not None, **split_meta)
     launches = [(_LAUNCH_SPLIT, (bs, num_kv_heads * h_blocks, max_kv_splits), split_args, split_kwargs)]
     if fuse_merge:
         return launches

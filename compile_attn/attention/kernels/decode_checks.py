@@ -1,5 +1,5 @@
 """Argument checks of :func:`decode_attention.decode_attention_fwd`: shapes, scratch, the fused new-token store's
-tensors, the one-launch counters and the verify mode's tokens per request.
+tensors, the one-launch counters, the verify mode's tokens per request and a draft tree's mask.
 
 Each error names the bad value and what was expected. Shapes, dtypes and devices only: no host sync, nothing
 launched (the checks run on the host's critical path, once per layer per step).
@@ -94,3 +94,15 @@ def check_semaphores(semaphores: torch.Tensor, rows: int, num_q_heads: int, devi
     if semaphores.stride(1) != 1 or semaphores.device != device:
         raise ValueError(f"semaphores must be row-contiguous on {device}, got strides {semaphores.stride()} on "
                          f"{semaphores.device}")
+
+
+def check_tree_mask(tree_mask: torch.Tensor, rows: int, device: torch.device) -> None:
+    """A tree verify step's ancestor bits: int64 ``[>= rows]`` (one word per query row), contiguous, on ``device``."""
+    if tree_mask.dtype != torch.int64 or tree_mask.dim() != 1 or tree_mask.shape[0] < rows:
+        raise ValueError(
+            f"tree_mask must be int64 of shape (>= {rows},) (one ancestor bitmask per query row, see "
+            f"draft_tree.ancestor_bits), got {tree_mask.dtype} {tuple(tree_mask.shape)}"
+        )
+    if tree_mask.stride(0) != 1 or tree_mask.device != device:
+        raise ValueError(f"tree_mask must be contiguous on {device}, got stride {tree_mask.stride()} on "
+                         f"{tree_mask.device}")

@@ -15,12 +15,13 @@ An eager decode batch whose requests share a cached prefix (``fb.shared_prefix``
 runs the shared-prefix (cascade) kernels instead, and so does a decode batch the graph
 runner routes to its piecewise graphs because it carries groups: see ``triton/cascade.py``.
 
-Chain verify steps whose requests all verify the same Q tokens run in the decode kernel's verify mode
-(``triton/verify_mode.py``): each request's prefix read once for its Q tokens, eagerly or, in a graph runner's verify
-view, over the static decode buffers inside a full verify graph (``supports_verify_mode``). Other verification steps
-run as extends. Draft trees (``fb.draft_parents``) add, prepared on the host in out_graph and
-uploaded with the extend offsets, each request's ancestor mask over its new keys and the new tokens' positions
-(``prefix + depth``, so a sliding window counts along the token's path, as a chain of that path would).
+Verify steps whose requests all verify the same Q tokens, chains or draft trees, run in the decode kernel's verify
+mode (``triton/verify_mode.py``): each request's prefix read once for its Q tokens, eagerly or, in a graph runner's
+verify view, over the static decode buffers inside a full verify graph (``supports_verify_mode``); draft trees add a
+per-row ancestor bitmask over the request's Q new keys, uploaded out of graph. Other verification steps run as
+extends. There draft trees (``fb.draft_parents``) add, prepared on the host in out_graph and uploaded with the extend
+offsets, each request's ancestor mask over its new keys and the new tokens' positions (``prefix + depth``, so a
+sliding window counts along the token's path, as a chain of that path would).
 
 An fp8 KV pool (``float8_e4m3fn``/``float8_e5m2``) is read and written by the same kernels: every launch that
 touches a layer's cache passes the pool's per-head scales for that layer (``PagedKVPool.kv_scales``), device
@@ -43,7 +44,7 @@ from compile_attn.attention.triton.launch import DecodeLauncher, run_extend
 from compile_attn.attention.triton.metadata import DecodeGraphBuffers, DecodeStep, ExtendStep
 from compile_attn.attention.triton.mixed import leading_decode_rows
 from compile_attn.attention.triton.prepare import DecodeBuffers, prepare_extend
-from compile_attn.attention.triton.verify_mode import VerifyPlanner, VerifyStep
+from compile_attn.attention.triton.verify_mode import VerifyPlanner, VerifyStep, uniform_verify_tokens
 from compile_attn.batch import ForwardBatch
 from compile_attn import env
 from compile_attn.errors import BackendUnavailableError, InvalidBatchError, UnsupportedConfigError
@@ -240,9 +241,10 @@ class TritonBackend(AttentionBackend):
         return step
 
     def _prepare_verify(self, fb: ForwardBatch) -> VerifyStep | None:
-        """Verify-mode metadata for a chain verify batch of uniform Q (None: the batch runs as an extend); a graph
-        view of exactly its B x Q tokens binds the static decode buffers (a full verify graph reads them)."""
-        q = fb.chain_verify_tokens()
+        """Verify-mode metadata for a verify batch of uniform Q, chains or draft trees (None: the batch runs as an
+        extend); a graph view of exactly its B x Q tokens binds the static decode buffers and tree mask (a full verify
+        graph reads them)."""
+        q = fb.chain_verify_tokens() if fb.draft_parents is None else uniform_verify_tokens(fb)
         if q is None or not self.verify.supports(q):
             return None
         graph = self._buffers.graph

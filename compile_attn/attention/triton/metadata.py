@@ -146,11 +146,14 @@ class ExtendStep:
 
 @dataclass
 class DecodeGraphBuffers:
-    """Static buffers of decode graphs with up to ``max_bs`` requests (allocated once)."""
+    """Static buffers of decode graphs with up to ``max_bs`` requests, or verify graphs of up to ``max_bs`` query rows
+    (allocated once)."""
 
     max_bs: int
     indexes: dict[int | None, DecodeIndex]
     scratch: dict[tuple[int, int], SplitScratch]
+    # A tree verify graph's ancestor bits, one int64 word per query row (``verify_mode.py``), written out of graph.
+    tree_mask: torch.Tensor
     heads: dict[int, dict[int | None, DecodeIndex]] = field(default_factory=dict)  # views per bucket, made once
 
     def head(self, bs: int) -> dict[int | None, DecodeIndex]:

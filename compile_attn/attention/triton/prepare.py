@@ -58,7 +58,8 @@ class DecodeBuffers:
         scratch = {
             shape: SplitScratch.allocate(max_bs, *shape, self.max_kv_splits, self.device) for shape in self.head_shapes
         }
-        self.graph = DecodeGraphBuffers(max_bs, indexes, scratch)
+        tree_mask = torch.zeros(max_bs, dtype=torch.int64, device=self.device)
+        self.graph = DecodeGraphBuffers(max_bs, indexes, scratch, tree_mask)
         return True
 
     def index_capacity(self, window: int | None) -> int:

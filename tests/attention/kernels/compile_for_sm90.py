@@ -114,10 +114,13 @@ def record_launches() -> list[tuple[object, tuple, dict, str]]:
             semaphores=torch.zeros(bs, hq, dtype=torch.int32) if fused == "store" else None,  # one launch
             batch_invariant=kv_dtype == torch.float8_e5m2, **scales)  # e5m2: the large-batch tiles
     # Chain verify (tokens_per_request 5): the Llama shape with the merge in the kernel and as its own launch, group 1
-    # over an fp8 cache
-    for hq, hkv, kv_dtype, one_launch in ((32, 8, torch.bfloat16, True), (32, 8, torch.bfloat16, False),
-                                          (8, 8, torch.float8_e4m3fn, True)):
-        label[0] = f"verify Q5 Hq{hq} Hkv{hkv} one_launch{one_launch} kv {kv_dtype}"
+    # over an fp8 cache; draft trees (a tree mask) in one and two launches
+    for hq, hkv, kv_dtype, one_launch, tree in ((32, 8, torch.bfloat16, True, False),
+                                                (32, 8, torch.bfloat16, False, False),
+                                                (8, 8, torch.float8_e4m3fn, True, False),
+                                                (32, 8, torch.bfloat16, True, True),
+                                                (32, 8, torch.bfloat16, False, True)):
+        label[0] = f"verify Q5 Hq{hq} Hkv{hkv} one_launch{one_launch} kv {kv_dtype} tree {tree}"
         rows, splits = 10, 4
         scales = {} if kv_dtype == torch.bfloat16 else dict(k_scale=torch.ones(hkv), v_scale=torch.ones(hkv))
         triton_ops.decode_attention_fwd(
@@ -126,7 +129,8 @@ def record_launches() -> list[tuple[object, tuple, dict, str]]:
             torch.tensor([0, ctx, 2 * ctx], dtype=torch.int32), torch.arange(2 * ctx, dtype=torch.int32),
             torch.full((2,), 2, dtype=torch.int32), splits, torch.empty(rows, hq, splits, 64),
             torch.empty(rows, hq, splits), 0.125, tokens_per_request=5,
-            semaphores=torch.zeros(rows, hq, dtype=torch.int32) if one_launch else None, **scales)
+            semaphores=torch.zeros(rows, hq, dtype=torch.int32) if one_launch else None,
+            tree_mask=torch.tensor([1, 3, 5, 9, 19] * 2, dtype=torch.int64) if tree else None, **scales)
     # (q heads, kv heads, head dim, dtype, causal, window, softcap, custom mask: False, True or "tree" (over the new
     # keys only, with the new tokens' positions for the window))
     extend_cases = [

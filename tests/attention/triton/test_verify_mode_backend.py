@@ -1,9 +1,12 @@
 """The triton backend's verify mode (``attention/triton/verify_mode.py``): chain verify batches whose requests all
 verify Q tokens run in the decode kernel's ``tokens_per_request`` mode, eagerly and as a graph runner's padded verify
 view, against the float64 reference of tests/attention/verify_harness.py; other verify batches keep the extend path.
-CPU only, kernels under TRITON_INTERPRET (small cases: the interpreter is slow)."""
+Draft trees of one length Q take the same mode with a per-row ancestor mask. CPU only, kernels under TRITON_INTERPRET
+(small cases: the interpreter is slow)."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 import torch
@@ -99,3 +102,43 @@ def test_verify_mode_switched_off(monkeypatch) -> None:  # noqa: ANN001
     monkeypatch.setenv("COMPILE_ATTN_VERIFY_MODE", "0")
     assert not create_backend("triton", kv, [AttentionLayer(0, 8, 2, 64)]).supports_verify_mode(2)
 
+
+
+def _trees(prefix: tuple[int, ...], q: int, seed: int, **kw: object) -> VerifyCase:
+    """Requests over ``prefix`` each verifying a random tree of ``q`` tokens (seeded parents)."""
+    rng = random.Random(seed)
+    return VerifyCase(prefix, tuple((-1, *(rng.randrange(i) for i in range(1, q))) for _ in prefix), **kw)
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(_trees((45, 0, 9), 5, seed=1), id="3-requests-q5"),
+    pytest.param(_trees((70, 30), 4, seed=2, group=4, page_size=4, logit_cap=5.0), id="gqa4-p4-cap"),
+])
+def test_uniform_trees_run_in_verify_mode_with_a_tree_mask(case: VerifyCase) -> None:
+    """Draft trees whose requests all verify Q tokens: the verify mode with each row's ancestor bits, like the
+    reference (prefix, ancestors and itself; positions prefix + depth are the batch's own)."""
+    run = run_verify(case, "triton", "cpu", F32, backend_kwargs=_TRITON_CPU)
+    step = run.backend.step_metadata
+    assert isinstance(step, VerifyStep) and not step.graph_bound and step.tree_mask is not None
+    assert run.backend.verify.tree_steps == 1
+    assert max(run.errors()) <= TOL[F32], run.errors()
+
+
+@pytest.mark.parametrize("case, bucket", [
+    pytest.param(_trees((45, 0, 9), 4, seed=3), 8, id="3-of-8-requests-q4"),
+    pytest.param(_trees((70,), 3, seed=4, group=4, page_size=4), 2, id="1-of-2-gqa4-p4"),
+])
+def test_a_padded_tree_verify_view_binds_the_static_tree_mask(case: VerifyCase, bucket: int) -> None:
+    """A tree verify graph's view (padded requests as chains): the ancestor bits in the static buffer a captured graph
+    reads, the real tokens like the reference."""
+    run = run_verify(case, "triton", "cpu", F32, backend_kwargs=_TRITON_CPU, graph_bucket=bucket)
+    step = run.backend.step_metadata
+    assert isinstance(step, VerifyStep) and step.graph_bound and step.batch_size == bucket
+    assert step.tree_mask.data_ptr() == run.backend.graph_buffers.tree_mask.data_ptr()
+    assert max(run.errors()) <= TOL[F32], run.errors()
+
+
+def test_trees_of_different_lengths_keep_the_extend_path() -> None:
+    run = run_verify(VerifyCase((7, 3), ((-1, 0, 0), (-1, 0))), "triton", "cpu", F32, backend_kwargs=_TRITON_CPU)
+    assert isinstance(run.backend.step_metadata, ExtendStep) and run.backend.verify.steps == 0
+    assert max(run.errors()) <= TOL[F32]

@@ -1,7 +1,8 @@
 """What the engine builds for a speculative config: the draft model of a "draft_model" config (its KV cache is built
-once the target's size is known), the decode graphs' rows, which a verify step's tokens fill (requests x
-(1 + K)), and the tokens per request of the runner's verify graphs. It owns no step logic: proposing, scheduling and accepting drafts are ``speculator.py``'s,
-``step_plan.py``'s and ``acceptance.py``'s."""
+once the target's size is known), the decode graphs' rows, which a verify step's tokens fill (requests x (1 + K), a
+tree's 1 + num_draft_tokens), and the tokens per request of the runner's verify graphs (chains or trees). It owns no
+step logic: proposing, scheduling and accepting drafts are ``speculator.py``'s, ``step_plan.py``'s and
+``acceptance.py``'s."""
 
 from __future__ import annotations
 
@@ -35,14 +36,18 @@ def decode_graph_rows(config: EngineConfig) -> tuple[int, Mapping[str, Any] | No
     """``(rows, compile_options)`` for the engine's step runner: a verify step that its backend cannot run in a verify
     graph runs each request's tokens as rows of a decode graph, so graphs of up to ``max_batch_size x (1 + K)`` rows
     (``max_batch_size`` without speculation), and the compile options with decode graph sizes that reach them
-    (``verify_graph_sizes``) and, for chains (topk 1), ``verify_tokens = 1 + K``: the runner's full verify graphs
-    (one per decode bucket up to ``max_batch_size`` requests) where the backend has a verify mode."""
+    (``verify_graph_sizes``) and ``verify_tokens``: the runner's full verify graphs (one per decode bucket up to
+    ``max_batch_size`` requests) where the backend has a verify mode. For chains (topk 1) ``1 + K`` tokens per request;
+    for trees (topk > 1) ``1 + num_draft_tokens`` (``max_draft_tokens``) and ``verify_trees``: the graphs take each
+    step's tree masks, and the decode graphs' rows grow to ``max_batch_size x (1 + num_draft_tokens)`` with them."""
     spec = config.speculative_config
-    q = 1 + (spec.num_speculative_tokens if spec is not None else 0)
+    q = 1 + (spec.max_draft_tokens if spec is not None else 0)
     rows = config.max_batch_size * q
     options = verify_graph_sizes(config.compile_options, rows)
-    if spec is not None and spec.topk == 1 and "verify_tokens" not in (options or {}):
+    if spec is not None and "verify_tokens" not in (options or {}):
         options = {**(options or {}), "verify_tokens": q}
+        if spec.topk > 1:
+            options["verify_trees"] = True
     return rows, options
 
 
