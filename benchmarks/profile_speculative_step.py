@@ -22,6 +22,7 @@ import collections
 import cProfile
 import io
 import pstats
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -39,11 +40,17 @@ from compile_attn.engine.execution.in_flight import InFlightStep  # noqa: E402
 
 
 class Stages:
-    """Host seconds per named stage, summed over the calls (a call inside another counts in both)."""
+    """Host seconds per named stage, summed over the calls (a call inside another counts in both), and each call's
+    (their median: a call the OS preempted on a busy host does not move it)."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = collections.defaultdict(float)
         self.calls: dict[str, int] = collections.defaultdict(int)
+        self.each: dict[str, list[float]] = collections.defaultdict(list)
+
+    def clear(self) -> None:
+        for d in (self.seconds, self.calls, self.each):
+            d.clear()
 
     def wrap(self, owner: object, attr: str, name: str) -> None:
         fn = getattr(owner, attr)
@@ -53,13 +60,17 @@ class Stages:
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.seconds[name] += time.perf_counter() - t0
+                dt = time.perf_counter() - t0
+                self.seconds[name] += dt
                 self.calls[name] += 1
+                self.each[name].append(dt)
 
         setattr(owner, attr, staticmethod(timed) if isinstance(owner, type) else timed)
 
-    def table(self, steps: int) -> list[tuple[str, float, int]]:
-        return [(n, 1e3 * s / steps, self.calls[n]) for n, s in self.seconds.items()]
+    def table(self, steps: int) -> list[tuple[str, float, int, float]]:
+        """(stage, ms per step, calls, median us per call) of each stage."""
+        return [(n, 1e3 * s / steps, self.calls[n], 1e6 * statistics.median(self.each[n]))
+                for n, s in self.seconds.items()]
 
 
 def instrument(llm: LLM, stages: Stages) -> None:
@@ -127,8 +138,7 @@ def main() -> None:
         for name in ("warm-up", "warm-up 2", "always-right proposer"):
             # replays the previous pass's own tokens: a verify step's other GEMM shapes round differently in bf16
             llm.speculator.proposer = ReplayProposer([p + r for p, r in zip(prompts, known)], args.k, 32)
-            stages.seconds.clear()
-            stages.calls.clear()
+            stages.clear()
             steps0, verified0 = llm.num_steps, llm.speculator.stats.verify_steps
             sync()
             t0 = time.perf_counter()
@@ -146,11 +156,11 @@ def main() -> None:
         same = sum(o.token_ids == r for o, r in zip(outs, previous))
         print(f"\n## batch {bs}: {steps} steps ({verify_steps} verify), {tokens} tokens ({same}/{bs} requests equal "
               f"to the replayed tokens), {1e3 * wall / steps:.3f} ms per step, {tokens / wall:,.0f} tok/s")
-        print("| stage | ms per step | calls |\n|---|---|---|")
+        print("| stage | ms per step | calls | median us per call |\n|---|---|---|---|")
         table = sorted(stages.table(steps), key=lambda t: t[0])
-        for stage, ms, calls in table:
-            print(f"| {stage} | {ms:.3f} | {calls} |")
-        ms = {stage: v for stage, v, _ in table}
+        for stage, ms, calls, median in table:
+            print(f"| {stage} | {ms:.3f} | {calls} | {median:.0f} |")
+        ms = {stage: v for stage, v, _, _ in table}
         host = ms.get("step (all)", 0.0) - ms.get("device: graph replay", 0.0)
         print(f"host share (step less graph replays): {host:.3f} ms per step")
         if prof is not None:
