@@ -25,7 +25,8 @@ import torch
 
 from compile_attn.draft_tree import check_draft_parents, tree_positions
 from compile_attn.errors import InvalidBatchError
-from compile_attn.host_tensors import int_list, int_tensor, num_entries, ragged_arange, short_list, to_device_groups
+from compile_attn.host_tensors import (int_list, int_tensor, num_entries, ragged_arange, repeat_each, short_list,
+                                      to_device_groups)
 
 PAD_SLOT = 0  # the scratch slot (page 0): padding tokens write their KV here, never into a live request's
 PAD_REQUEST = 0  # the scratch request row: its table entries all point at PAD_SLOT
@@ -110,10 +111,11 @@ class ForwardBatch:
     # TARGET_VERIFY: per request, the parent (index among its new tokens) of each new token, -1 for token 0; new
     # token i sees the cached prefix, its ancestors and itself (compile_attn/draft_tree.py). None: chains.
     draft_parents: tuple[tuple[int, ...], ...] | None = None
-    # The request table does not hold this batch's new slots yet (one new token per request: token b is request
-    # b's): whoever runs the batch writes req_to_token[req_pool_indices[b], positions[b]] = out_cache_loc[b] on the
-    # device before the forward reads the table (write_pending_table; a decode graph's input copy does it on the
-    # way). Set by build(..., table_write_pending=True) for slots from kv.alloc_extend(..., defer_table_write=True).
+    # The request table does not hold this batch's new slots yet: whoever runs the batch writes token t's slot
+    # out_cache_loc[t] at its request's row and table position (prefix + its index among the request's new tokens)
+    # on the device before the forward reads the table (write_pending_table; a decode graph's input copy does it on
+    # the way). With one new token per request token b is request b's and its position positions[b]. Set by
+    # build(..., table_write_pending=True) for slots from kv.alloc_extend(..., defer_table_write=True).
     table_write_pending: bool = False
     # The per-token fields (input_ids, positions, out_cache_loc) as build was given them when all three were host
     # values, else None: what a tensor-parallel step message sends without reading the device.
@@ -126,6 +128,10 @@ class ForwardBatch:
                                                                        compare=False)
     # The out_cache_loc tensor build was given (kv.issued recognises it; on a GPU a host one is uploaded).
     _given_loc: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    # A pending table write of several new tokens per request: each token's table row and position on the device
+    # (uploaded by build with the other fields); None for one token per request (req_pool_indices and positions).
+    _table_index: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False,
+                                                                   compare=False)
 
     def __post_init__(self) -> None:
         if self.real_batch_size is None:
@@ -160,7 +166,8 @@ class ForwardBatch:
 
         ``table_write_pending``: ``out_cache_loc`` came from ``kv.alloc_extend(..., defer_table_write=True)`` (a
         host tensor, uploaded here with the other fields), and the batch's step writes it into the request table
-        (see the field); needs one new token per request.
+        (see the field). With more than one new token per request (a verify step) each token's table row and
+        position go up in the same copy.
 
         ``draft_parents`` (forward_mode TARGET_VERIFY only): the draft tree, checked by ``draft_tree.
         check_draft_parents``; ``positions`` then default to ``draft_tree.tree_positions`` (prefix + depth).
@@ -194,10 +201,6 @@ class ForwardBatch:
                     f"give one entry per new token, request after request"
                 )
         one_each = extend_lens.count(1) == bs  # one new token per request (decode-shaped)
-        if table_write_pending and not one_each:
-            raise InvalidBatchError(
-                f"table_write_pending needs one new token per request, got extend_lens {short_list(extend_lens)}"
-            )
         if forward_mode is None:
             if bs == 0:
                 forward_mode = ForwardMode.IDLE
@@ -220,16 +223,23 @@ class ForwardBatch:
         if input_ids is None:
             input_ids = torch.zeros(num_tokens, dtype=torch.int64)
         # Host values go to the device in one copy (both dtypes); default positions are expanded on the host.
+        # A pending write of several tokens per request: each token's table row, and its table position where that
+        # is not its position (a tree's, or positions given); uploaded with the batch.
+        table_index: list = []
+        if table_write_pending and not one_each:
+            table_index.append(_repeat_each(req_idx, extend_lens, num_tokens))
+            if positions is not None or draft_parents is not None:
+                table_index.append(_ragged_arange(prefix_lens, extend_lens, num_tokens))
         if positions is None:  # decode (one token per request): each position is the prefix length
-            positions = prefix_lens if one_each else (
-                ragged_arange(prefix_lens, extend_lens))
+            positions = prefix_lens if one_each else _ragged_arange(prefix_lens, extend_lens, num_tokens)
         # A slot tensor already in place is used as it is (on a GPU to_device does the same): the KV cache then
         # recognises the tensor its alloc_extend returned (check()).
         keep_loc = (isinstance(out_cache_loc, torch.Tensor) and out_cache_loc.is_cpu and device.type == "cpu"
                     and out_cache_loc.dtype == torch.int64)
         try:  # one copy; input ids first, at storage offset 0 (else duck sizing ties a compiled model to the offset)
             longs, ints = to_device_groups([
-                ([input_ids, positions, req_idx, *(() if keep_loc else (out_cache_loc,))], torch.int64),
+                ([input_ids, positions, req_idx, *(() if keep_loc else (out_cache_loc,)), *table_index],
+                 torch.int64),
                 ([seq_lens, prefix_lens, extend_lens, start_loc], torch.int32),
             ], device)
         except (TypeError, OverflowError) as exc:  # e.g. a float in a list, a value past int64
@@ -246,6 +256,9 @@ class ForwardBatch:
         if all(_on_host(v) for v in (input_ids, positions, out_cache_loc)):
             fb.host_tokens = (input_ids, positions, out_cache_loc)
         fb._given_loc = out_cache_loc if isinstance(out_cache_loc, torch.Tensor) else None
+        if table_index:
+            k = 4 - keep_loc  # the first table field's index among the int64 fields
+            fb._table_index = (longs[k], longs[k + 1] if len(table_index) == 2 else longs[1])
         return fb
 
     @classmethod
@@ -264,12 +277,22 @@ class ForwardBatch:
 
     def write_pending_table(self, kv_cache: BatchCache) -> None:
         """Write this batch's new slots into ``kv_cache``'s request table if that is still pending
-        (``table_write_pending``): ``req_to_token[req_pool_indices[b], positions[b]] = out_cache_loc[b]``, two
-        device ops (the slots as int32, an index_put). Backends' eager entry and ``GraphRunner.run`` call it before
-        anything reads the table; a decode graph's input copy writes the table itself instead."""
+        (``table_write_pending``): ``req_to_token[req_pool_indices[b], positions[b]] = out_cache_loc[b]`` for one
+        token per request, each token's row and table position (uploaded by ``build``) for more; two device ops
+        (the slots as int32, an index_put). Backends' eager entry and ``GraphRunner.run`` call it before anything
+        reads the table; a decode graph's input copy writes the table itself instead."""
         if not self.table_write_pending:
             return
-        if self.batch_size:
+        if self._table_index is not None:
+            rows, positions = self._table_index
+            kv_cache.req_to_token[rows, positions] = self.out_cache_loc.to(torch.int32)
+        elif self.num_tokens != self.batch_size:
+            raise InvalidBatchError(
+                f"the batch's request-table write is pending but it has {self.num_tokens} tokens for "
+                f"{self.batch_size} requests and no per-token table rows; build it with ForwardBatch.build(..., "
+                f"table_write_pending=True), not field by field or with dataclasses.replace"
+            )
+        elif self.batch_size:
             kv_cache.req_to_token[self.req_pool_indices, self.positions] = self.out_cache_loc.to(torch.int32)
         self.table_write_pending = False
 
@@ -407,6 +430,25 @@ class ForwardBatch:
         kv_cache.check_rows(rows, prefix, extend)
         kv_cache.check_slots(rows, prefix, extend, loc)
         self._checked_against = (kv_cache, loc, kv_cache.generation)
+
+
+# Up to this many tokens the per-token host lists are Python comprehensions: NumPy's per-call cost (a verify step of
+# 1 + K tokens per request at small batches) is larger than the loop's.
+_SMALL_TOKENS = 256
+
+
+def _ragged_arange(starts: list[int], lens: list[int], total: int) -> list[int] | object:
+    """``host_tensors.ragged_arange`` (lengths checked non-negative by the caller); a list for few tokens."""
+    if total <= _SMALL_TOKENS:
+        return [s + j for s, n in zip(starts, lens) for j in range(n)]
+    return ragged_arange(starts, lens)
+
+
+def _repeat_each(values: list[int], lens: list[int], total: int) -> list[int] | object:
+    """``host_tensors.repeat_each`` (lengths checked non-negative by the caller); a list for few tokens."""
+    if total <= _SMALL_TOKENS:
+        return [v for v, n in zip(values, lens) for _ in range(n)]
+    return repeat_each(values, lens)
 
 
 def _on_host(values: object) -> bool:

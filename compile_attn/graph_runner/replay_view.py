@@ -158,14 +158,14 @@ class ReplayViews:
         return view
 
     def verify_view(self, fb: ForwardBatch, bucket: int, tokens_per_request: int,
-                    end_aligned: tuple[torch.Tensor, list[torch.Tensor]] | None = None) -> ForwardBatch:
+                    end_aligned: tuple[torch.Tensor, list[torch.Tensor], list[int]] | None = None) -> ForwardBatch:
         """``fb`` (a chain verify batch of ``tokens_per_request`` tokens per request, ``batch_size <= bucket``) padded
         with requests up to ``bucket`` (``bucket x Q`` tokens): padded requests hold decode padding (row PAD_REQUEST,
         the seq_len fill value), their tokens the token padding (id and position 0, slot PAD_SLOT).
 
         ``end_aligned``: ``fb``'s requests verify fewer than Q tokens each (graph_runner/verify_layout.py): the
-        device rows of its tokens in the B x Q layout and the view's int32 request fields (prefix ``seq_len - Q``,
-        extend Q, start ``b x Q``); the other rows hold token padding."""
+        device rows of its tokens in the B x Q layout, the view's int32 request fields (prefix ``seq_len - Q``,
+        extend Q, start ``b x Q``) and its host prefix lengths; the other rows hold token padding."""
         b, bs, q = self.buffers, fb.batch_size, tokens_per_request
         n = bs * q
         int64_targets, int32_targets = self._targets(bs, n)
@@ -173,7 +173,7 @@ class ReplayViews:
             self._copy_int64_fields(fb, n, int64_targets)
             int32_fields = [fb.seq_lens, fb.extend_prefix_lens, fb.extend_seq_lens, fb.extend_start_loc]
         else:
-            rows, (prefix, extend, start) = end_aligned
+            rows, (prefix, extend, start), _ = end_aligned
             self._tokens_dirty = max(self._tokens_dirty, n)
             self._repad_tokens(0)  # the filler rows: token padding
             for name in ("input_ids", "positions", "out_cache_loc"):
@@ -191,8 +191,8 @@ class ReplayViews:
             batch_size=bucket,
             num_tokens=bucket * q,
             seq_lens_cpu=seq_lens_cpu,
-            extend_prefix_lens_cpu=(list(fb.extend_prefix_lens_cpu) if end_aligned is None
-                                    else [int(s) - q for s in fb.seq_lens_cpu[:bs]]) + [self.pad_prefix] * npad,
+            extend_prefix_lens_cpu=list(fb.extend_prefix_lens_cpu if end_aligned is None else end_aligned[2])
+            + [self.pad_prefix] * npad,
             extend_seq_lens_cpu=[q] * bucket,
             real_batch_size=bs,
             bucket=bucket * q,

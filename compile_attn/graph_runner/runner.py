@@ -389,10 +389,10 @@ class GraphRunner:
         if fb.chain_verify_tokens() != q:  # fewer tokens for some requests: the last rows of their Q
             rows = end_aligned_rows(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu, q)
             assert rows is not None  # verify_route checked
-            prefix = [int(s) - q for s in fb.seq_lens_cpu[:bs]]
+            prefix = [s + n - q for s, n in zip(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu)]  # seq_len - Q
             (rows_dev,), int32_fields = to_device_groups(
                 [([rows], torch.int64), ([prefix, [q] * bs, list(range(0, bs * q, q))], torch.int32)], self.device)
-            end_aligned = (rows_dev, int32_fields)
+            end_aligned = (rows_dev, int32_fields, prefix)
         view = self.views.verify_view(fb, bucket, q, end_aligned)
         if self.verify_trees:  # the backend writes the trees' masks into its static buffer (out of graph)
             view.draft_parents = view_parents(fb.draft_parents, bucket, q)

@@ -195,11 +195,12 @@ class KVCache(BatchChecks):
         fills ``req_to_token``. Raises KVCacheExhaustedError with nothing changed if the pages do
         not fit, InvalidBatchError if a request would pass ``max_context``.
 
-        ``defer_table_write`` (one new token per row only): ``out_cache_loc`` comes back as a host tensor and the
-        table is not written; the batch built from it (``ForwardBatch.build(..., table_write_pending=True)``)
-        carries the slots to the device in its own upload and its step writes ``req_to_token[rows[i], start_i] =
-        out_cache_loc[i]`` before the forward reads the table (``ForwardBatch.write_pending_table``, or on the way
-        into a decode graph's buffers, ``step_kernels.copy_decode_inputs``): no upload and no device op here.
+        ``defer_table_write``: ``out_cache_loc`` comes back as a host tensor and the table is not written; the batch
+        built from it (``ForwardBatch.build(..., table_write_pending=True)``) carries the slots to the device in its
+        own upload and its step writes ``req_to_token[rows[i], start_i + j] = out_cache_loc[token j of row i]``
+        before the forward reads the table (``ForwardBatch.write_pending_table``, or on the way into a decode
+        graph's buffers, ``step_kernels.copy_decode_inputs``): no upload and no device op here. Decode steps (one
+        token per row) and speculative verify steps (1 + K tokens per row) use it.
         """
         rows, extend_lens = list(rows), list(extend_lens)
         if len(rows) != len(extend_lens):
@@ -208,11 +209,6 @@ class KVCache(BatchChecks):
                 f"{len(extend_lens)} extend_lens {extend_lens}; nothing was allocated"
             )
         one_each = extend_lens.count(1) == len(extend_lens)
-        if defer_table_write and not one_each:
-            raise InvalidBatchError(
-                f"defer_table_write needs one new token per request row, got extend_lens {extend_lens}; nothing was "
-                f"allocated"
-            )
         if rows and one_each:
             out = self._alloc_decode(rows, defer_table_write)
             if out is not None:
@@ -255,7 +251,7 @@ class KVCache(BatchChecks):
         if not slots:
             return torch.empty(0, dtype=torch.int64, device="cpu" if defer_table_write else self.device)
         if defer_table_write:
-            return self._deferred(slots, rows, starts)
+            return self._deferred(slots, rows, starts, extend_lens)
         # One host-to-device copy: the slots, then each token's request row and position (expanded on the host),
         # and the table written with them on the device.
         (out, token_rows, token_positions), (slots32,) = to_device_groups([  # the table's int32 copy rides along
@@ -292,7 +288,7 @@ class KVCache(BatchChecks):
             slots = [pages[s // ps] * ps + s % ps for pages, s in zip(page_lists, starts)]
         lens.update(zip(rows, [s + 1 for s in starts]))
         if defer_table_write:
-            return self._deferred(slots, rows, starts)
+            return self._deferred(slots, rows, starts, [1] * len(rows))
         # one token per request: nothing to expand on the device
         (out, rows_t, starts_t), (slots32,) = to_device_groups([([slots, rows, starts], torch.int64),
                                                                  ([slots], torch.int32)], self.device)
@@ -300,10 +296,11 @@ class KVCache(BatchChecks):
         self._issued.append((weakref.ref(out), rows, starts, [1] * len(rows)))
         return out
 
-    def _deferred(self, slots: Sequence[int], rows: list[int], starts: list[int]) -> torch.Tensor:
-        """The host ``out_cache_loc`` of a one-token-per-row allocation whose table write is left to its step."""
+    def _deferred(self, slots: Sequence[int], rows: list[int], starts: list[int],
+                  extend_lens: list[int]) -> torch.Tensor:
+        """The host ``out_cache_loc`` of an allocation whose table write is left to its step."""
         out = int_tensor(slots)
-        self._issued.append((weakref.ref(out), rows, starts, [1] * len(rows)))
+        self._issued.append((weakref.ref(out), rows, starts, extend_lens))
         return out
 
     def truncate(self, row: int, length: int) -> None:

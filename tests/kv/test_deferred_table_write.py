@@ -6,6 +6,7 @@ batch itself (``write_pending_table``, the eager and extend routes), the table a
 Python reference derives from each row's pages, and what a twin cache that writes at allocation holds: page sizes
 1 and 4, shuffled free pages, the step's fields at unaligned offsets of their upload. Batches that cannot be
 trusted with a pending write are refused, and an engine whose decode steps take every route gives the same tokens.
+Verify steps (several new tokens per request, chains and trees) defer their write too.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from hypothesis import strategies as st
 
 from compile_attn import InvalidBatchError, KVCache
 from compile_attn.graph_runner import step_kernels
-from compile_attn.batch import ForwardBatch
+from compile_attn.batch import ForwardBatch, ForwardMode
 from compile_attn.batch import PAD_SLOT
 from compile_attn.graph_runner.step_kernels import copy_decode_inputs
 
@@ -98,16 +99,58 @@ def test_deferred_writes_give_the_table_the_pages_say(page_size: int, prefix: li
         assert torch.equal(deferred.req_to_token, eager.req_to_token)
 
 
-def test_only_one_token_per_row_can_defer_its_write() -> None:
+@pytest.mark.parametrize("page_size", [1, 4])
+@settings(max_examples=15, deadline=None)
+@given(prefix=st.lists(st.integers(1, 20), min_size=1, max_size=5), data=st.data(), tree=st.booleans(),
+       route=st.sampled_from(["batch", "eager"]), seed=st.integers(0, 2**16))
+def test_a_verify_steps_deferred_write_gives_the_table_the_pages_say(page_size: int, prefix: list[int],
+                                                                     data: st.DataObject, tree: bool, route: str,
+                                                                     seed: int) -> None:
+    """Several new tokens per request (a verify step's last token and drafts, as a chain or a tree whose positions
+    are not the table's): the step writes each token's slot at its row and table position, as a cache that writes
+    at allocation does."""
+    deferred, eager = _cache(page_size, seed), _cache(page_size, seed)
+    for kv in (deferred, eager):
+        rows = [kv.alloc_request() for _ in prefix]
+        kv.alloc_extend(rows, prefix)
+    lens = data.draw(st.lists(st.integers(1, 5), min_size=len(rows), max_size=len(rows)))
+    before = deferred.req_to_token.clone()
+    loc = deferred.alloc_extend(rows, lens, defer_table_write=True)
+    assert loc.is_cpu and torch.equal(deferred.req_to_token, before)  # nothing written yet
+    assert loc.tolist() == eager.alloc_extend(rows, lens).tolist()
+    parents = [(-1, *(data.draw(st.integers(-1, i - 1)) + 1 for i in range(n - 1))) for n in lens] if tree else None
+    fb = ForwardBatch.build(req_pool_indices=rows, prefix_lens=prefix, extend_lens=lens, out_cache_loc=loc,
+                            input_ids=[5] * sum(lens), table_write_pending=True, draft_parents=parents,
+                            forward_mode=ForwardMode.TARGET_VERIFY if tree else None)
+    fb.check(deferred)  # recognised as the allocation's batch: no table read
+    if route == "batch":
+        fb.write_pending_table(deferred)
+    else:
+        from compile_attn.attention import create_backend
+        from compile_attn.layer import AttentionLayer
+        backend = create_backend("torch_native", deferred, [AttentionLayer(0, num_heads=1, num_kv_heads=1,
+                                                                           head_dim=4)])
+        backend.init_forward_metadata(fb)
+    assert not fb.table_write_pending
+    assert deferred.req_to_token.tolist() == reference_table(deferred)
+    assert torch.equal(deferred.req_to_token, eager.req_to_token)
+
+
+def test_a_pending_batch_of_several_tokens_needs_its_table_rows() -> None:
+    """A pending batch of several tokens per request rebuilt field by field has lost its tokens' table rows: its
+    write is refused, not done at the wrong positions."""
+    import dataclasses
+
     kv = _cache(4, 0)
     rows = [kv.alloc_request(), kv.alloc_request()]
-    before = (kv.req_to_token.clone(), dict(kv._lens), kv.allocator.available)
-    with pytest.raises(InvalidBatchError, match="one new token per request row"):
-        kv.alloc_extend(rows, [3, 1], defer_table_write=True)
-    assert torch.equal(kv.req_to_token, before[0]) and (dict(kv._lens), kv.allocator.available) == before[1:]
-    with pytest.raises(InvalidBatchError, match="one new token per request"):
-        ForwardBatch.build(req_pool_indices=rows, prefix_lens=[0, 0], extend_lens=[2, 1], out_cache_loc=[9, 10, 11],
-                           table_write_pending=True)
+    kv.alloc_extend(rows, [3, 2])
+    loc = kv.alloc_extend(rows, [3, 1], defer_table_write=True)
+    fb = ForwardBatch.build(req_pool_indices=rows, prefix_lens=[3, 2], extend_lens=[3, 1], out_cache_loc=loc,
+                            table_write_pending=True)
+    before = kv.req_to_token.clone()
+    with pytest.raises(InvalidBatchError, match="no per-token table rows"):
+        dataclasses.replace(fb).write_pending_table(kv)
+    assert torch.equal(kv.req_to_token, before)
 
 
 def test_a_pending_batch_is_refused_unless_it_is_its_allocation() -> None:

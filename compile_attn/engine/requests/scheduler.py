@@ -42,7 +42,8 @@ class ScheduledStep:
     extend_lens: list[int]
     out_cache_loc: torch.Tensor
     # The request table's entries for the new slots are left to the step (a host out_cache_loc, see
-    # KVCache.alloc_extend's defer_table_write): build the batch with ForwardBatch.build(table_write_pending=...).
+    # KVCache.alloc_extend's defer_table_write; decode and verify steps): build the batch with
+    # ForwardBatch.build(table_write_pending=...).
     table_write_pending: bool = False
 
     @property
@@ -74,9 +75,9 @@ class SchedulerState:
 class Scheduler:
     def __init__(self, kv_cache: KVCache, max_batch_size: int, max_num_tokens: int, *,
                  defer_table_write: bool = False) -> None:
-        """``defer_table_write``: steps of one new token per request (decode) leave the request table's write to
-        the step that runs them (``ScheduledStep.table_write_pending``), so their slots reach the device in the
-        batch's own upload."""
+        """``defer_table_write``: steps of one new token per request (decode) and steps of decoding requests with
+        their drafts (speculative verify) leave the request table's write to the step that runs them
+        (``ScheduledStep.table_write_pending``), so their slots reach the device in the batch's own upload."""
         self.kv = kv_cache
         self.defer_table_write = defer_table_write
         self.max_batch_size = max_batch_size
@@ -164,6 +165,7 @@ class Scheduler:
             return self.kv.available_pages - reserved
 
         preempted: set[int] = set()
+        verifying = -1  # with drafts: the decoding requests taken with them, all at once (a verify step's)
         decoding = [r for r in self.running if r.is_decoding]
         # A decoding request with drafts (speculative decoding) runs its last token and its drafts: 1 + len(drafts).
         drafting = any(r.draft_ids for r in decoding)
@@ -175,6 +177,7 @@ class Scheduler:
                 reserved, budget = need, budget - tokens
                 chosen = [(r, 1 + len(r.draft_ids)) for r in decoding]
                 chosen_ids = {id(r) for r in decoding}
+                verifying = len(chosen) if drafting else -1
                 decoding = []
         for r in decoding if drafting else ():  # not all fit with their drafts: plain decode first, drafts later
             r.draft_ids, r.draft_parents = [], None
@@ -243,7 +246,9 @@ class Scheduler:
             return None
         reqs = [r for r, _ in chosen]
         extend_lens = [n for _, n in chosen]
-        defer = self.defer_table_write and extend_lens.count(1) == len(extend_lens)
+        # Decode steps, and verify steps (every request decoding with its drafts, none else: ``verifying``), leave
+        # the table write to the step.
+        defer = self.defer_table_write and (verifying == len(chosen) or extend_lens.count(1) == len(extend_lens))
         out_cache_loc = self.kv.alloc_extend([r.row for r in reqs], extend_lens, defer_table_write=defer)
         return ScheduledStep(reqs, [r.num_cached for r in reqs], extend_lens, out_cache_loc, defer)
 
