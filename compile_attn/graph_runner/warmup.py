@@ -7,7 +7,8 @@ batches larger than the largest bucket (eager), and every batch size's own host 
 (Triton's JIT) are built per specialisation, and Triton specialises pointer arguments on 16-byte alignment:
 a step's index tensors are views into one upload whose offsets follow the batch size and token count, so on
 a GPU each path runs with 1-4 requests and 4 token-count residues (every alignment of those views). Each
-bucket also runs once with prefixes and several requests (on a GPU, where it costs a replay). With
+bucket also runs once with prefixes and several requests (on a GPU, where it costs a replay), and mixed batches run
+with as many decode rows as the decode sizes have (a backend's decode-row kernel is specialised on the count). With
 ``shared_prefix`` (the engine's ``cascade_decode``), decode batches carrying a shared-prefix group run too, through
 the runner's shared-prefix route (the backend's cascade kernels). Dummy requests use row ``PAD_REQUEST`` and write
 only ``PAD_SLOT``, as capture's dummy batches do.
@@ -83,6 +84,13 @@ def warmup_shapes(runner: RunnerLike) -> list[Shape]:
     if cuda:  # every token bucket once with prefixes and several requests (a replay each)
         for bucket in runner.extend_buckets:
             extend(min(3, bucket), bucket)
+        # Mixed batches of many decode rows beside a short prompt: a backend may run those rows in a decode kernel of
+        # their own (triton: attention/triton/mixed.py), whose tiles change with the row count (small batches) and
+        # whose index views follow it (alignment), so the row counts of the decode sizes run too.
+        prompt = 4
+        if max_context > prompt:
+            for rows in decode_sizes(0, min(max_bs - 1, max_tokens - prompt), variants, thresholds=True):
+                shapes.append(((1,) * rows + (0,), (1,) * rows + (prompt,)))
     # Decode: the sizes that run eagerly (over the largest bucket, or all without decode graphs); on a GPU also
     # one padded batch per bucket.
     lo = runner.decode_buckets[-1] if runner.plan.decode is not GraphMode.NONE and runner.decode_buckets else 0

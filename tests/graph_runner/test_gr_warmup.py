@@ -75,6 +75,9 @@ def test_gpu_shapes_cover_every_alignment_residue_on_each_route() -> None:
             residues = {(b % 4, t % 4) for b, t, p in extends if (t <= 64) == small and p == with_prefix}
             assert residues == {(b, t) for b in range(4) for t in range(4)}, (small, with_prefix, sorted(residues))
     assert {t for _, t, _ in extends} >= {16, 32, 64}  # every token bucket once with several requests
+    mixed_rows = {len(lens) - 1 for prefix, lens in shapes
+                  if len(lens) > 1 and all(n == 1 and p for p, n in zip(prefix[:-1], lens[:-1])) and lens[-1] > 1}
+    assert {1, 2, 3, 4, 8, 9, 11} <= mixed_rows  # decode rows beside a prompt: every residue, each tile threshold
     decodes = sorted(len(lens) for prefix, lens in shapes if all(n == 1 and p for p, n in zip(prefix, lens)))
     assert {9, 10, 11, 12} <= set(decodes)  # eager, every residue
     assert {1, 3, 7} <= set(decodes)  # one padded batch per bucket (under its size)
