@@ -34,8 +34,8 @@ def load_draft(config: EngineConfig, max_context: int, vocab_size: int | None,
 
 def decode_graph_rows(config: EngineConfig) -> tuple[int, Mapping[str, Any] | None]:
     """``(rows, compile_options)`` for the engine's step runner: a verify step that its backend cannot run in a verify
-    graph runs each request's tokens as rows of a decode graph, so graphs of up to ``max_batch_size x (1 + K)`` rows
-    (``max_batch_size`` without speculation), and the compile options with decode graph sizes that reach them
+    graph runs each request's tokens as rows of a decode graph, so graphs of up to ``max_batch_size x (1 + K)`` rows,
+    rounded up to a decode graph size where one fits ``max_num_tokens`` (``max_batch_size`` without speculation), and the compile options with decode graph sizes that reach them
     (``verify_graph_sizes``) and ``verify_tokens``: the runner's full verify graphs (one per decode bucket up to
     ``max_batch_size`` requests) where the backend has a verify mode. For chains (topk 1) ``1 + K`` tokens per request;
     for trees (topk > 1) ``1 + num_draft_tokens`` (``max_draft_tokens``) and ``verify_trees``: the graphs take each
@@ -44,6 +44,9 @@ def decode_graph_rows(config: EngineConfig) -> tuple[int, Mapping[str, Any] | No
     q = 1 + (spec.max_draft_tokens if spec is not None else 0)
     rows = config.max_batch_size * q
     options = verify_graph_sizes(config.compile_options, rows)
+    if spec is not None:  # up to a decode size, so that a full verify step of decode rows has a graph to pad into
+        sizes = sorted((options or {}).get("decode_batch_sizes", GraphConfig.decode_batch_sizes))
+        rows = next((s for s in sizes if rows <= s <= max(rows, config.max_num_tokens)), rows)
     if spec is not None and "verify_tokens" not in (options or {}):
         options = {**(options or {}), "verify_tokens": q}
         if spec.topk > 1:

@@ -52,3 +52,20 @@ def test_verify_steps_write_the_table_in_the_step(spec: dict, graph_mode: str) -
     assert len(verify_steps) >= llm.speculator.stats.verify_steps > 0  # every verify step deferred its write
     assert (llm.speculator.stats.tree_verified > 0) == ("topk" in spec)
     assert kv.allocator.available == kv.allocator.num_pages
+
+
+def test_a_full_verify_step_of_decode_rows_has_a_graph_at_a_small_max_batch_size() -> None:
+    """1 request x (1 + 4) tokens is 5 decode rows: the decode graphs reach the next size (8), so a backend without
+    a verify mode pads the step into a graph instead of running it eagerly."""
+    torch.manual_seed(0)
+    model = ToyDecoder(CFG).eval()
+    spec = {**CHAIN, "num_speculative_tokens": 4}
+    llm = LLM(model, max_batch_size=1, max_num_tokens=64, kv_cache_tokens=512, max_context=64, page_size=4,
+              graph_mode="full", compile=False, device="cpu", speculative_config=spec, attn_backend="torch_native")
+    req = llm.add_request(PROMPTS[3], SamplingParams(max_new_tokens=14))
+    while llm.has_work():
+        llm.step()
+    assert req.output_ids == greedy_by_recompute(model, PROMPTS[3], 14)
+    runner = llm.step_runner.runner
+    assert 8 in runner.decode_buckets and llm.speculator.stats.verify_steps > 0
+    assert runner.stats.eager_fallbacks == 0
