@@ -8,10 +8,17 @@ Three subcommands, each a separate process (a TP 1 and a TP N engine are measure
         per-message latency of a bf16 sum over the GPUs at a decode step's sizes: NCCL launched eagerly, NCCL inside a
         CUDA graph, the library's op (``compile_attn::tp_all_reduce``, what the model runs) inside a graph, and torch's
         symmetric-memory one-shot all-reduce (no multicast) eagerly and inside a graph;
+    python benchmarks/bench_tensor_parallel.py fused --world-size 2 [--out JSON]
+        a layer boundary of a decode step (the row-parallel output summed, the residual added, RMSNorm) at 1 ... 256
+        tokens inside a CUDA graph: the library's all-reduce op then a compiled add + RMSNorm (what the model runs),
+        against FlashInfer's one-shot Lamport all-reduce alone and fused with the residual add and RMSNorm
+        (``flashinfer.comm.trtllm_allreduce_fusion``);
     python benchmarks/bench_tensor_parallel.py decode --model DIR --tp N [--batch-sizes 1,64] [--out JSON]
         the engine's decode step at each batch size: ``LLM.generate`` of B prompts of ``--context`` random ids with
         ``ignore_eos``, run for two output lengths; the step is the difference of the wall times over the difference
-        of the steps (prefill cancels; host work, the step broadcast and the graph replay are all in it).
+        of the steps (prefill cancels; host work, the step broadcast and the graph replay are all in it);
+        ``--profile-dir DIR`` then traces 24 steps per batch size on every rank (``LLM.start_profile``), for
+        ``benchmarks/gpu_trace_summary.py`` (a worker's steps counted by ``--step-marker Broadcast``).
 
 Keep multicast off on machines where it must be (``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``,
 ``NVSHMEM_DISABLE_NVLS=1``): the script sets these defaults in its own environment before any process starts.
@@ -158,6 +165,111 @@ def cmd_all_reduce(args: argparse.Namespace) -> None:
                        start_method="spawn", join=True)
 
 
+# ---------------------------------------------------------------------------------------------- fused boundary
+FUSED_TOKENS = (1, 8, 64, 256)
+
+
+def _fused_rank(rank: int, world_size: int, port: int, out_path: str | None) -> None:
+    import torch.distributed as dist
+
+    from compile_attn.distributed import init_tensor_parallel
+    from compile_attn.distributed.state import tp_group, tp_group_name
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
+    torch.cuda.set_device(rank)
+    init_tensor_parallel(rank, world_size, backend="nccl", timeout_s=120)
+    group, name = tp_group(), tp_group_name()
+    hidden, eps, n = LLAMA_8B["hidden_size"], 1e-5, 64
+    gen = torch.Generator("cuda").manual_seed(1 + rank)
+    gamma = torch.randn(hidden, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(0))
+
+    @torch.compile(fullgraph=True, dynamic=False)
+    def add_norm(x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = residual + x
+        v = h.float().pow(2).mean(-1, keepdim=True)
+        return (h.float() * torch.rsqrt(v + eps)).to(h.dtype) * gamma, h
+
+    rows = []
+    fi = None
+    try:
+        import flashinfer.comm as fi
+
+        _handles, workspace = fi.trtllm_create_ipc_workspace_for_all_reduce_fusion(
+            rank, world_size, max(FUSED_TOKENS), hidden, group=group)
+    except Exception as exc:  # noqa: BLE001  (reported: the library op's numbers stand)
+        fi_error = f"{type(exc).__name__}: {exc}"[:400]
+        fi = None
+    for tokens in FUSED_TOKENS:
+        x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+        residual = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+        full = x.clone()
+        dist.all_reduce(full, group=group)  # the reference sum (NCCL, eager)
+        ref_norm, ref_h = add_norm(full, residual)
+        row: dict = dict(tokens=tokens, bytes=tokens * hidden * 2)
+        got: list = []
+        graph = _graph_of(lambda: got.append(add_norm(torch.ops.compile_attn.tp_all_reduce(x, name), residual)), n)
+        row["op_then_add_norm_us"] = _per_op_us(lambda: (graph.replay(), n)[1])
+        row["op_then_add_norm_err"] = float((got[-1][0].float() - ref_norm.float()).abs().max())
+        graph = _graph_of(lambda: torch.ops.compile_attn.tp_all_reduce(x, name), n)
+        row["op_alone_us"] = _per_op_us(lambda: (graph.replay(), n)[1])
+        if fi is not None:
+            try:
+                out = torch.empty_like(x)
+                norm_out, res_out = torch.empty_like(x), torch.empty_like(x)
+
+                def fused(pattern: int) -> None:
+                    fused_norm = pattern == fi.AllReduceFusionPattern.kARResidualRMSNorm
+                    fi.trtllm_allreduce_fusion(
+                        allreduce_in=x, world_size=world_size, world_rank=rank, token_num=tokens, hidden_dim=hidden,
+                        workspace_ptrs=workspace, launch_with_pdl=False, trigger_completion_at_end=True,
+                        fp32_acc=True, pattern_code=pattern, use_oneshot=None,
+                        allreduce_out=None if fused_norm else out, residual_in=residual if fused_norm else None,
+                        residual_out=res_out if fused_norm else None, norm_out=norm_out if fused_norm else None,
+                        quant_out=None, scale_out=None, rms_gamma=gamma if fused_norm else None,
+                        rms_eps=eps if fused_norm else None, scale_factor=None, layout_code=None)
+
+                plain, fusednorm = fi.AllReduceFusionPattern.kAllReduce, fi.AllReduceFusionPattern.kARResidualRMSNorm
+                graph = _graph_of(lambda: fused(plain), n)
+                row["flashinfer_all_reduce_us"] = _per_op_us(lambda: (graph.replay(), n)[1])
+                row["flashinfer_all_reduce_err"] = float((out.float() - full.float()).abs().max())
+                graph = _graph_of(lambda: fused(fusednorm), n)
+                row["flashinfer_fused_us"] = _per_op_us(lambda: (graph.replay(), n)[1])
+                row["flashinfer_fused_err"] = float((norm_out.float() - ref_norm.float()).abs().max())
+                row["flashinfer_fused_residual_err"] = float((res_out.float() - ref_h.float()).abs().max())
+            except Exception as exc:  # noqa: BLE001
+                row["flashinfer_error"] = f"{type(exc).__name__}: {exc}"[:400]
+        rows.append(row)
+    if rank == 0:
+        print(f"\nlayer boundary (sum over {world_size} x {torch.cuda.get_device_name()}, residual add, RMSNorm) "
+              f"inside a CUDA graph, bf16 hidden {hidden}, per boundary, median us")
+        if fi is None:
+            print("  flashinfer.comm:", fi_error)
+        print("| tokens | op + add/norm | op alone | flashinfer all-reduce | flashinfer fused | errors (op, fi AR, fi fused) |")
+        print("|---|---|---|---|---|---|")
+        for r in rows:
+            cells = [f"{r.get(k, float('nan')):.1f}" for k in ("op_then_add_norm_us", "op_alone_us",
+                                                             "flashinfer_all_reduce_us", "flashinfer_fused_us")]
+            errs = ", ".join(f"{r.get(k, float('nan')):.3g}" for k in (
+                "op_then_add_norm_err", "flashinfer_all_reduce_err", "flashinfer_fused_err"))
+            print(f"| {r['tokens']} | " + " | ".join(cells) + f" | {errs} |")
+            if "flashinfer_error" in r:
+                print("  flashinfer:", r["flashinfer_error"])
+        if out_path:
+            Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+            Path(out_path).write_text(json.dumps(dict(world_size=world_size, device=torch.cuda.get_device_name(),
+                                                      torch=torch.__version__, rows=rows), indent=1))
+    dist.barrier()
+
+
+def cmd_fused(args: argparse.Namespace) -> None:
+    import torch.multiprocessing as mp
+
+    from compile_attn.engine.tensor_parallel.engine_group import _free_port
+
+    mp.start_processes(_fused_rank, args=(args.world_size, _free_port(), args.out), nprocs=args.world_size,
+                       start_method="spawn", join=True)
+
+
 # ---------------------------------------------------------------------------------------------- decode step
 def cmd_decode(args: argparse.Namespace) -> None:
     from compile_attn import LLM, SamplingParams
@@ -187,6 +299,10 @@ def cmd_decode(args: argparse.Namespace) -> None:
             rows.append(dict(batch_size=bs, context=args.context, step_ms=step_ms, steps=(n_s, n_l),
                              first_tokens=list(outs[0].token_ids[:16])))  # greedy: compare TP N with TP 1
             print(f"TP {args.tp} batch {bs}: decode step {step_ms:.3f} ms ({n_l - n_s} steps apart)", flush=True)
+            if args.profile_dir:  # after the timings: profiling slows later replays in the same process
+                llm.start_profile(str(Path(args.profile_dir) / f"tp{args.tp}_bs{bs}"))
+                llm.generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True), use_tqdm=False)
+                rows[-1]["traces"] = llm.stop_profile()
     finally:
         llm.shutdown()
     result = dict(run_info=run_info(sys.argv), tp=args.tp, startup_s=startup_s, rows=rows,
@@ -207,6 +323,10 @@ def main() -> None:
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--out")
     p.set_defaults(func=cmd_all_reduce)
+    p = sub.add_parser("fused")
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--out")
+    p.set_defaults(func=cmd_fused)
     p = sub.add_parser("decode")
     p.add_argument("--model", required=True)
     p.add_argument("--tp", type=int, default=1)
@@ -214,6 +334,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--output-lens", type=int, nargs=2, default=(32, 160))
     p.add_argument("--backend", default="triton")
+    p.add_argument("--profile-dir", help="after timing each batch size, a torch.profiler trace per rank of 24 steps")
     p.add_argument("--out")
     p.set_defaults(func=cmd_decode)
     args = ap.parse_args()

@@ -2,9 +2,11 @@
 --trace-dir``): the device's span over the traced steps, split into busy time (the union of kernels, copies and
 memsets) and idle gaps, per step; each op by device time per step; the longest gaps with the ops around them.
 
-A step is counted by its device-to-host copy (each engine step reads its sampled tokens back with one).
+A step is counted by its device-to-host copy (each engine step reads its sampled tokens back with one), or by the
+ops whose names match ``--step-marker`` (a tensor-parallel worker reads nothing back: one NCCL ``Broadcast`` per
+step brings it the step's device values).
 
-    python benchmarks/gpu_trace_summary.py trace/decode_bs1.json [--top 12]
+    python benchmarks/gpu_trace_summary.py trace/decode_bs1.json [--top 12] [--step-marker REGEX]
 """
 
 from __future__ import annotations
@@ -51,10 +53,12 @@ def is_readback(op: DeviceOp) -> bool:
     return "DtoH" in op.name or "Device -> Pinned" in op.name
 
 
-def summarize(ops: list[DeviceOp]) -> dict:
-    """Span, busy (union of intervals) and idle time over whole steps: from the end of the first read-back to the
-    end of the last, so that exactly ``steps`` steps lie inside; per-op totals and gaps inside that window."""
-    ends = [i for i, o in enumerate(ops) if is_readback(o)]
+def summarize(ops: list[DeviceOp], step_marker: str | None = None) -> dict:
+    """Span, busy (union of intervals) and idle time over whole steps: from the end of the first read-back (or
+    ``step_marker`` op) to the end of the last, so that exactly ``steps`` steps lie inside; per-op totals and gaps
+    inside that window."""
+    marks = (lambda o: re.search(step_marker, o.name) is not None) if step_marker else is_readback
+    ends = [i for i, o in enumerate(ops) if marks(o)]
     if len(ends) < 2:
         raise ValueError(f"the trace holds {len(ends)} device-to-host copies; at least 2 steps are needed")
     window = ops[ends[0] + 1:ends[-1] + 1]
@@ -96,10 +100,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("traces", nargs="+")
     p.add_argument("--top", type=int, default=12)
+    p.add_argument("--step-marker", help="a regex of the op that ends each step (default: the device-to-host copy)")
     args = p.parse_args()
     for path in args.traces:
         with open(path) as f:
-            summary = summarize(device_ops(json.load(f)))
+            summary = summarize(device_ops(json.load(f)), args.step_marker)
         print(f"## {path}\n\n{to_markdown(summary, args.top)}\n")
 
 

@@ -19,6 +19,8 @@ SAMPLER_COMPILE_ENV = "COMPILE_ATTN_SAMPLER_COMPILE"  # 1 / 0: compile the porta
 START_PROFILE_ENV = "COMPILE_ATTN_START_PROFILE"  # a file prefix: `compile-attn bench --engine` profiles each start
 VERIFY_MODE_ENV = "COMPILE_ATTN_VERIFY_MODE"  # 0 / false / off / no: triton chain verify steps as decode rows, not in the kernel's verify mode
 MIXED_DECODE_ENV = "COMPILE_ATTN_MIXED_DECODE_ROWS"  # 0 / false / off / no: triton runs a mixed batch's decode rows in the extend kernel
+PROFILER_DIR_ENV = "COMPILE_ATTN_TORCH_PROFILER_DIR"  # where LLM.start_profile() writes traces by default
+VLLM_PROFILER_DIR_ENV = "VLLM_TORCH_PROFILER_DIR"  # vLLM's name for it, read when PROFILER_DIR_ENV is not set
 API_KEY_ENV = "COMPILE_ATTN_API_KEY"  # the server's key when --api-key is not given (a key on the command line shows)
 VLLM_API_KEY_ENV = "VLLM_API_KEY"  # vLLM's name for it, read when API_KEY_ENV is not set
 
@@ -96,6 +98,12 @@ def start_profile_prefix() -> str | None:
     """``$COMPILE_ATTN_START_PROFILE``: the file prefix where ``compile-attn bench --engine`` writes each start's
     cProfile, or None."""
     return os.environ.get(START_PROFILE_ENV) or None
+
+
+def profiler_dir() -> str | None:
+    """``$COMPILE_ATTN_TORCH_PROFILER_DIR``, else ``$VLLM_TORCH_PROFILER_DIR``, else None: where
+    ``LLM.start_profile()`` writes its traces when given no directory."""
+    return os.environ.get(PROFILER_DIR_ENV) or os.environ.get(VLLM_PROFILER_DIR_ENV) or None
 
 
 def api_key() -> str | None:

@@ -32,6 +32,14 @@ class MessageKind(enum.IntEnum):
 
     STEP = 1  # run this step's forward
     SHUTDOWN = 2  # leave the step loop
+    PROFILE = 3  # start the profiler (a directory follows) or stop it (none follows)
+
+
+@dataclass(frozen=True)
+class ProfileControl:
+    """Start the torch profiler with traces going to ``directory``, or stop it (``directory`` None)."""
+
+    directory: str | None
 
 
 @dataclass
@@ -102,6 +110,15 @@ class StepSender:
         if parts:
             dist.broadcast(torch.cat(parts), self.src, group=self.group)
 
+    def profile(self, directory: str | None) -> None:
+        """Tell the other ranks to start their profilers writing to ``directory`` (None: to stop them)."""
+        data = (directory or "").encode()
+        header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+        header[0], header[1] = int(MessageKind.PROFILE), len(data)
+        dist.broadcast(header, self.src, group=self.host_group)
+        if data:
+            dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), self.src, group=self.host_group)
+
     def shutdown(self) -> None:
         """Tell the other ranks to leave their step loop."""
         header = torch.zeros(HEADER_LEN, dtype=torch.int64)
@@ -116,11 +133,18 @@ class StepReceiver:
         self.group, self.host_group, self.device, self.src = group, host_group, device, src
         self._header = torch.empty(HEADER_LEN, dtype=torch.int64)
 
-    def receive(self) -> StepMessage | None:
+    def receive(self) -> StepMessage | ProfileControl | None:
+        """The next step, a profiler control, or None (shut down)."""
         dist.broadcast(self._header, self.src, group=self.host_group)
         kind, mode, bs, tokens, flags, num_keep, num_feed, num_table = self._header.tolist()
         if kind == MessageKind.SHUTDOWN:
             return None
+        if kind == MessageKind.PROFILE:
+            if not mode:  # the second word: the directory's length in bytes
+                return ProfileControl(None)
+            data = torch.empty(mode, dtype=torch.uint8)
+            dist.broadcast(data, self.src, group=self.host_group)
+            return ProfileControl(bytes(data.tolist()).decode())
         if kind != MessageKind.STEP:
             raise RuntimeError(f"tensor-parallel step message of unknown kind {kind}: the ranks are out of step")
         host_tokens = bool(flags & _HOST_TOKENS)

@@ -154,3 +154,19 @@ def test_fp8_kv_cache_equals_one_rank(checkpoints: dict[str, Path]) -> None:
         got = generate_twice(llm)
         assert llm.kv_cache.pool.quantized
     assert got == want
+
+
+def test_profile_writes_a_trace_per_rank(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """``start_profile`` reaches the worker: after ``stop_profile`` and shutdown each rank's trace holds the matrix
+    products of its own shard (rank 1's forward ran while its profiler was on)."""
+    import json
+
+    with LLM(str(checkpoints["llama"]), tensor_parallel_size=2, **OPTIONS, graph_mode="none", compile=False) as llm:
+        llm.generate(PROMPTS[:1], PARAMS, use_tqdm=False)
+        llm.start_profile(str(tmp_path))
+        llm.generate(PROMPTS[:2], PARAMS, use_tqdm=False)
+        paths = llm.stop_profile()
+    assert [Path(p).name for p in paths] == ["rank0-000.trace.json", "rank1-000.trace.json"]
+    for path in paths:
+        events = json.loads(Path(path).read_text())["traceEvents"]
+        assert sum(e.get("name") in ("aten::mm", "aten::addmm", "aten::linear") for e in events) >= 2 * 2, path

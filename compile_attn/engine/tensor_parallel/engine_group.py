@@ -232,6 +232,13 @@ class EngineGroup:
                 raise
             raise TensorParallelError(f"tensor-parallel step failed, the workers were stopped: {failed}") from exc
 
+    def profile(self, directory: str | None) -> None:
+        """Start the workers' profilers writing to ``directory`` (None: stop them and write their traces)."""
+        if self.broken is not None:
+            raise TensorParallelError(f"this LLM's tensor-parallel group has stopped ({self.broken}); create a new LLM")
+        assert self.sender is not None
+        self.sender.profile(directory)
+
     # ------------------------------------------------------------------ stop
     def close(self) -> None:
         """Stop every worker (bounded) and leave the process group; safe to call more than once."""

@@ -26,7 +26,8 @@ import torch.distributed as dist
 
 from compile_attn.batch import ForwardBatch
 from compile_attn.distributed.state import destroy_tensor_parallel, init_tensor_parallel, tp_group, tp_host_group
-from compile_attn.distributed.step_message import StepMessage, StepReceiver
+from compile_attn.distributed.step_message import ProfileControl, StepMessage, StepReceiver
+from compile_attn.engine.execution.profiling import StepProfiler
 from compile_attn.engine.execution.rank_parts import build_kv_cache, build_step_runner, rank_kv_tokens
 from compile_attn.engine.requests.admission import find_vocab_size
 from compile_attn.engine.requests.config import EngineConfig
@@ -88,15 +89,28 @@ class Worker:
         if config.capture:
             self.step_runner.capture(shared_prefix=False)
         self.receiver = StepReceiver(tp_group(), tp_host_group(), device)
+        self.profiler = StepProfiler(rank, device)
         logger.info("tensor parallel rank %d of %d ready: KV cache %d tokens", rank, world_size, tokens)
 
     def serve(self) -> int:
         """Run rank 0's steps until it sends shutdown; returns the number of steps run."""
         steps = 0
         while (msg := self.receiver.receive()) is not None:
+            if isinstance(msg, ProfileControl):
+                self.control_profiler(msg)
+                continue
             self.run_step(msg)
             steps += 1
         return steps
+
+    def control_profiler(self, msg: ProfileControl) -> None:
+        """Start or stop this rank's profiler as rank 0 did (``LLM.start_profile`` / ``stop_profile``)."""
+        from pathlib import Path
+
+        if msg.directory is not None:
+            self.profiler.start(Path(msg.directory))
+        else:
+            self.profiler.stop()
 
     def run_step(self, msg: StepMessage) -> None:
         table = self.kv_cache.req_to_token
