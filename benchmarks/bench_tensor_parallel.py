@@ -166,7 +166,7 @@ def cmd_all_reduce(args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- fused boundary
-FUSED_TOKENS = (1, 8, 64, 256)
+FUSED_TOKENS = (1, 8, 64, 256, 1024, 2048)
 
 
 def _fused_rank(rank: int, world_size: int, port: int, out_path: str | None) -> None:
@@ -279,6 +279,7 @@ def cmd_decode(args: argparse.Namespace) -> None:
     short, long = args.output_lens
     start = time.perf_counter()
     llm = LLM(args.model, tensor_parallel_size=args.tp, attn_backend=args.backend, dtype=torch.bfloat16,
+              disable_custom_all_reduce=args.disable_custom_all_reduce,
               max_batch_size=max(sizes), max_num_tokens=max(2048, max(sizes)), max_context=args.context + long + 16,
               kv_cache_tokens=max(sizes) * (args.context + long + 16) + 4096)
     startup_s = time.perf_counter() - start
@@ -300,12 +301,13 @@ def cmd_decode(args: argparse.Namespace) -> None:
                              first_tokens=list(outs[0].token_ids[:16])))  # greedy: compare TP N with TP 1
             print(f"TP {args.tp} batch {bs}: decode step {step_ms:.3f} ms ({n_l - n_s} steps apart)", flush=True)
             if args.profile_dir:  # after the timings: profiling slows later replays in the same process
-                llm.start_profile(str(Path(args.profile_dir) / f"tp{args.tp}_bs{bs}"))
+                llm.start_profile(args.profile_dir)
                 llm.generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True), use_tqdm=False)
                 rows[-1]["traces"] = llm.stop_profile()
     finally:
         llm.shutdown()
     result = dict(run_info=run_info(sys.argv), tp=args.tp, startup_s=startup_s, rows=rows,
+                  custom_all_reduce=args.tp > 1 and not args.disable_custom_all_reduce,
                   device=torch.cuda.get_device_name())
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -334,6 +336,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--output-lens", type=int, nargs=2, default=(32, 160))
     p.add_argument("--backend", default="triton")
+    p.add_argument("--disable-custom-all-reduce", action="store_true", help="every all-reduce through NCCL")
     p.add_argument("--profile-dir", help="after timing each batch size, a torch.profiler trace per rank of 24 steps")
     p.add_argument("--out")
     p.set_defaults(func=cmd_decode)

@@ -65,6 +65,9 @@ def add_engine_options(p: argparse.ArgumentParser, *, device_help: str, max_batc
                         "else calibrated on the first prefill)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="split the model over N processes, one per GPU (docs/tensor_parallel.md; default: 1)")
+    p.add_argument("--disable-custom-all-reduce", action="store_true",
+                   help="vLLM's flag: with --tensor-parallel-size > 1, every all-reduce through NCCL (default: small "
+                        "messages through FlashInfer's Lamport all-reduce where every GPU can run it)")
     p.add_argument("--dtype", default="auto",
                    help="weights and activations: auto (bfloat16 on CUDA, float32 on the CPU), bfloat16, float16 / "
                         "half, float32 / float")
@@ -144,7 +147,8 @@ def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
                    cascade_decode=None if args.cascade_decode is None else args.cascade_decode == "on",
                    speculative_config=args.speculative_config, kv_cache_dtype=args.kv_cache_dtype,
                    kv_scales_path=args.kv_scales_path, dtype=args.dtype, seed=args.seed, tokenizer=args.tokenizer,
-                   revision=args.revision, **{name: getattr(args, name) for name in _SIZES})
+                   revision=args.revision, disable_custom_all_reduce=args.disable_custom_all_reduce,
+                   **{name: getattr(args, name) for name in _SIZES})
     return EngineConfig(**{**options, **overrides})
 
 

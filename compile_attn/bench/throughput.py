@@ -48,6 +48,7 @@ class ThroughputConfig:
     kv_cache_dtype: str = "auto"  # EngineConfig.kv_cache_dtype: "auto", "fp8_e4m3", "fp8_e5m2"
     kv_scales_path: str | None = None  # EngineConfig.kv_scales_path (fp8 only)
     tensor_parallel_size: int = 1  # EngineConfig.tensor_parallel_size
+    disable_custom_all_reduce: bool = False  # EngineConfig.disable_custom_all_reduce
     dtype: str = "auto"  # EngineConfig.dtype: "auto" is bfloat16 on CUDA, float32 on the CPU
     seed: int | None = None  # EngineConfig.seed (the workloads' requests bring none)
     max_batch_size: int = 256
@@ -72,7 +73,8 @@ class ThroughputConfig:
                     dtype=dtype, overlap=self.overlap, enable_prefix_cache=self.prefix_cache,
                     cascade_decode=self.cascade_decode, speculative_config=self.speculative_config,
                     kv_cache_dtype=self.kv_cache_dtype, kv_scales_path=self.kv_scales_path,
-                    tensor_parallel_size=self.tensor_parallel_size, seed=self.seed)
+                    tensor_parallel_size=self.tensor_parallel_size, seed=self.seed,
+                    disable_custom_all_reduce=self.disable_custom_all_reduce)
 
 
 def run(cfg: ThroughputConfig) -> dict:

@@ -112,7 +112,7 @@ def throughput_config(args: argparse.Namespace, device: str, **fields: object) -
         cascade_decode=None if args.cascade_decode is None else args.cascade_decode == "on",
         speculative_config=args.speculative_config, kv_cache_dtype=args.kv_cache_dtype,
         kv_scales_path=args.kv_scales_path, tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype,
-        seed=args.seed, **fields,
+        disable_custom_all_reduce=args.disable_custom_all_reduce, seed=args.seed, **fields,
     )
 
 

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import torch
 
+from compile_attn.distributed.lamport_all_reduce import lamport_all_reduce
 from compile_attn.distributed.state import resolve_group, tp_group_name, tp_size
 
 
 @torch.library.custom_op("compile_attn::tp_all_reduce", mutates_args=())
 def tp_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """Sum of ``x`` over the ranks of the process group ``group_name`` ("" = one rank: a copy of ``x``)."""
+    if group_name and (fast := lamport_all_reduce(x, group_name)) is not None:
+        return fast
     out = x.clone(memory_format=torch.contiguous_format)
     if group_name:
         import torch.distributed as dist

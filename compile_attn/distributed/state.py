@@ -119,8 +119,11 @@ def init_tensor_parallel(
 def destroy_tensor_parallel() -> None:
     """Back to size 1; ends the process group if ``init_tensor_parallel`` started it. An NCCL group is aborted
     (each rank frees its communicators without waiting for the others; graceful destruction of an NCCL group can
-    wait on a peer that already left), a gloo one destroyed."""
+    wait on a peer that already left), a gloo one destroyed. The fast all-reduce's buffers are released first."""
     global _STATE
+    from compile_attn.distributed.lamport_all_reduce import release_lamport_all_reduce
+
+    release_lamport_all_reduce()
     state, _STATE = _STATE, TensorParallelState()
     if state.owns_process_group:
         import torch.distributed as dist

@@ -22,7 +22,8 @@ from compile_attn.engine.execution.in_flight import InFlightStep, has_placeholde
 from compile_attn.engine.execution.memory_profile import check_memory_after_capture
 from compile_attn.engine.execution.model_loading import LoadedModel, load_for_engine, resolve_sources
 from compile_attn.engine.execution.profiling import StepProfiler, resolve_profile_dir, trace_path
-from compile_attn.engine.execution.rank_parts import build_kv_cache, build_step_runner, rank_kv_tokens
+from compile_attn.engine.execution.rank_parts import (build_kv_cache, build_step_runner, rank_kv_tokens,
+                                                     setup_all_reduce)
 from compile_attn.engine.execution.sampling import sampler
 from compile_attn.engine.execution.sampling.grammar import GrammarCache, GuidedRows
 from compile_attn.engine.execution.speculative.penalties import drafts_before, record_accepted
@@ -100,6 +101,8 @@ class LLM:
         self.vocab_size = find_vocab_size(self.model)  # None: prompts' token ids are only checked to be >= 0
         spec = config.speculative_config
         draft = load_draft(config, max_context, self.vocab_size, self.model)  # None without one; before sizing the KV
+        if self._tp is not None:  # the fast all-reduce's buffers, before sizing the KV (the workers do the same)
+            setup_all_reduce(self.model, config, self._tp.device)
         kv_cache_tokens, sized = rank_kv_tokens(self.model, layers, config, max_context)
         if sized and draft is not None:  # the draft's KV holds as many tokens: the two share what was sized
             kv_cache_tokens = draft.share_of(kv_cache_tokens, layers, config.page_size, config.kv_dtype)
@@ -397,7 +400,7 @@ class LLM:
     def _resolve(self, launched: InFlightStep) -> list[Request]:
         """Read a launched step's tokens, write them over their placeholders and finish the requests that stop
         (their KV freed in one call; tokens computed for them by a later step are dropped)."""
-        tokens = launched.read()
+        tokens = launched.read(None if self._tp is None else self._tp.check_alive)
         self._in_flight.popleft()
         logprobs = {}
         if launched.logprobs_host is not None:

@@ -57,3 +57,20 @@ def test_two_gpus_equal_one(llama: str, case: str) -> None:
     assert stop_s < STOP_BOUND_S, f"shutdown took {stop_s:.1f} s"
     assert not [w.pid for w in workers if w.is_alive()]
     assert tp_size() == 1
+
+
+def test_custom_all_reduce_equals_nccl(llama: str) -> None:
+    """bf16 on 2 GPUs: every all-reduce through FlashInfer's Lamport kernel (inside the compiled, captured graphs)
+    gives the tokens that NCCL's gives (a sum of two operands rounds the same); the buffers are released at
+    shutdown."""
+    from compile_attn.distributed.lamport_all_reduce import active_workspace
+
+    options = dict(OPTIONS, dtype=torch.bfloat16, compile=True, compile_options={"cache_dir": None})
+    with LLM(llama, tensor_parallel_size=2, disable_custom_all_reduce=True, **options) as llm:
+        assert active_workspace() is None
+        want = _tokens(llm)
+    with LLM(llama, tensor_parallel_size=2, **options) as llm:
+        assert active_workspace() is not None, "the fast all-reduce was not set up"
+        got = _tokens(llm)
+    assert got == want
+    assert active_workspace() is None

@@ -12,6 +12,8 @@ them over the placeholders and runs the finish checks one step late.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,11 +63,29 @@ class InFlightStep:
             r.unresolved += 1
         return cls(requests, at, tokens, host, ready, logprob_at or [], logprobs_host, verify)
 
-    def read(self) -> list[int]:
-        """The sampled tokens on the host; waits for this step's device work (and only for it)."""
+    def read(self, watch: Callable[[], None] | None = None) -> list[int]:
+        """The sampled tokens on the host; waits for this step's device work (and only for it). ``watch`` (tensor
+        parallelism) is called every ``WATCH_PERIOD_S`` of the wait and raises if a peer rank died: a kernel waiting
+        for a dead peer would otherwise never end."""
         if self.ready is not None:
-            self.ready.synchronize()
+            if watch is None:
+                self.ready.synchronize()
+            else:
+                wait_watched(self.ready, watch)
         return self.host.tolist()
+
+
+WATCH_PERIOD_S = 0.05
+
+
+def wait_watched(event: torch.cuda.Event, watch: Callable[[], None]) -> None:
+    """Wait for ``event`` by polling it, calling ``watch`` every ``WATCH_PERIOD_S``."""
+    due = time.monotonic() + WATCH_PERIOD_S
+    while not event.query():
+        if time.monotonic() >= due:
+            watch()
+            due = time.monotonic() + WATCH_PERIOD_S
+        time.sleep(0)  # lets other threads run between polls
 
 
 def _to_pinned(t: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,25 @@ from compile_attn.kv.cache import KVCache
 from compile_attn.kv.kv_scales import setup_kv_scales
 
 
+def setup_all_reduce(model: Any, config: EngineConfig, device: Any) -> bool:
+    """With tensor parallelism on GPUs, map FlashInfer's all-reduce buffers for this model's messages (the
+    row-parallel layers' width, up to ``max_num_tokens`` or 2,048 tokens): collective, every rank at the same point,
+    after loading and before KV sizing (distributed/lamport_all_reduce.py). False where NCCL carries every message
+    (one rank, ``disable_custom_all_reduce``, or a rank that cannot run the kernel)."""
+    from compile_attn.distributed.lamport_all_reduce import DEFAULT_MAX_TOKENS, setup_lamport_all_reduce
+    from compile_attn.distributed.linear import RowParallelLinear
+    from compile_attn.distributed.state import tp_state
+
+    state = tp_state()
+    if state.world_size == 1 or config.disable_custom_all_reduce:
+        return False
+    widths = {m.out_features for m in model.modules() if isinstance(m, RowParallelLinear)}
+    if len(widths) != 1:  # the same on every rank: the same model
+        return False
+    return setup_lamport_all_reduce(state.group, state.group_name, state.rank, state.world_size, widths.pop(),
+                                    min(config.max_num_tokens, DEFAULT_MAX_TOKENS), config.dtype, device)
+
+
 def rank_kv_tokens(model: Any, layers: list[Any], config: EngineConfig, max_context: int) -> tuple[int, bool]:
     """``(tokens, sized)``: the KV tokens this rank can hold, ``config.kv_cache_tokens`` when set, else what memory
     sizing gives (``size_kv_cache``, sized=True). Rank 0 then gives a draft model its share of a sized cache (the

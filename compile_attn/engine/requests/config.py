@@ -60,6 +60,9 @@ class EngineConfig:
     prefill's.
     tensor_parallel_size: processes (one per GPU) that split every layer of an HF model (docs/tensor_parallel.md);
     the engine starts and stops the other ranks' workers itself.
+    disable_custom_all_reduce: with tensor parallelism on GPUs, sum every message through NCCL (vLLM's name); by
+    default messages of up to 2,048 tokens go through FlashInfer's Lamport all-reduce where every rank can run it
+    (distributed/lamport_all_reduce.py).
     seed: requests without a ``SamplingParams.seed`` draw their sampling seeds from a generator seeded with this, so
     a script that makes the same calls samples the same tokens on every run (None: fresh random seeds each run;
     vLLM's default is 0).
@@ -91,6 +94,7 @@ class EngineConfig:
     kv_cache_dtype: str | torch.dtype = "auto"
     kv_scales_path: str | None = None
     tensor_parallel_size: int = 1
+    disable_custom_all_reduce: bool = False
     seed: int | None = None
     tokenizer: str | None = None
     revision: str | None = None

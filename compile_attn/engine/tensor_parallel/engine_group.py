@@ -232,6 +232,17 @@ class EngineGroup:
                 raise
             raise TensorParallelError(f"tensor-parallel step failed, the workers were stopped: {failed}") from exc
 
+    def check_alive(self) -> None:
+        """Raise TensorParallelError (after stopping the group) if a worker died: called while rank 0 waits for a
+        step's tokens, since a collective kernel waiting for a dead peer never ends on its own."""
+        if all(p.is_alive() for p in self.processes.values()):
+            return
+        self._collect_failures(wait_s=0.0)
+        self.broken = self._describe() or "a worker process ended"
+        self.close()
+        raise TensorParallelError(f"tensor-parallel rank died while a step ran, the workers were stopped: "
+                                  f"{self.broken}")
+
     def profile(self, directory: str | None) -> None:
         """Start the workers' profilers writing to ``directory`` (None: stop them and write their traces)."""
         if self.broken is not None:

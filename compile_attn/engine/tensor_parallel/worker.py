@@ -28,7 +28,8 @@ from compile_attn.batch import ForwardBatch
 from compile_attn.distributed.state import destroy_tensor_parallel, init_tensor_parallel, tp_group, tp_host_group
 from compile_attn.distributed.step_message import ProfileControl, StepMessage, StepReceiver
 from compile_attn.engine.execution.profiling import StepProfiler
-from compile_attn.engine.execution.rank_parts import build_kv_cache, build_step_runner, rank_kv_tokens
+from compile_attn.engine.execution.rank_parts import (build_kv_cache, build_step_runner, rank_kv_tokens,
+                                                     setup_all_reduce)
 from compile_attn.engine.requests.admission import find_vocab_size
 from compile_attn.engine.requests.config import EngineConfig
 from compile_attn.engine.tensor_parallel.loading import load_rank
@@ -83,6 +84,7 @@ class Worker:
         model = loaded.model
         layers = model.attention_layers()
         self.vocab_size = find_vocab_size(model)
+        setup_all_reduce(model, config, device)  # where rank 0 does (LLM._build), before sizing the KV
         tokens = agree_min(rank_kv_tokens(model, layers, config, spec.max_context)[0], device)  # a draft: rank 0 only
         self.kv_cache = build_kv_cache(MirroredKVCache, layers, loaded, config, spec.max_context, tokens, device)
         _, self.step_runner = build_step_runner(model, layers, self.kv_cache, config)
