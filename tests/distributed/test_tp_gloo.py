@@ -58,3 +58,7 @@ def test_step_messages_arrive_as_sent() -> None:
     """Decode (host per-token fields with placeholders and feed), extend with device-side slots, verify with keep
     rows and a rewritten table row, then shutdown."""
     run_ranks(workers.step_messages, 2)
+
+
+def test_the_fast_all_reduce_is_on_every_rank_or_none() -> None:
+    run_ranks(workers.fast_all_reduce_agreement, 2)

@@ -108,7 +108,7 @@ def step_messages(rank: int, world_size: int) -> None:
 
     from compile_attn.batch import ForwardBatch, ForwardMode
     from compile_attn.distributed.state import tp_group, tp_host_group
-    from compile_attn.distributed.step_message import StepReceiver, StepSender
+    from compile_attn.distributed.step_message import ProfileControl, StepReceiver, StepSender
 
     def steps() -> list[tuple[ForwardBatch, Any, Any, list]]:
         decode = ForwardBatch.build(req_pool_indices=[3, 1], prefix_lens=[5, 9], extend_lens=[1, 1],
@@ -124,13 +124,17 @@ def step_messages(rank: int, world_size: int) -> None:
                 (extend, torch.tensor([2]), None, [(2, np.array([30, 31, 32, 33]))]),
                 (verify, torch.tensor([0, 1, 2]), None, [])]
 
+    directory = "/tmp/tr\u00e4ces dir"  # any path: sent as UTF-8 bytes
     if rank == 0:
         sender = StepSender(tp_group(), tp_host_group(), torch.device("cpu"))
+        sender.profile(directory)
         for fb, keep, feed, table in steps():
             sender.send(fb, keep, feed, table)
+        sender.profile(None)
         sender.shutdown()
         return
     receiver = StepReceiver(tp_group(), tp_host_group(), torch.device("cpu"))
+    assert receiver.receive() == ProfileControl(directory)
     for fb, keep, feed, table in steps():
         msg = receiver.receive()
         assert msg is not None
@@ -144,4 +148,20 @@ def step_messages(rank: int, world_size: int) -> None:
         assert (None if msg.keep is None else msg.keep.tolist()) == (None if keep is None else keep.tolist())
         assert (None if msg.feed is None else msg.feed.tolist()) == (None if feed is None else feed.tolist())
         assert [(r, s.tolist()) for r, s in msg.table_rows] == [(r, s.tolist()) for r, s in table]
+    assert receiver.receive() == ProfileControl(None)
     assert receiver.receive() is None
+
+
+def fast_all_reduce_agreement(rank: int, world_size: int) -> None:
+    """The Lamport all-reduce is set up on every rank or on none: rank 0 could take it (its check passes), the
+    others cannot (the CPU), so no rank does; sums then go through the process group."""
+    from compile_attn.distributed import lamport_all_reduce as lamport
+    from compile_attn.distributed.state import tp_group, tp_group_name
+
+    if rank == 0:
+        lamport._why_not = lambda *args: None  # this rank's own check passes
+    on = lamport.setup_lamport_all_reduce(tp_group(), tp_group_name(), rank, world_size, hidden=8, max_tokens=4,
+                                         dtype=torch.bfloat16, device=torch.device("cpu"))
+    assert not on and lamport.active_workspace() is None
+    x = torch.full((2, 8), float(rank + 1))
+    assert torch.equal(all_reduce(x), torch.full((2, 8), float(sum(range(1, world_size + 1)))))
