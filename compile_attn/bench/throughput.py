@@ -23,6 +23,7 @@ import torch
 from compile_attn.bench import decode_step as bench
 from compile_attn.bench import workloads as bench_workloads
 from compile_attn.bench.workloads import Workload
+from compile_attn.compiler.triton_builds import triton_builds
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +124,7 @@ def _run_engine(model: object, workload: Workload, cfg: ThroughputConfig, dtype:
     from compile_attn.engine import LLM
 
     _sync(cfg.device)
+    triton_builds.install()
     start = time.perf_counter()
     llm = LLM(model, **cfg.llm_options(workload, dtype))
     _sync(cfg.device)
@@ -134,7 +136,9 @@ def _run_engine(model: object, workload: Workload, cfg: ThroughputConfig, dtype:
                   kv_mib=llm.kv_cache.pool.bytes / 2**20,
                   kv_cache_dtype=str(llm.kv_cache.pool.dtype).removeprefix("torch."), rounds=[])
     for _ in range(cfg.rounds):
+        built = triton_builds.snapshot()
         engine["rounds"].append(engine_round(llm, workload))
+        engine["rounds"][-1]["triton_builds"] = triton_builds.since(built)  # kernels the warm-up did not build
         logger.info("round %d: %s", len(engine["rounds"]), engine["rounds"][-1])
     if cfg.prefix_cache and workload.name in bench_workloads.PREFIX_WORKLOADS:  # the same rounds, cache off
         llm.kv_cache.enable_prefix_cache(False)
@@ -341,6 +345,10 @@ def to_markdown(result: dict) -> str:
     if hf is not None and hf.get("allocated_mib_at_start"):
         starts.append(f"{hf['allocated_mib_at_start']:.0f} MiB of the engine still allocated when HF started")
     lines += ["", "start-up: " + "; ".join(starts)]
+    for i, r in enumerate(engine["rounds"]):
+        if r.get("triton_builds"):  # a kernel specialisation first met on traffic: a compile inside a step
+            built = ", ".join(f"{name} x {n}" for name, n in r["triton_builds"].items())
+            lines.append(f"Triton kernels built during round {_round_name(i)}: {built}")
     if isinstance(engine["gpu_busy"], dict):
         lines.append(f"GPU busy: the profile failed ({engine['gpu_busy']['failed']})")
     elif engine["gpu_busy"]:
