@@ -148,21 +148,30 @@ def _all_reduce_rank(rank: int, world_size: int, port: int, out_path: str | None
             print(f"| {r['bytes']} | " + " | ".join(cells) + " |")
             if "symm_one_shot_error" in r:
                 print("  one-shot:", r["symm_one_shot_error"])
-        if out_path:
-            Path(out_path).parent.mkdir(parents=True, exist_ok=True)
-            Path(out_path).write_text(json.dumps(dict(world_size=world_size, device=torch.cuda.get_device_name(),
-                                                      torch=torch.__version__, rows=rows), indent=1))
+        _save_rows(out_path, world_size, rows)
     dist.barrier()
     # A process group torn down after a symmetric-memory rendezvous can hang: leave it to the interpreter's exit.
 
 
-def cmd_all_reduce(args: argparse.Namespace) -> None:
+def _save_rows(out_path: str | None, world_size: int, rows: list[dict]) -> None:
+    if out_path:
+        Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(out_path).write_text(json.dumps(dict(world_size=world_size, device=torch.cuda.get_device_name(),
+                                                  torch=torch.__version__, rows=rows), indent=1))
+
+
+def _on_every_rank(target, args: argparse.Namespace) -> None:  # noqa: ANN001
+    """``target(rank, world_size, port, out)`` in one spawned process per GPU."""
     import torch.multiprocessing as mp
 
     from compile_attn.engine.tensor_parallel.engine_group import _free_port
 
-    mp.start_processes(_all_reduce_rank, args=(args.world_size, _free_port(), args.out), nprocs=args.world_size,
+    mp.start_processes(target, args=(args.world_size, _free_port(), args.out), nprocs=args.world_size,
                        start_method="spawn", join=True)
+
+
+def cmd_all_reduce(args: argparse.Namespace) -> None:
+    _on_every_rank(_all_reduce_rank, args)
 
 
 # ---------------------------------------------------------------------------------------------- fused boundary
@@ -254,20 +263,12 @@ def _fused_rank(rank: int, world_size: int, port: int, out_path: str | None) -> 
             print(f"| {r['tokens']} | " + " | ".join(cells) + f" | {errs} |")
             if "flashinfer_error" in r:
                 print("  flashinfer:", r["flashinfer_error"])
-        if out_path:
-            Path(out_path).parent.mkdir(parents=True, exist_ok=True)
-            Path(out_path).write_text(json.dumps(dict(world_size=world_size, device=torch.cuda.get_device_name(),
-                                                      torch=torch.__version__, rows=rows), indent=1))
+        _save_rows(out_path, world_size, rows)
     dist.barrier()
 
 
 def cmd_fused(args: argparse.Namespace) -> None:
-    import torch.multiprocessing as mp
-
-    from compile_attn.engine.tensor_parallel.engine_group import _free_port
-
-    mp.start_processes(_fused_rank, args=(args.world_size, _free_port(), args.out), nprocs=args.world_size,
-                       start_method="spawn", join=True)
+    _on_every_rank(_fused_rank, args)
 
 
 # ---------------------------------------------------------------------------------------------- decode step
