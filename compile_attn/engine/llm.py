@@ -21,7 +21,7 @@ from compile_attn.batch import ForwardBatch, ForwardMode
 from compile_attn.engine.execution.in_flight import InFlightStep, has_placeholders
 from compile_attn.engine.execution.memory_profile import check_memory_after_capture
 from compile_attn.engine.execution.model_loading import LoadedModel, load_for_engine, resolve_sources
-from compile_attn.engine.execution.profiling import StepProfiler, resolve_profile_dir, trace_path
+from compile_attn.engine.execution.profiling import EngineProfiler
 from compile_attn.engine.execution.rank_parts import (build_kv_cache, build_step_runner, rank_kv_tokens,
                                                      setup_all_reduce)
 from compile_attn.engine.execution.sampling import sampler
@@ -147,7 +147,7 @@ class LLM:
         self.grammars: GrammarCache | None = None  # structured outputs: made (xgrammar imported) on the first use
         self._in_flight: deque[InFlightStep] = deque()  # launched steps whose tokens are not read yet (<= 1)
         self._lock = threading.Lock()  # held by each public call: one call at a time (see _exclusive)
-        self._profiler = StepProfiler(0, device)  # LLM.start_profile / stop_profile
+        self._profiler = EngineProfiler(device, self._tp)  # LLM.start_profile / stop_profile
         self._next_id = 0
         self.num_steps = 0
         self.steps_by_mode: Counter[ForwardMode] = Counter()
@@ -170,23 +170,12 @@ class LLM:
         ``directory``, else ``$COMPILE_ATTN_TORCH_PROFILER_DIR`` (vLLM's ``$VLLM_TORCH_PROFILER_DIR`` too).
         ``stop_profile`` writes them (engine/execution/profiling.py)."""
         with self._exclusive("start_profile"):
-            path = resolve_profile_dir(directory)
-            if self._profiler.running:
-                raise RuntimeError("the profiler is already running: call LLM.stop_profile() before starting it again")
-            if self._tp is not None:
-                self._tp.profile(str(path))
-            self._profiler.start(path)
+            self._profiler.start(directory)
 
     def stop_profile(self) -> list[str]:
         """Stop the profilers; return the traces' paths, rank 0's first (workers write theirs as they stop)."""
         with self._exclusive("stop_profile"):
-            if not self._profiler.running:
-                raise RuntimeError("the profiler is not running: call LLM.start_profile() first")
-            count = self._profiler.count
-            if self._tp is not None:
-                self._tp.profile(None)
-            first = self._profiler.stop()
-            return [str(first)] + [str(trace_path(first.parent, r, count)) for r in range(1, self.tensor_parallel_size)]
+            return self._profiler.stop()
 
     def __enter__(self) -> LLM:
         return self

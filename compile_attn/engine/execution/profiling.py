@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -71,3 +72,31 @@ class StepProfiler:
         self.count += 1
         logger.info("rank %d: profile written to %s", self.rank, path)
         return path
+
+
+class EngineProfiler:
+    """Rank 0's side of ``LLM.start_profile`` / ``stop_profile``: its own profiler, and the workers' through the
+    tensor-parallel group (``group.profile(directory)``; None with one process)."""
+
+    def __init__(self, device: torch.device, group: Any = None) -> None:
+        self.local = StepProfiler(0, device)
+        self.group = group
+        self.world_size = 1 if group is None else group.size
+
+    def start(self, directory: str | Path | None) -> None:
+        path = resolve_profile_dir(directory)
+        if self.local.running:
+            raise RuntimeError("the profiler is already running: call LLM.stop_profile() before starting it again")
+        if self.group is not None:
+            self.group.profile(str(path))
+        self.local.start(path)
+
+    def stop(self) -> list[str]:
+        """The traces' paths, rank 0's first (the workers write theirs as they stop)."""
+        if not self.local.running:
+            raise RuntimeError("the profiler is not running: call LLM.start_profile() first")
+        count = self.local.count
+        if self.group is not None:
+            self.group.profile(None)
+        first = self.local.stop()
+        return [str(first)] + [str(trace_path(first.parent, r, count)) for r in range(1, self.world_size)]
