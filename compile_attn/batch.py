@@ -227,11 +227,11 @@ class ForwardBatch:
         # is not its position (a tree's, or positions given); uploaded with the batch.
         table_index: list = []
         if table_write_pending and not one_each:
-            table_index.append(_repeat_each(req_idx, extend_lens, num_tokens))
+            table_index.append(repeat_each(req_idx, extend_lens))
             if positions is not None or draft_parents is not None:
-                table_index.append(_ragged_arange(prefix_lens, extend_lens, num_tokens))
+                table_index.append(ragged_arange(prefix_lens, extend_lens))
         if positions is None:  # decode (one token per request): each position is the prefix length
-            positions = prefix_lens if one_each else _ragged_arange(prefix_lens, extend_lens, num_tokens)
+            positions = prefix_lens if one_each else ragged_arange(prefix_lens, extend_lens)
         # A slot tensor already in place is used as it is (on a GPU to_device does the same): the KV cache then
         # recognises the tensor its alloc_extend returned (check()).
         keep_loc = (isinstance(out_cache_loc, torch.Tensor) and out_cache_loc.is_cpu and device.type == "cpu"
@@ -430,25 +430,6 @@ class ForwardBatch:
         kv_cache.check_rows(rows, prefix, extend)
         kv_cache.check_slots(rows, prefix, extend, loc)
         self._checked_against = (kv_cache, loc, kv_cache.generation)
-
-
-# Up to this many tokens the per-token host lists are Python comprehensions: NumPy's per-call cost (a verify step of
-# 1 + K tokens per request at small batches) is larger than the loop's.
-_SMALL_TOKENS = 256
-
-
-def _ragged_arange(starts: list[int], lens: list[int], total: int) -> list[int] | object:
-    """``host_tensors.ragged_arange`` (lengths checked non-negative by the caller); a list for few tokens."""
-    if total <= _SMALL_TOKENS:
-        return [s + j for s, n in zip(starts, lens) for j in range(n)]
-    return ragged_arange(starts, lens)
-
-
-def _repeat_each(values: list[int], lens: list[int], total: int) -> list[int] | object:
-    """``host_tensors.repeat_each`` (lengths checked non-negative by the caller); a list for few tokens."""
-    if total <= _SMALL_TOKENS:
-        return [v for v, n in zip(values, lens) for _ in range(n)]
-    return repeat_each(values, lens)
 
 
 def _on_host(values: object) -> bool:

@@ -3,7 +3,8 @@
 A prefill step of thousands of tokens turns thousands of Python ints into tensors before the GPU has
 anything to do, so this is on the critical path of every step. ``torch.tensor(list)`` converts element by
 element; going through ``array.array`` (one C loop) is several times faster. The ragged helpers replace
-per-token Python loops with a few NumPy ops on the host, whose results go to the device in the step's one
+per-token Python loops with a few NumPy ops on the host (a list comprehension for few tokens, where NumPy's
+per-call cost is larger), whose results go to the device in the step's one
 upload (``to_device_groups``: every dtype in one copy). Not torch ops: on the CPU ``torch.repeat_interleave``
 splits even an 8-row input over every OpenMP thread (costly on a many-core host), and on the device each op is a
 kernel launch that the GPU waits for at the step's start (docs/performance.md).
@@ -33,6 +34,12 @@ def int_tensor(values: Sequence[int], dtype: torch.dtype = torch.int64) -> torch
     return torch.frombuffer(array.array(code, values), dtype=dtype)
 
 
+# Up to this many tokens the ragged helpers build a list by a comprehension: NumPy's per-call cost (a verify step of
+# 1 + K tokens per request at small batches) is larger than the loop's. Lists and int64 arrays both go to the
+# device through ``to_device`` / ``to_device_groups``.
+SMALL_TOKENS = 256
+
+
 def _run_lengths(lens: Sequence[int] | np.ndarray, caller: str) -> np.ndarray:
     """``lens`` as int64; ValueError (naming ``caller`` and the lengths) if one is negative."""
     lens = np.asarray(lens, dtype=np.int64)
@@ -41,15 +48,32 @@ def _run_lengths(lens: Sequence[int] | np.ndarray, caller: str) -> np.ndarray:
     return lens
 
 
-def ragged_arange(starts: Sequence[int] | np.ndarray, lens: Sequence[int] | np.ndarray) -> np.ndarray:
-    """``concatenate([arange(s, s + n) for s, n in zip(starts, lens)])`` without a Python loop (host, int64)."""
+def _small_runs(firsts: Sequence[int] | np.ndarray, lens: Sequence[int] | np.ndarray, caller: str) -> bool:
+    """Whether ``firsts`` and ``lens`` are lists (or tuples) whose runs total at most ``SMALL_TOKENS`` tokens;
+    ValueError (naming ``caller`` and the lengths) if such a length is negative."""
+    if not isinstance(lens, (list, tuple)) or not isinstance(firsts, (list, tuple)) or sum(lens) > SMALL_TOKENS:
+        return False
+    if lens and min(lens) < 0:
+        raise ValueError(f"{caller} needs non-negative run lengths, got {list(lens)}")
+    return True
+
+
+def ragged_arange(starts: Sequence[int] | np.ndarray, lens: Sequence[int] | np.ndarray) -> list[int] | np.ndarray:
+    """``concatenate([arange(s, s + n) for s, n in zip(starts, lens)])`` on the host: a list of ints where
+    ``starts`` and ``lens`` are lists of at most ``SMALL_TOKENS`` tokens in all, else an int64 array (no Python
+    loop)."""
+    if _small_runs(starts, lens, "ragged_arange"):
+        return [s + j for s, n in zip(starts, lens) for j in range(n)]
     lens = _run_lengths(lens, "ragged_arange")
     offsets = np.cumsum(lens) - lens  # where each run begins in the output
     return np.arange(int(lens.sum()), dtype=np.int64) + np.repeat(np.asarray(starts, dtype=np.int64) - offsets, lens)
 
 
-def repeat_each(values: Sequence[int] | np.ndarray, lens: Sequence[int] | np.ndarray) -> np.ndarray:
-    """``values[i]`` repeated ``lens[i]`` times, runs concatenated (host, int64)."""
+def repeat_each(values: Sequence[int] | np.ndarray, lens: Sequence[int] | np.ndarray) -> list[int] | np.ndarray:
+    """``values[i]`` repeated ``lens[i]`` times, runs concatenated, on the host: a list of ints where ``values`` and
+    ``lens`` are lists of at most ``SMALL_TOKENS`` tokens in all, else an int64 array."""
+    if _small_runs(values, lens, "repeat_each"):
+        return [v for v, n in zip(values, lens) for _ in range(n)]
     return np.repeat(np.asarray(values, dtype=np.int64), _run_lengths(lens, "repeat_each"))
 
 

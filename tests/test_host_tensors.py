@@ -45,21 +45,47 @@ def test_int_tensor_outlives_its_buffer() -> None:
 
 
 @settings(max_examples=60)
-@given(st.lists(st.tuples(st.integers(0, 1000), st.integers(0, 20)), max_size=12))
+@given(st.lists(st.tuples(st.integers(0, 1000), st.integers(0, 40)), max_size=12))
 def test_ragged_arange_and_repeat_each_match_loops(runs: list[tuple[int, int]]) -> None:
     starts, lens = [s for s, _ in runs], [n for _, n in runs]
-    pos = ragged_arange(starts, lens)
-    assert pos.dtype == np.int64 and pos.tolist() == [s + i for s, n in runs for i in range(n)]
+    want_pos = [s + i for s, n in runs for i in range(n)]
     values = [7 * i for i in range(len(runs))]
+    want_rep = [7 * i for i, (_, n) in enumerate(runs) for _ in range(n)]
+    small = sum(lens) <= host_tensors.SMALL_TOKENS
+    for pos, rep in ((ragged_arange(starts, lens), repeat_each(values, lens)),
+                     (ragged_arange(tuple(starts), tuple(lens)), repeat_each(tuple(values), tuple(lens)))):
+        # lists of few tokens come back as lists of Python ints, more tokens as int64 arrays
+        for out, want in ((pos, want_pos), (rep, want_rep)):
+            if small:
+                assert type(out) is list and all(type(x) is int for x in out) and out == want
+            else:
+                assert out.dtype == np.int64 and out.tolist() == want
+    # arrays always take the NumPy path
+    pos = ragged_arange(np.asarray(starts, dtype=np.int64), np.asarray(lens, dtype=np.int32))
+    assert pos.dtype == np.int64 and pos.tolist() == want_pos
     rep = repeat_each(values, np.asarray(lens, dtype=np.int32))
-    assert rep.dtype == np.int64 and rep.tolist() == [7 * i for i, (_, n) in enumerate(runs) for _ in range(n)]
+    assert rep.dtype == np.int64 and rep.tolist() == want_rep
+
+
+def test_ragged_helpers_switch_to_arrays_past_small_tokens() -> None:
+    n = host_tensors.SMALL_TOKENS
+    assert type(ragged_arange([3], [n])) is list and type(repeat_each([3], [n])) is list
+    pos, rep = ragged_arange([3, 0], [n, 1]), repeat_each([3, 4], [n, 1])
+    assert pos.dtype == np.int64 and pos.tolist() == list(range(3, 3 + n)) + [0]
+    assert rep.dtype == np.int64 and rep.tolist() == [3] * n + [4]
+    # both forms upload to the same values
+    small, large = ragged_arange([5, 9], [2, 3]), ragged_arange(np.asarray([5, 9]), np.asarray([2, 3]))
+    (a, b) = to_device([small, large], torch.int64, torch.device("cpu"))
+    assert a.tolist() == b.tolist() == [5, 6, 9, 10, 11]
 
 
 def test_ragged_helpers_refuse_negative_lengths() -> None:
-    with pytest.raises(ValueError, match="non-negative"):
-        ragged_arange([0, 5], [3, -1])
-    with pytest.raises(ValueError, match="non-negative"):
-        repeat_each([0, 5], [-2, 1])
+    big = host_tensors.SMALL_TOKENS + 10  # the array path as well as the list path
+    for lens in ([3, -1], [big, -1]):
+        with pytest.raises(ValueError, match="non-negative"):
+            ragged_arange([0, 5], lens)
+        with pytest.raises(ValueError, match="non-negative"):
+            repeat_each([0, 5], lens[::-1])
 
 
 def test_to_device_packs_lists_and_host_tensors_and_keeps_shapes() -> None:

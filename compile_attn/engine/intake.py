@@ -9,7 +9,7 @@ grammar cache and the penalty statistics, each made on first use.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from compile_attn.engine.execution.sampling.grammar import GrammarCache
 from compile_attn.engine.execution.sampling.penalties import PenaltyState
@@ -20,10 +20,29 @@ from compile_attn.engine.requests.stop_strings import StopStringMatcher, backend
 from compile_attn.engine.requests.token_writer import sample_seed
 
 if TYPE_CHECKING:
-    from compile_attn.engine.llm import LLM
+    import torch
+
+    from compile_attn.engine.requests.scheduler import Scheduler
+    from compile_attn.engine.requests.token_writer import TokenWriter
+    from compile_attn.kv.cache import KVCache
 
 
-def admit(llm: LLM, prompts: list[Any], params: Any, *, prompt_texts: list[str] | None = None,
+class Intake(Protocol):
+    """What this module reads and updates of an ``LLM`` (a protocol: llm.py imports this module, not the reverse)."""
+
+    tokenizer: Any
+    vocab_size: int | None
+    device: Any  # the LLM's torch.device (EngineConfig.device, resolved)
+    scheduler: Scheduler
+    kv_cache: KVCache
+    writer: TokenWriter
+    grammars: GrammarCache | None  # made on first use (``grammar_cache``)
+    penalties: PenaltyState | None  # made when the first request with penalties arrives
+    _next_id: int
+    _seed_generator: torch.Generator | None
+
+
+def admit(llm: Intake, prompts: list[Any], params: Any, *, prompt_texts: list[str] | None = None,
           one_sample: bool = False) -> list[list[Request]]:
     """Check every prompt and parameter, then queue them all: per prompt, one request per sample (``n``).
     On any error nothing is queued or changed (a grammar compiled on the way stays cached)."""
@@ -66,7 +85,7 @@ def admit(llm: LLM, prompts: list[Any], params: Any, *, prompt_texts: list[str] 
     return groups
 
 
-def grammar_cache(llm: LLM) -> GrammarCache:
+def grammar_cache(llm: Intake) -> GrammarCache:
     """The compiled grammars of structured outputs over the LLM's tokenizer and vocabulary, made on first use (its
     EOS ids end a finished grammar)."""
     if llm.grammars is None:

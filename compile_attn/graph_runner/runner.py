@@ -11,10 +11,11 @@ shared-prefix (cascade) kernels goes to the piecewise graphs of its token count 
 chain verify batch (speculative decoding) whose requests all verify ``GraphConfig.verify_tokens`` tokens runs in a full
 verify graph of its own, keyed by its number of requests (the decode buckets), where the backend supports a verify
 mode (``AttentionBackend.supports_verify_mode``); other chain verify batches replay the full decode graph of their
-token count, their tokens as decode rows (``verify_unroll.py``). With ``GraphConfig.verify_trees`` the verify graphs
-are captured for draft trees (the backend's per-token ancestor masks in a static buffer, written out of graph) and
-verify batches of draft trees whose requests all verify ``verify_tokens`` tokens replay them too; other tree batches
-take the extend route. See docs/graph_runner.md.
+token count, their tokens as decode rows (``verify_unroll.py``); the verify graphs' route and replay are
+``verify_replay.py``'s. With ``GraphConfig.verify_trees`` the verify graphs are captured for draft trees (the
+backend's per-token ancestor masks in a static buffer, written out of graph) and verify batches of draft trees whose
+requests all verify ``verify_tokens`` tokens replay them too; other tree batches take the extend route. See
+docs/graph_runner.md.
 """
 
 from __future__ import annotations
@@ -42,12 +43,12 @@ from compile_attn.graph_runner.shortcuts import ModelCalls
 from compile_attn.graph_runner.static_buffers import StaticBuffers
 from compile_attn.graph_runner.stats import GraphRunnerStats
 from compile_attn.graph_runner.verify import verify_runner
-from compile_attn.graph_runner.outputs import gather_rows, slice_tokens
-from compile_attn.graph_runner.verify_layout import end_aligned_rows, view_parents
+from compile_attn.graph_runner.outputs import slice_tokens
+from compile_attn.graph_runner.verify_layout import view_parents
+from compile_attn.graph_runner.verify_replay import run_verify, verify_plan
 from compile_attn.graph_runner.verify_unroll import is_chain_verify, unroll_chain_verify
 from compile_attn.graph_runner.warmup import warm_up
 from compile_attn.graph_runner.step_kernels import TokenFeed
-from compile_attn.host_tensors import to_device_groups
 
 if TYPE_CHECKING:
     from compile_attn.attention.base import AttentionBackend
@@ -170,16 +171,8 @@ class GraphRunner:
         ``verify_tokens`` tokens each, or fewer where ``verify_layout.end_aligned_rows`` can lay them out; with tree
         verify graphs also a batch of draft trees whose requests all verify ``verify_tokens`` tokens), or None (the
         batch takes ``route``'s way: decode rows or an extend)."""
-        if not self.verify_buckets or not fb.forward_mode.is_verify():
-            return None
-        q = self.verify_tokens
-        if fb.draft_parents is not None:
-            if not self.verify_trees or fb.extend_seq_lens_cpu.count(q) != fb.batch_size:
-                return None
-        elif fb.chain_verify_tokens() != q and end_aligned_rows(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu,
-                                                                 q) is None:
-            return None
-        return next_bucket(self.verify_buckets, fb.batch_size)
+        plan = verify_plan(self, fb)
+        return None if plan is None else plan[0]
 
     def shared_prefix_route(self, fb: ForwardBatch) -> Route | None:
         """The piecewise ``(mode, token bucket)`` for a decode batch that carries shared-prefix groups the backend
@@ -331,9 +324,9 @@ class GraphRunner:
         model's Dynamo guards include the inputs' dispatch keys, which differ between inference-mode and
         no-grad tensors, so a step in another mode than capture would compile the model again (and capture its
         piecewise graphs again, on first use of each bucket)."""
-        verify = self.verify_route(fb) if fb.forward_mode.is_verify() else None
+        verify = verify_plan(self, fb) if fb.forward_mode.is_verify() else None
         if verify is not None:
-            return self._run_verify(fb, verify, feed)
+            return run_verify(self, self._verify_graphs, fb, verify, feed)
         route = self.shared_prefix_route(fb) if fb.shared_prefix else None
         shared = route is not None
         if not shared:
@@ -374,36 +367,6 @@ class GraphRunner:
                 out = self._graphs[route].replay()
         self.stats.runs[mode.value] += 1
         return slice_tokens(out, bucket, fb.num_tokens)
-
-    def _run_verify(self, fb: ForwardBatch, bucket: int, feed: TokenFeed | None) -> Any:
-        """Replay the full verify graph of ``bucket`` requests for the verify batch ``fb`` (chains, or draft trees)."""
-        if not self.captured:
-            raise RuntimeError("GraphRunner.run() needs graphs: call runner.capture() once before the first step")
-        if feed is not None:
-            feed.apply(fb.input_ids)
-        kv = self.backend.kv_cache
-        fb.check(kv)
-        fb.write_pending_table(kv)
-        q, bs = self.verify_tokens, fb.batch_size
-        end_aligned = None
-        if fb.chain_verify_tokens() != q:  # fewer tokens for some requests: the last rows of their Q
-            rows = end_aligned_rows(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu, q)
-            assert rows is not None  # verify_route checked
-            prefix = [s + n - q for s, n in zip(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu)]  # seq_len - Q
-            (rows_dev,), int32_fields = to_device_groups(
-                [([rows], torch.int64), ([prefix, [q] * bs, list(range(0, bs * q, q))], torch.int32)], self.device)
-            end_aligned = (rows_dev, int32_fields, prefix)
-        view = self.views.verify_view(fb, bucket, q, end_aligned)
-        if self.verify_trees:  # the backend writes the trees' masks into its static buffer (out of graph)
-            view.draft_parents = view_parents(fb.draft_parents, bucket, q)
-        self.backend.init_forward_metadata_out_graph(view)
-        with forward_context(view, self.backend, graph_mode=_FULL, bucket=view.graph_bucket):
-            out = self._verify_graphs[bucket].replay()
-        self.stats.runs[_FULL.value] += 1
-        self.stats.verify_runs += 1
-        if end_aligned is not None:
-            return gather_rows(out, view.num_tokens, end_aligned[0])
-        return slice_tokens(out, view.num_tokens, fb.num_tokens)
 
     @torch.inference_mode()
     def run_eager(self, fb: ForwardBatch) -> Any:

@@ -360,6 +360,25 @@ def test_guided_rows_fill_one_buffer_of_masks_and_rows(llm: LLM) -> None:
     assert GuidedRows.for_step(cache, [reqs[0]]) is None and GuidedRows.for_step(None, reqs) is None
 
 
+def test_guided_rows_mask_logits_wider_than_the_bitmask_and_one_step_at_two_widths(llm: LLM) -> None:
+    """Logits of the model's width mask every row in one pass; logits with more columns than the grammar's vocabulary
+    (a padded embedding) take the row-index path. Either way the guided row keeps only its allowed tokens (columns
+    past the bitmask banned) and the other rows keep every token, one ``GuidedRows`` applied at both widths."""
+    cache = llm._grammar_cache()
+    p = GuidedDecodingParams(choice=["yes", "no"])
+    reqs = [type("R", (), {"grammar": g})() for g in (cache.matcher(p), None, None)]
+    rows = GuidedRows.for_step(cache, reqs)
+    width = -(-llm.vocab_size // 32)
+    buf = rows.host_bitmask(width, pin=False)
+    allowed = {t for t in range(llm.vocab_size) if (int(buf[t // 32]) >> (t % 32)) & 1}
+    assert allowed
+    for vocab in (llm.vocab_size, 32 * width + 40):
+        logits = torch.zeros(3, vocab)
+        rows.apply(logits)
+        assert {int(t) for t in torch.isfinite(logits[0]).nonzero()} == allowed, vocab
+        assert torch.isfinite(logits[1:]).all(), vocab
+
+
 def test_the_structured_sampling_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_structured_sampling.py"
     out = tmp_path / "s.json"

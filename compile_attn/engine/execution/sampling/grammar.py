@@ -120,6 +120,7 @@ class GuidedRows:
 
     def __init__(self, cache: GrammarCache, at: list[int], matchers: list[Any], num_rows: int) -> None:
         self.cache, self.at, self.matchers, self.num_rows = cache, at, matchers, num_rows
+        self._layout_for: tuple[int, int, bool] | None = None  # (logits' vocab, bitmask width, one pass): _layout
 
     @classmethod
     def for_step(cls, cache: GrammarCache | None, reqs: Sequence[Any]) -> GuidedRows | None:
@@ -154,12 +155,17 @@ class GuidedRows:
         """Set, in place, the logits of the grammar rows' disallowed tokens to -inf: ``fill_host`` then ``mask``."""
         self.mask(logits, self.fill_host(logits))
 
-    def _one_pass(self, vocab: int) -> bool:
-        """Whether a partly guided step masks every row in one pass: the host writes a bitmask of every row (the
-        others all ones) and the device masks the batch as it would a fully guided one. The row-index path (G rows
-        scattered into a full bitmask on the device first) measured slower; it stays for a bitmask narrower than
-        the logits (its tail is banned in the guided rows only)."""
-        return len(self.matchers) < self.num_rows and bitmask_width(self.cache.vocab_size or vocab) * BITS >= vocab
+    def _layout(self, vocab: int) -> tuple[int, bool]:
+        """(int32 words per bitmask row, one pass) for logits of ``vocab`` columns; worked out once per step
+        (``fill_host`` and ``mask`` both read it). One pass: a partly guided step masks every row at once: the host
+        writes a bitmask of every row (the others all ones) and the device masks the batch as it would a fully
+        guided one. The row-index path (G rows scattered into a full bitmask on the device first) measured slower;
+        it stays for a bitmask narrower than the logits (its tail is banned in the guided rows only)."""
+        known = self._layout_for
+        if known is None or known[0] != vocab:
+            width = bitmask_width(self.cache.vocab_size or vocab)
+            known = self._layout_for = (vocab, width, len(self.matchers) < self.num_rows and width * BITS >= vocab)
+        return known[1], known[2]
 
     def fill_host(self, logits: torch.Tensor) -> torch.Tensor:
         """The step's host bitmask for ``logits`` (pinned on a GPU), filled by the matchers: ``host_bitmask_all_rows``
@@ -167,8 +173,8 @@ class GuidedRows:
         rows, vocab = logits.shape
         if rows != self.num_rows:
             raise ValueError(f"GuidedRows for {self.num_rows} rows applied to logits of {rows} rows")
-        width = bitmask_width(self.cache.vocab_size or vocab)
-        if self._one_pass(vocab):
+        width, one_pass = self._layout(vocab)
+        if one_pass:
             return self.host_bitmask_all_rows(width, pin=logits.is_cuda)
         return self.host_bitmask(width, pin=logits.is_cuda)
 
@@ -176,12 +182,13 @@ class GuidedRows:
         """Copy ``fill_host``'s buffer to the device in one copy and mask ``logits`` in place
         (``apply_token_bitmask_``)."""
         rows, vocab = logits.shape
+        width, one_pass = self._layout(vocab)
         with torch.inference_mode():  # the logits of an inference-mode forward are changed in place
             dev = host.to(logits.device, non_blocking=True)
-            if self._one_pass(vocab):
+            if one_pass:
                 apply_token_bitmask_(logits, dev, None)
                 return
-            g, width = len(self.matchers), bitmask_width(self.cache.vocab_size or vocab)
+            g = len(self.matchers)
             every_row = g == rows  # ``at`` is increasing: every row, in order
             apply_token_bitmask_(logits, dev[: g * width].view(g, width), None if every_row else dev[g * width:])
 
