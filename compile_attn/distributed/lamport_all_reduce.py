@@ -46,6 +46,7 @@ class LamportWorkspace:
     dtype: torch.dtype
     handles: list[list[int]]  # per buffer, each rank's device pointer (this rank's own allocation at [rank])
     ptrs: torch.Tensor
+    comm: Any  # flashinfer.comm, its kernels loaded
 
 
 _WORKSPACE: LamportWorkspace | None = None
@@ -101,7 +102,7 @@ def setup_lamport_all_reduce(group: Any, group_name: str, rank: int, world_size:
         handles, ptrs = comm.trtllm_create_ipc_workspace_for_all_reduce_fusion(
             rank, world_size, max_tokens, hidden, use_fp32_lamport=False, group=group)
     logger.debug("FlashInfer workspace: %s", said.getvalue())
-    _WORKSPACE = LamportWorkspace(group_name, rank, world_size, hidden, max_tokens, dtype, handles, ptrs)
+    _WORKSPACE = LamportWorkspace(group_name, rank, world_size, hidden, max_tokens, dtype, handles, ptrs, comm)
     logger.info("tensor parallel: all-reduce of up to %d x %d through FlashInfer's Lamport kernel, NCCL above",
                 max_tokens, hidden)
     return True
@@ -114,11 +115,10 @@ def lamport_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor | None:
         return None
     if x.shape[-1] != ws.hidden or x.numel() // ws.hidden > ws.max_tokens:
         return None
-    import flashinfer.comm as comm
-
     tokens = x.numel() // ws.hidden
     inp = x.reshape(tokens, ws.hidden).contiguous()
     out = torch.empty_like(inp)
+    comm = ws.comm
     comm.trtllm_allreduce_fusion(
         allreduce_in=inp, world_size=ws.world_size, world_rank=ws.rank, token_num=tokens, hidden_dim=ws.hidden,
         workspace_ptrs=ws.ptrs, launch_with_pdl=False, trigger_completion_at_end=True, fp32_acc=True,

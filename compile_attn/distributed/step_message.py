@@ -144,7 +144,7 @@ class StepReceiver:
                 return ProfileControl(None)
             data = torch.empty(mode, dtype=torch.uint8)
             dist.broadcast(data, self.src, group=self.host_group)
-            return ProfileControl(bytes(data.tolist()).decode())
+            return ProfileControl(data.numpy().tobytes().decode())
         if kind != MessageKind.STEP:
             raise RuntimeError(f"tensor-parallel step message of unknown kind {kind}: the ranks are out of step")
         host_tokens = bool(flags & _HOST_TOKENS)

@@ -85,18 +85,14 @@ class EngineProfiler:
 
     def start(self, directory: str | Path | None) -> None:
         path = resolve_profile_dir(directory)
-        if self.local.running:
-            raise RuntimeError("the profiler is already running: call LLM.stop_profile() before starting it again")
+        self.local.start(path)  # refuses a second start before the workers hear of it
         if self.group is not None:
             self.group.profile(str(path))
-        self.local.start(path)
 
     def stop(self) -> list[str]:
         """The traces' paths, rank 0's first (the workers write theirs as they stop)."""
-        if not self.local.running:
-            raise RuntimeError("the profiler is not running: call LLM.start_profile() first")
         count = self.local.count
+        first = self.local.stop()  # refuses a stop without a start before the workers hear of it
         if self.group is not None:
             self.group.profile(None)
-        first = self.local.stop()
         return [str(first)] + [str(trace_path(first.parent, r, count)) for r in range(1, self.world_size)]

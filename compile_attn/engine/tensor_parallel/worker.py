@@ -19,6 +19,7 @@ import os
 import threading
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -107,8 +108,6 @@ class Worker:
 
     def control_profiler(self, msg: ProfileControl) -> None:
         """Start or stop this rank's profiler as rank 0 did (``LLM.start_profile`` / ``stop_profile``)."""
-        from pathlib import Path
-
         if msg.directory is not None:
             self.profiler.start(Path(msg.directory))
         else:
