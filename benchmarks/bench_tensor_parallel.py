@@ -36,13 +36,12 @@ from pathlib import Path
 
 import torch
 
+from compile_attn.bench.decode_step import LLAMA_8B
+
 for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                       ("NVSHMEM_DISABLE_NVLS", "1")):
     os.environ.setdefault(_name, _value)
 
-LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
-                max_position_embeddings=8192, rope_theta=500000.0)
 SHAPES = {"llama-8b": LLAMA_8B}
 # A decode step's all-reduce message is tokens x hidden bf16 values: 8 KiB at batch 1 and 512 KiB at batch 64 for
 # hidden 4096; 2 KiB (hidden 1024) and 2 MiB (batch 256) bracket them.

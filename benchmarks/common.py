@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from compile_attn.bench.decode_step import LLAMA_1B, TINY, BenchConfig
+from compile_attn.bench.decode_step import LLAMA_1B, LLAMA_8B, TINY, BenchConfig
 from compile_attn.bench.engine_start import PEAK_BF16_FLOPS
 from compile_attn.models import ToyDecoderConfig
 
@@ -37,15 +37,20 @@ def toy_decoder_config(shape: dict | None = None, **overrides) -> ToyDecoderConf
     return ToyDecoderConfig(**(fields | overrides))
 
 
-def linear_shapes(shape: dict | None = None) -> list[tuple[str, int, int]]:
+def linear_shapes(shape: dict | None = None, tp: int = 1) -> list[tuple[str, int, int]]:
     """(name, in features K, out features N) of one decoder layer's linear layers after q/k/v and gate/up are
-    fused, and of the LM head, for ``shape`` (default ``LLAMA_1B``)."""
+    fused, and of the LM head, for ``shape`` (default ``LLAMA_1B``) as one of ``tp`` tensor-parallel ranks holds
+    them: q/k/v, gate/up and the LM head split by output, o and down by input, KV heads replicated where there
+    are fewer than ranks."""
     shape = LLAMA_1B if shape is None else shape
     hidden, inter, head_dim = shape["hidden_size"], shape["intermediate_size"], shape["head_dim"]
-    q_out = shape["num_attention_heads"] * head_dim
-    kv_out = shape["num_key_value_heads"] * head_dim
-    return [("qkv", hidden, q_out + 2 * kv_out), ("o", q_out, hidden), ("gate_up", hidden, 2 * inter),
-            ("down", inter, hidden), ("lm_head", hidden, shape["vocab_size"])]
+    q_out = shape["num_attention_heads"] * head_dim // tp
+    kv_out = max(1, shape["num_key_value_heads"] // tp) * head_dim
+    return [("qkv", hidden, q_out + 2 * kv_out), ("o", q_out, hidden), ("gate_up", hidden, 2 * inter // tp),
+            ("down", inter // tp, hidden), ("lm_head", hidden, shape["vocab_size"] // tp)]
+
+
+SHAPES = {"llama-1b": LLAMA_1B, "llama-8b": LLAMA_8B}
 
 
 def require_cuda(script: str) -> None:

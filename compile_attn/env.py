@@ -19,6 +19,7 @@ SAMPLER_COMPILE_ENV = "COMPILE_ATTN_SAMPLER_COMPILE"  # 1 / 0: compile the porta
 START_PROFILE_ENV = "COMPILE_ATTN_START_PROFILE"  # a file prefix: `compile-attn bench --engine` profiles each start
 VERIFY_MODE_ENV = "COMPILE_ATTN_VERIFY_MODE"  # 0 / false / off / no: triton chain verify steps as decode rows, not in the kernel's verify mode
 MIXED_DECODE_ENV = "COMPILE_ATTN_MIXED_DECODE_ROWS"  # 0 / false / off / no: triton runs a mixed batch's decode rows in the extend kernel
+GEMV_ENV = "COMPILE_ATTN_GEMV_KERNEL"  # 0 / false / off / no: one-token pieces run one-row linears as Inductor reductions
 PROFILER_DIR_ENV = "COMPILE_ATTN_TORCH_PROFILER_DIR"  # where LLM.start_profile() writes traces by default
 VLLM_PROFILER_DIR_ENV = "VLLM_TORCH_PROFILER_DIR"  # vLLM's name for it, read when PROFILER_DIR_ENV is not set
 API_KEY_ENV = "COMPILE_ATTN_API_KEY"  # the server's key when --api-key is not given (a key on the command line shows)
@@ -56,6 +57,12 @@ def cache_dir() -> str:
 def pdl_turned_off() -> bool:
     """``COMPILE_ATTN_PDL`` is 0 (or false, off, no)."""
     return switched_off(PDL_ENV)
+
+
+def gemv_kernel() -> bool:
+    """Whether one-token compiles run one-row linears through ``compile_attn.gemv`` (the default) rather than as
+    Inductor's multiply-and-sum reductions (``COMPILE_ATTN_GEMV_KERNEL=0``)."""
+    return not switched_off(GEMV_ENV)
 
 
 def one_launch_decode() -> bool:

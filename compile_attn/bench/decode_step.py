@@ -22,6 +22,10 @@ logger = logging.getLogger(__name__)
 LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=64, tie_word_embeddings=True,
                 max_position_embeddings=8192)
+# Llama-3.1-8B: the tensor-parallel benchmarks' shape
+LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
+                max_position_embeddings=8192, rope_theta=500000.0)
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, tie_word_embeddings=True, max_position_embeddings=512)
 

@@ -23,6 +23,7 @@ import sympy
 import torch
 from torch import fx
 
+import compile_attn.ops.gemv  # noqa: F401  (registers torch.ops.compile_attn.gemv)
 from compile_attn.compiler.counters import compile_counters
 from compile_attn.passes.fuse_linears import LINEAR_TARGETS
 
@@ -124,20 +125,31 @@ def _emit_linear_as_reduction(graph: fx.Graph, node: fx.Node, dtype: torch.dtype
         return graph.call_function(convert, (out, dtype))
 
 
-def linears_as_reductions(gm: fx.GraphModule, symbol: sympy.Symbol, size: int) -> tuple[fx.GraphModule, int]:
+def _emit_gemv(graph: fx.Graph, node: fx.Node, dtype: torch.dtype) -> fx.Node:
+    """A ``compile_attn.gemv`` call for the linear call ``node``, inserted before it (``dtype`` is the linear's,
+    which the op keeps: it returns its input's dtype)."""
+    rows, weight, bias = _linear_operands(node)
+    with graph.inserting_before(node):
+        return graph.call_function(torch.ops.compile_attn.gemv.default, (rows, weight, bias))
+
+
+def linears_as_reductions(gm: fx.GraphModule, symbol: sympy.Symbol, size: int,
+                          use_gemv: bool = False) -> tuple[fx.GraphModule, int]:
     """``gm`` with every linear call whose input has one row at ``symbol = size`` computed as
-    ``linear_as_reduction`` does (a new module when any is; ``gm`` itself is left as it is), and how many calls
-    were rewritten. The rewritten graph calls aten/prims ops only, so its compiled artifact can be saved."""
+    ``linear_as_reduction`` does, or through ``compile_attn.gemv`` where ``use_gemv`` (a new module when any is;
+    ``gm`` itself is left as it is), and how many calls were rewritten. The rewritten graph calls aten/prims and
+    registered custom ops only, so its compiled artifact can be saved."""
     targets = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in LINEAR_TARGETS
                and _rows(_linear_operands(n)[0], symbol, size) == 1 and _out_dtype(n) is not None]
     if not targets:
         return gm, 0
+    emit = _emit_gemv if use_gemv else _emit_linear_as_reduction
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     graph.output(graph.graph_copy(gm.graph, env))
     for node in targets:
         new = env[node]
-        out = _emit_linear_as_reduction(graph, new, _out_dtype(node))
+        out = emit(graph, new, _out_dtype(node))
         out.meta = dict(new.meta)  # the linear's value: what the cache's checks of method calls on it look for
         new.replace_all_uses_with(out)
         graph.erase_node(new)

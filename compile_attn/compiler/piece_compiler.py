@@ -25,6 +25,7 @@ from compile_attn.compiler.counters import compile_counters
 from compile_attn.compiler.fusion_choices import FUSION_PATCHES, choices_handler
 from compile_attn.compiler.piece_key import PieceKey, piece_key
 from compile_attn.passes.split import Piece
+from compile_attn.env import gemv_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -111,12 +112,14 @@ class PieceCompiler:
         if self.compiler == "eager":
             return CompiledPiece(piece.graph_module, single_output=False, source="eager")
         base = self._key_of(piece, example_inputs)
+        use_gemv = gemv_kernel()
+        rewrite = "gemv" if use_gemv else "reductions"
         # the digest names the rewrite, so artifacts compiled before it existed are not loaded for it
-        key = PieceKey(f"{base.digest}@{size}+linears_as_reductions", base.stable,
-                       f"{base.text}\nstatic token count {size}, one-row linears as reductions")
+        key = PieceKey(f"{base.digest}@{size}+linears_as_{rewrite}", base.stable,
+                       f"{base.text}\nstatic token count {size}, one-row linears as {rewrite}")
         if key.digest in self._compiled:
             return self._compiled[key.digest]
-        gm, rewritten = linears_as_reductions(piece.graph_module, symbol, size)
+        gm, rewritten = linears_as_reductions(piece.graph_module, symbol, size, use_gemv=use_gemv)
         compile_counters.linears_as_reductions += rewritten
         patches = self.static_patches
         compiled = self._load_or_compile(
