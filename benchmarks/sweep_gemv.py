@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from bench_gemv import gemv_as_reduction, per_call_us, rotating_weights
 from common import SHAPES, linear_shapes, require_cuda
 
-from compile_attn.ops.gemv_kernel import GemvConfig, _num_sms, gemv_config, launch_gemv
+from compile_attn.ops.gemv_kernel import GemvConfig, gemv_config, launch_gemv
 
 GRID = dict(block_n=(1, 2, 4, 8, 16, 32), block_k=(256, 512, 1024), num_warps=(4, 8), num_stages=(1, 3))
 
@@ -45,7 +45,7 @@ def main() -> None:
     if args.block_n:
         grid["block_n"] = tuple(int(v) for v in args.block_n.split(","))
     configs = [GemvConfig(*values) for values in itertools.product(*grid.values())]
-    sms = _num_sms(torch.cuda.current_device())
+    sms = torch.cuda.get_device_properties().multi_processor_count
     torch.manual_seed(0)
     rows, lines = [], ["| shape | tp | weight | K x N | MB | cuBLAS us (TB/s) | multiply-sum | picked config | "
                        "picked us (TB/s) | best config | best us (TB/s) |", "|---|" * 11]
@@ -72,7 +72,7 @@ def main() -> None:
                     raise SystemExit(f"{shape_name} tp {tp} {name} {config}: max error {err}")
                 timings[config] = graph_us(lambda x, w, c=config: launch_gemv(x, w, None, out, c), x, weights,
                                            args.rep_ms)
-            picked = gemv_config(n, k, sms)
+            picked = gemv_config(n, k)
             picked_us = timings.get(picked) or per_call_us(lambda x, w: launch_gemv(x, w, None, out, picked), x,
                                                            weights)
             best = min(timings, key=timings.get)

@@ -139,6 +139,7 @@ def _run_engine(model: object, workload: Workload, cfg: ThroughputConfig, dtype:
         built = triton_builds.snapshot()
         engine["rounds"].append(engine_round(llm, workload))
         engine["rounds"][-1]["triton_builds"] = triton_builds.since(built)  # kernels the warm-up did not build
+        engine["rounds"][-1]["triton_specialisations"] = triton_builds.specialisations_since(built)
         logger.info("round %d: %s", len(engine["rounds"]), engine["rounds"][-1])
     if cfg.prefix_cache and workload.name in bench_workloads.PREFIX_WORKLOADS:  # the same rounds, cache off
         llm.kv_cache.enable_prefix_cache(False)
@@ -349,6 +350,7 @@ def to_markdown(result: dict) -> str:
         if r.get("triton_builds"):  # a kernel specialisation first met on traffic: a compile inside a step
             built = ", ".join(f"{name} x {n}" for name, n in r["triton_builds"].items())
             lines.append(f"Triton kernels built during round {_round_name(i)}: {built}")
+            lines += [f"  {spec}" for spec in r.get("triton_specialisations", [])]
     if isinstance(engine["gpu_busy"], dict):
         lines.append(f"GPU busy: the profile failed ({engine['gpu_busy']['failed']})")
     elif engine["gpu_busy"]:

@@ -5,7 +5,9 @@ and the alignment of its integer and pointer arguments (divisible by 16 or not, 
 for the first time on live traffic costs a compile of ~0.1-1 s inside a step, which is what the engine's warm-up is
 there to prevent. ``triton_builds.install()`` chains a ``triton.knobs.runtime.jit_cache_hook`` (called on every
 cache miss of a ``JITFunction``, before it compiles) that counts the miss and lets the compile go on;
-``triton_builds.since(snapshot)`` is what was built after a ``snapshot()``. Inductor's generated kernels are built
+``triton_builds.since(snapshot)`` is what was built after a ``snapshot()``, and ``specialisations_since(snapshot)``
+names each build's specialisation (Triton's description of the call: options and each argument's type with its
+alignment) so that the warm-up can be taught the one it missed. Inductor's generated kernels are built
 by Inductor's own compile path at compile time and are not counted here. Nothing here changes behaviour.
 """
 
@@ -24,6 +26,7 @@ class TritonBuilds:
 
     def __init__(self) -> None:
         self.counts: Counter[str] = Counter()
+        self.specialisations: list[str] = []  # Triton's ``repr`` of each build, in build order
         self._installed = False
         self._lock = threading.Lock()
 
@@ -45,6 +48,7 @@ class TritonBuilds:
                 fn = kwargs.get("fn")
                 name = getattr(fn, "name", None) or str(kwargs.get("repr", "?")).split("[")[0]
                 self.counts[name.rsplit(".", 1)[-1]] += 1  # a qualified name's last part: the kernel's own
+                self.specialisations.append(str(kwargs.get("repr", name)))
                 return previous(*args, **kwargs) if previous is not None else None  # None: compile as usual
 
             runtime.jit_cache_hook = hook
@@ -57,6 +61,10 @@ class TritonBuilds:
     def since(self, snapshot: Counter[str]) -> dict[str, int]:
         """Kernel name -> builds after ``snapshot``, most first."""
         return dict((self.counts - snapshot).most_common())
+
+    def specialisations_since(self, snapshot: Counter[str]) -> list[str]:
+        """Triton's description of each build after ``snapshot`` (taken with no build in between)."""
+        return self.specialisations[sum(snapshot.values()):]
 
 
 triton_builds = TritonBuilds()
