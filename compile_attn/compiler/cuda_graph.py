@@ -5,6 +5,11 @@ It owns the process-wide graph memory pool, the gc policy during capture (collec
 captures nest), weak references to graph outputs (so later captures can reuse pool memory), the warm-up call
 before a capture, and the check that a replay's inputs sit at their capture-time addresses. It knows nothing of
 models, buckets or modes: callers decide what to capture and when.
+
+Every graph is owned by whoever was named by ``graph_owner`` when it was created (an engine names itself while it
+builds), and ``release_graphs(owner)`` destroys an owner's graphs. A graph that captured an NCCL collective holds a
+reference on its communicator until it is destroyed, and NCCL's abort waits for those references: a tensor-parallel
+engine releases its graphs before it leaves its process group, or leaving it would never finish.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +28,30 @@ from torch.utils import _pytree as pytree
 _pool: object | None = None
 _keepalive: torch.cuda.CUDAGraph | None = None
 _gc_depth = 0
+_owner: str | None = None  # set by ``graph_owner``: the owner of graphs created meanwhile
+_live: weakref.WeakSet[CudaGraph] = weakref.WeakSet()
+
+
+@contextlib.contextmanager
+def graph_owner(name: str) -> Iterator[None]:
+    """Graphs created inside this block belong to ``name`` (``release_graphs(name)`` destroys them)."""
+    global _owner
+    previous, _owner = _owner, name
+    try:
+        yield
+    finally:
+        _owner = previous
+
+
+def release_graphs(owner: str | None = None) -> int:
+    """Destroy every live graph of ``owner`` (of every owner when None) and return how many; they cannot be replayed
+    afterwards. Call with no replay in flight (after a device synchronisation)."""
+    released = 0
+    for graph in list(_live):
+        if owner is None or graph.owner == owner:
+            graph.graph.reset()
+            released += 1
+    return released
 
 
 def graph_pool() -> object:
@@ -83,6 +113,8 @@ class CudaGraph:
     def __init__(self, pool: Any = None) -> None:
         self.graph = torch.cuda.CUDAGraph()
         self.pool = pool if pool is not None else graph_pool()
+        self.owner = _owner
+        _live.add(self)
 
     @contextlib.contextmanager
     def capturing(self, stream: Any = None) -> Iterator[None]:

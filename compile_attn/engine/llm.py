@@ -18,6 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from compile_attn.batch import ForwardBatch, ForwardMode
+from compile_attn.compiler.cuda_graph import graph_owner
 from compile_attn.engine.execution.in_flight import InFlightStep, has_placeholders
 from compile_attn.engine.execution.memory_profile import check_memory_after_capture
 from compile_attn.engine.execution.model_loading import LoadedModel, load_for_engine, resolve_sources
@@ -85,7 +86,8 @@ class LLM:
         self._tp, loaded = EngineGroup.start(model, tokenizer, config)
         weakref.finalize(self, self._tp.close)  # also at interpreter exit
         try:
-            self._build(loaded)
+            with graph_owner(self._tp.graph_owner):
+                self._build(loaded)
         except BaseException:
             self._tp.close()
             raise

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from compile_attn.batch import ForwardBatch
+from compile_attn.compiler.cuda_graph import release_graphs
 from compile_attn.distributed.state import destroy_tensor_parallel, init_tensor_parallel, tp_group, tp_host_group
 from compile_attn.distributed.step_message import StepSender
 from compile_attn.engine.execution.model_loading import LoadedModel
@@ -67,6 +68,7 @@ class EngineGroup:
         self.checkpoint: Checkpoint | None = None
         self.kv_cache: KVCache | None = None
         self.sender: StepSender | None = None
+        self.graph_owner = f"tensor-parallel engine {id(self):x}"  # rank 0's graphs, destroyed before the group ends
         self._closed = False
 
     # ------------------------------------------------------------------ start
@@ -276,10 +278,24 @@ class EngineGroup:
                 process.join(timeout=2.0)
         for conn in self.reports.values():
             conn.close()
+        _release_graphs(self.graph_owner)
         _destroy_bounded()
         if self.checkpoint is not None:
             self.checkpoint.cleanup()
         logger.info("tensor parallel: %d worker(s) stopped", len(self.processes))
+
+
+def _release_graphs(owner: str | None) -> None:
+    """Destroy this process's CUDA graphs of ``owner`` (all of them when None) before the process group ends: each
+    graph that captured an NCCL collective holds its communicator, and NCCL's abort waits until none does."""
+    if not torch.cuda.is_available():
+        return
+    try:
+        torch.cuda.synchronize()
+    except RuntimeError:  # a device in error: the graphs are destroyed all the same
+        logger.warning("tensor parallel: the device did not synchronise before its graphs were released")
+    released = release_graphs(owner)
+    logger.debug("tensor parallel: released %d CUDA graphs", released)
 
 
 def _destroy_bounded(timeout_s: float = 10.0) -> None:

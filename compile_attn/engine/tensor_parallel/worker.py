@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from compile_attn.batch import ForwardBatch
+from compile_attn.compiler.cuda_graph import release_graphs
 from compile_attn.distributed.state import destroy_tensor_parallel, init_tensor_parallel, tp_group, tp_host_group
 from compile_attn.distributed.step_message import ProfileControl, StepMessage, StepReceiver
 from compile_attn.engine.execution.profiling import StepProfiler
@@ -149,6 +150,15 @@ def _exit_with_parent(alive: Any) -> None:
     threading.Thread(target=watch, name="tp-parent-watch", daemon=True).start()
 
 
+def _leave_group() -> None:
+    """Destroy this worker's CUDA graphs, then end the process group: NCCL's abort waits until no graph holds a
+    collective of its communicator."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    release_graphs()
+    destroy_tensor_parallel()
+
+
 def spawned_main(rank: int, world_size: int, init_method: str, backend: str, report: Any, alive: Any) -> None:
     """The entry point of a worker that ``LLM`` spawned: report "joining", form the group, build, serve, exit.
     Any failure is reported to rank 0 as ``("error", rank, traceback)`` and ends the process at once (no
@@ -168,7 +178,7 @@ def spawned_main(rank: int, world_size: int, init_method: str, backend: str, rep
         report.close()
         os._exit(1)
     report.send(("done", rank, ""))
-    destroy_tensor_parallel()
+    _leave_group()
 
 
 def main() -> None:
@@ -180,7 +190,7 @@ def main() -> None:
         raise SystemExit("rank 0 runs LLM(..., tensor_parallel_size=WORLD_SIZE), not the worker entry point")
     steps = Worker(receive_spec(), state.rank, state.world_size).serve()
     logger.info("tensor parallel rank %d: %d steps, shut down", state.rank, steps)
-    destroy_tensor_parallel()
+    _leave_group()
 
 
 if __name__ == "__main__":
