@@ -6,8 +6,8 @@ for the first time on live traffic costs a compile of ~0.1-1 s inside a step, wh
 there to prevent. ``triton_builds.install()`` chains a ``triton.knobs.runtime.jit_cache_hook`` (called on every
 cache miss of a ``JITFunction``, before it compiles) that counts the miss and lets the compile go on;
 ``triton_builds.since(snapshot)`` is what was built after a ``snapshot()``, and ``specialisations_since(snapshot)``
-names each build's specialisation (Triton's description of the call: options and each argument's type with its
-alignment) so that the warm-up can be taught the one it missed. Inductor's generated kernels are built
+names each build's specialisation (Triton's cache key: each argument's type and alignment, the constexprs) so that
+the warm-up can be taught the one it missed. Inductor's generated kernels are built
 by Inductor's own compile path at compile time and are not counted here. Nothing here changes behaviour.
 """
 
@@ -26,7 +26,7 @@ class TritonBuilds:
 
     def __init__(self) -> None:
         self.counts: Counter[str] = Counter()
-        self.specialisations: list[str] = []  # Triton's ``repr`` of each build, in build order
+        self.specialisations: list[str] = []  # each build's kernel name and Triton cache key, in build order
         self._installed = False
         self._lock = threading.Lock()
 
@@ -48,7 +48,8 @@ class TritonBuilds:
                 fn = kwargs.get("fn")
                 name = getattr(fn, "name", None) or str(kwargs.get("repr", "?")).split("[")[0]
                 self.counts[name.rsplit(".", 1)[-1]] += 1  # a qualified name's last part: the kernel's own
-                self.specialisations.append(str(kwargs.get("repr", name)))
+                # Triton's cache key: each argument's type and specialisation (alignment, == 1), constexprs, options
+                self.specialisations.append(f"{name.rsplit('.', 1)[-1]} {kwargs.get('key')}"[:600])
                 return previous(*args, **kwargs) if previous is not None else None  # None: compile as usual
 
             runtime.jit_cache_hook = hook
@@ -63,7 +64,7 @@ class TritonBuilds:
         return dict((self.counts - snapshot).most_common())
 
     def specialisations_since(self, snapshot: Counter[str]) -> list[str]:
-        """Triton's description of each build after ``snapshot`` (taken with no build in between)."""
+        """Kernel name and Triton cache key of each build after ``snapshot``."""
         return self.specialisations[sum(snapshot.values()):]
 
 
