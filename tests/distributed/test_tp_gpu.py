@@ -3,6 +3,7 @@ speculative chains and with an fp8 KV cache; shutdown is bounded and leaves no p
 
 from __future__ import annotations
 
+import gc
 import time
 
 import pytest
@@ -66,11 +67,17 @@ def test_custom_all_reduce_equals_nccl(llama: str) -> None:
     from compile_attn.distributed.lamport_all_reduce import active_workspace
 
     options = dict(OPTIONS, dtype=torch.bfloat16, compile=True, compile_options={"cache_dir": None})
-    with LLM(llama, tensor_parallel_size=2, disable_custom_all_reduce=True, **options) as llm:
-        assert active_workspace() is None
-        want = _tokens(llm)
-    with LLM(llama, tensor_parallel_size=2, **options) as llm:
-        assert active_workspace() is not None, "the fast all-reduce was not set up"
-        got = _tokens(llm)
+    llm = LLM(llama, tensor_parallel_size=2, disable_custom_all_reduce=True, **options)
+    assert active_workspace() is None
+    want = _tokens(llm)
+    llm.shutdown()
+    # the first engine is dropped before the second starts (a second TP engine started while a shut-down one is
+    # still referenced did not join its worker on 4 x H200: docs/tensor_parallel.md, "Known limits")
+    del llm
+    gc.collect()
+    llm = LLM(llama, tensor_parallel_size=2, **options)
+    assert active_workspace() is not None, "the fast all-reduce was not set up"
+    got = _tokens(llm)
+    llm.shutdown()
     assert got == want
     assert active_workspace() is None
