@@ -50,6 +50,7 @@ def release_graphs(owner: str | None = None) -> int:
     for graph in list(_live):
         if owner is None or graph.owner == owner:
             graph.graph.reset()
+            _live.discard(graph)
             released += 1
     return released
 
