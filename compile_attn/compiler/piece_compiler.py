@@ -24,8 +24,8 @@ from compile_attn.compiler.compile_sizes import STATIC_PATCHES, linears_as_reduc
 from compile_attn.compiler.counters import compile_counters
 from compile_attn.compiler.fusion_choices import FUSION_PATCHES, choices_handler
 from compile_attn.compiler.piece_key import PieceKey, piece_key
-from compile_attn.passes.split import Piece
 from compile_attn.env import gemv_kernel
+from compile_attn.passes.split import Piece
 
 logger = logging.getLogger(__name__)
 

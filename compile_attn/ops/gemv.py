@@ -4,9 +4,8 @@
 (``x.numel() == in_features``), accumulated in fp32 and rounded once. The one-token compiles
 (``compiler/compile_sizes.py``) put it in place of every one-row linear layer: the layer is bound by reading its
 weight, and the kernel (``ops/gemv_kernel.py``) reads it closer to the memory bandwidth than cuBLAS or Inductor's
-own reduction does (``benchmarks/bench_gemv.py``). Where the Triton kernel cannot run (a CPU tensor outside the
-Triton interpreter, a weight not contiguous along its rows), the op computes the same fp32 multiply-and-sum with
-torch ops.
+own reduction does (``benchmarks/sweep_gemv.py``). Where the Triton kernel cannot run (a CPU tensor outside the
+Triton interpreter, a weight not contiguous along its rows), the op is ``F.linear``.
 """
 
 from __future__ import annotations
@@ -14,6 +13,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
 
 _LIB = torch.library.Library("compile_attn", "FRAGMENT")  # noqa: TOR901 - kept alive for the process
 _LIB.define("gemv(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor")
@@ -29,22 +29,19 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 
 def _kernel_runs(x: torch.Tensor, weight: torch.Tensor) -> bool:
     on_device = x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-    return on_device and weight.stride(1) == 1 and x.is_contiguous()
+    return on_device and weight.stride(1) == 1
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for one input row, fp32 accumulation, one rounding to ``x.dtype``."""
     _check(x, weight, bias)
-    out = x.new_empty((*x.shape[:-1], weight.shape[0]))
-    if _kernel_runs(x, weight):
-        from compile_attn.ops.gemv_kernel import launch_gemv
+    if not _kernel_runs(x, weight):
+        return F.linear(x, weight, bias)
+    from compile_attn.ops.gemv_kernel import launch_gemv
 
-        launch_gemv(x.reshape(-1), weight, bias, out.view(-1))
-        return out
-    y = (x.reshape(1, -1).float() * weight.float()).sum(-1)
-    if bias is not None:
-        y = y + bias.float()
-    return out.copy_(y.view(out.shape))
+    out = x.new_empty((*x.shape[:-1], weight.shape[0]))
+    launch_gemv(x.reshape(-1).contiguous(), weight, bias, out.view(-1))
+    return out
 
 
 _LIB.impl("gemv", gemv, "CompositeExplicitAutograd")

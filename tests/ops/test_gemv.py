@@ -57,7 +57,7 @@ def test_op_keeps_leading_dims(shape: tuple[int, ...]) -> None:
     torch.testing.assert_close(y.reshape(-1).double(), _reference(x, w, b), rtol=1e-5, atol=1e-5)
 
 
-def test_op_falls_back_to_torch_for_a_column_strided_weight() -> None:
+def test_op_falls_back_to_f_linear_for_a_column_strided_weight() -> None:
     torch.manual_seed(3)
     w = torch.randn(48, 20, dtype=torch.float32).T  # stride(1) != 1: not the kernel's layout
     x = torch.randn(1, 48, dtype=torch.float32)
@@ -105,3 +105,13 @@ def test_kernel_matches_float64_on_gpu(n: int, k: int) -> None:
     launch_gemv(x, w, b, out)
     ref = _reference(x, w, b)
     torch.testing.assert_close(out.double(), ref, rtol=0, atol=_bf16_tol(ref))
+
+
+def test_op_takes_a_strided_input_row() -> None:
+    """An input row that is a strided view (every other value of a wider row) is read as its values."""
+    torch.manual_seed(6)
+    wide = torch.randn(1, 96, dtype=torch.float32)
+    x = wide[:, ::2]
+    w = torch.randn(12, 48, dtype=torch.float32)
+    y = torch.ops.compile_attn.gemv(x, w)
+    torch.testing.assert_close(y.reshape(-1).double(), _reference(x, w, None), rtol=1e-5, atol=1e-5)
