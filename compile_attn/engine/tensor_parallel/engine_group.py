@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 300.0  # a worker's start (imports) until it joins the group
 STOP_TIMEOUT_S = 10.0  # a worker's exit after the shutdown message, before it is terminated
+JOIN_REPORT_S = 30.0  # how often a start that waits for a worker logs what the worker is doing
 
 
 class TensorParallelError(RuntimeError):
@@ -134,11 +135,19 @@ class EngineGroup:
         """Wait until every worker reported that it joins the group; a worker that fails or dies first is
         reported at once."""
         waiting = set(self.processes)
-        deadline = time.monotonic() + START_TIMEOUT_S
+        start = time.monotonic()
+        deadline, next_report = start + START_TIMEOUT_S, start + JOIN_REPORT_S
         while waiting:
-            if time.monotonic() > deadline:
-                raise TensorParallelError(f"tensor-parallel rank(s) {sorted(waiting)} did not start within "
-                                          f"{START_TIMEOUT_S:.0f} s")
+            now = time.monotonic()
+            if now > deadline:
+                raise TensorParallelError(
+                    f"tensor-parallel rank(s) {sorted(waiting)} did not start within {START_TIMEOUT_S:.0f} s ("
+                    + "; ".join(f"rank {r}: {process_state(self.processes[r].pid)}" for r in sorted(waiting)) + ")")
+            if now > next_report:  # a long wait says what it waits for
+                next_report = now + JOIN_REPORT_S
+                for r in sorted(waiting):
+                    logger.warning("tensor parallel: rank %d has not joined after %.0f s (%s)", r, now - start,
+                                   process_state(self.processes[r].pid))
             handles = [self.reports[r] for r in waiting] + [self.processes[r].sentinel for r in waiting]
             multiprocessing.connection.wait(handles, timeout=1.0)
             for rank in list(waiting):
@@ -283,6 +292,26 @@ class EngineGroup:
         if self.checkpoint is not None:
             self.checkpoint.cleanup()
         logger.info("tensor parallel: %d worker(s) stopped", len(self.processes))
+
+
+def process_state(pid: int | None) -> str:
+    """What process ``pid`` is doing as Linux shows it: its state and, per thread, the kernel function it waits in
+    (``/proc/PID/task/*/wchan``); what can be read where /proc cannot."""
+    if pid is None:
+        return "not started"
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            state = next((line.split(":", 1)[1].strip() for line in f if line.startswith("State:")), "?")
+        waits: dict[str, int] = {}
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/wchan") as f:
+                where = f.read().strip()
+            where = "running" if where in ("", "0") else where
+            waits[where] = waits.get(where, 0) + 1
+    except OSError:
+        return f"pid {pid}"
+    threads = ", ".join(f"{n} in {w}" if n > 1 else w for w, n in sorted(waits.items()))
+    return f"pid {pid}, state {state}, threads: {threads}"
 
 
 def _release_graphs(owner: str | None) -> None:
