@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.distributed import workers
+from tests.distributed import failing_worker, workers
 from tests.distributed.launch import ChecksOutcome, RankFailedError, run_checks, run_ranks
 from tests.hf.hf_tiny_models import FAMILIES, build_pair
 
@@ -71,7 +71,7 @@ def test_load_sharded_checkpoint(checkpoint: Path, two_ranks: ChecksOutcome) -> 
 def test_a_failing_rank_ends_the_run_with_its_error() -> None:
     start = time.monotonic()
     with pytest.raises(RankFailedError, match=r"rank 1 failed first:(.|\n)*rank 1 failed on purpose"):
-        run_ranks(workers.failing_rank, 2, timeout_s=60)
+        run_ranks(failing_worker.failing_rank, 2, timeout_s=60)
     assert time.monotonic() - start < 45  # the error, not the 60 s collective timeout
     assert multiprocessing.active_children() == []
     assert torch.distributed.is_initialized() is False  # the test process itself never joins a group

@@ -94,13 +94,6 @@ def loaded_checkpoint(rank: int, world_size: int, path: str, family: str) -> Non
     check_close(f"loaded {family}", logits, reference_logits(ref, sequences))
 
 
-def failing_rank(rank: int, world_size: int) -> None:
-    """Rank 1 raises before the first collective; the others wait in an all-reduce that never completes."""
-    if rank == 1:
-        raise RuntimeError("rank 1 failed on purpose")
-    all_reduce(torch.ones(4))
-
-
 def step_messages(rank: int, world_size: int) -> None:
     """Rank 0 sends steps of each kind (host per-token fields, device ones, keep / feed, table rows, shutdown);
     every other rank checks what it received against the same steps built locally."""
