@@ -5,6 +5,10 @@
 have finished. A rank that raises makes ``run_ranks`` raise ``RankFailedError`` with the traceback of the rank that
 failed first (the others then fail in a collective, or are terminated; their last lines follow). A run past
 ``timeout_s`` is killed and raises TimeoutError. No process outlives the call.
+
+``run_checks(checks, world_size, directory)`` runs several named checks of one world size in a single spawn (the
+process start and imports cost more than most checks) and says which passed, which failed and which the failure
+left unrun, so each test can report its own check.
 """
 
 from __future__ import annotations
@@ -14,7 +18,11 @@ import pickle
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+import pytest
 
 import torch
 import torch.multiprocessing as mp
@@ -80,3 +88,52 @@ def _first_failure(error_files: list[str]) -> str:
     _, rank, trace = failures[0]
     later = "".join(f"\nthen rank {r} failed: {t.strip().splitlines()[-1]}" for _, r, t in failures[1:])
     return f"rank {rank} failed first:\n{trace}{later}"
+
+
+Check = tuple[str, Callable[..., None], tuple[Any, ...]]  # (name, fn(rank, world_size, *args), args)
+
+
+def checks_in_sequence(rank: int, world_size: int, done_path: str, checks: list[Check]) -> None:
+    """Each check in turn on every rank; once every rank has passed one, rank 0 appends its name to ``done_path``."""
+    for name, fn, args in checks:
+        fn(rank, world_size, *args)
+        torch.distributed.barrier()
+        if rank == 0:
+            with open(done_path, "a", encoding="utf-8") as fh:
+                fh.write(name + "\n")
+
+
+@dataclass(frozen=True)
+class ChecksOutcome:
+    """What one ``run_checks`` run did: the checks in order, those every rank passed, and the run's error."""
+
+    names: list[str]
+    passed: list[str]
+    error: str | None
+
+    def expect(self, name: str) -> None:
+        """Fail the calling test unless check ``name`` passed on every rank, naming the check that failed."""
+        assert name in self.names, f"no check named {name!r} in this run: {self.names}"
+        if name in self.passed:
+            return
+        failed = next(n for n in self.names if n not in self.passed)
+        if failed == name:
+            pytest.fail(f"check {name!r} failed:\n{self.error}", pytrace=False)
+        pytest.fail(f"check {name!r} did not run: the run stopped at the earlier check {failed!r}:\n{self.error}",
+                    pytrace=False)
+
+
+def run_checks(checks: list[Check], world_size: int, directory: Path, timeout_s: float = 600.0) -> ChecksOutcome:
+    """``checks`` in order on one spawn of ``world_size`` ranks; the run stops at the first check that fails."""
+    done = directory / "passed.txt"
+    done.unlink(missing_ok=True)
+    error = None
+    try:
+        run_ranks(checks_in_sequence, world_size, str(done), checks, timeout_s=timeout_s)
+    except (RankFailedError, TimeoutError) as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    passed = done.read_text(encoding="utf-8").splitlines() if done.exists() else []
+    names = [name for name, _, _ in checks]
+    if error is None and passed != names:
+        error = f"the run ended without error but only {passed} of {names} passed"
+    return ChecksOutcome(names, passed, error)

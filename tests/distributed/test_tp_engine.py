@@ -2,13 +2,18 @@
 ``tensor_parallel_size=1``'s for three families and several graph modes, through chunked prefill, mixed
 prefill/decode steps, overlap and prefix-cache hits (a second call of the same prompts); a worker killed mid-run
 ends in one error naming its rank, with no process left; shutdown leaves no process; a model whose heads do not
-split is refused before any worker starts."""
+split is refused before any worker starts.
+
+Starting the workers costs more than most checks: the checks of the eager 2-rank llama share one LLM
+(``TestEagerLlamaOnTwoRanks``), and the speculative tests share one reference run."""
 
 from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -60,22 +65,30 @@ def _helper(process: psutil.Process) -> bool:
     return any("resource_tracker" in part for part in process.cmdline())
 
 
+def check_greedy_equals_one_rank(llm: LLM, want: list[list[int]], what: str) -> None:
+    """``generate_twice`` on the 2-rank ``llm`` gives ``want`` (one process's tokens, computed while no group
+    exists); a step mixed prefill with decode and the second call hit the prefix cache (counted over this call:
+    the LLM may be shared)."""
+    mixed, hits = llm.steps_by_mode[ForwardMode.MIXED], llm.kv_cache.prefix_cache.num_hit_tokens
+    got = generate_twice(llm)
+    assert llm.steps_by_mode[ForwardMode.MIXED] > mixed, f"{what}: no step mixed prefill with decode"
+    hit = llm.kv_cache.prefix_cache.num_hit_tokens - hits
+    assert hit >= len(PROMPTS) * 12, f"{what}: the second call reused no prefix ({hit} tokens hit)"
+    assert got == want, what
+
+
 @pytest.mark.parametrize(("family", "graph_mode", "compile", "overlap"), [
-    ("llama", "none", False, True),
     ("llama", "piecewise", True, False),
     ("qwen3", "full_and_piecewise", False, True),
     ("gemma2", "none", False, True),
-])
+])  # and llama, "none", no compile, overlap: TestEagerLlamaOnTwoRanks.test_greedy_equals_one_rank
 def test_greedy_equals_one_rank(checkpoints: dict[str, Path], family: str, graph_mode: str, compile: bool,
                                 overlap: bool) -> None:
     options = dict(OPTIONS, graph_mode=graph_mode, compile=compile, overlap=overlap)
     want = generate_twice(LLM(str(checkpoints[family]), **options))
     with LLM(str(checkpoints[family]), tensor_parallel_size=2, **options) as llm:
         pids = worker_pids(llm)
-        got = generate_twice(llm)
-        assert llm.steps_by_mode[ForwardMode.MIXED] > 0, "no step mixed prefill with decode"
-        assert llm.kv_cache.prefix_cache.num_hit_tokens >= len(PROMPTS) * 12, "the second call reused no prefix"
-    assert got == want, f"{family} {graph_mode}"
+        check_greedy_equals_one_rank(llm, want, f"{family} {graph_mode}")
     assert_gone(pids)
     assert tp_size() == 1
 
@@ -94,21 +107,79 @@ def test_config_model_on_four_ranks() -> None:
     assert_gone(pids)
 
 
-def test_killed_worker_gives_one_error_and_no_process_left(checkpoints: dict[str, Path]) -> None:
-    llm = LLM(str(checkpoints["llama"]), tensor_parallel_size=2, **OPTIONS, graph_mode="none", compile=False)
-    pids = worker_pids(llm)
-    for p in PROMPTS:
-        llm.add_request(p, PARAMS)
-    llm.step()
-    os.kill(pids[0], signal.SIGKILL)
-    with pytest.raises(TensorParallelError, match=r"rank 1: .*died \(killed by SIGKILL\)"):
-        while llm.has_work():
-            llm.step()
-    assert_gone(pids)
-    with pytest.raises(TensorParallelError, match="has stopped"):
-        llm.generate(PROMPTS[:1], PARAMS)
-    llm.shutdown()
-    assert tp_size() == 1
+EAGER = dict(OPTIONS, graph_mode="none", compile=False)  # overlap on: the default
+
+
+class SharedLLM:
+    """A 2-rank LLM that consecutive tests share (``get``); a new one starts if a test stopped the last one.
+    ``want``: one process's ``generate_twice`` with the same options, computed before any worker starts."""
+
+    def __init__(self, model: str, options: dict[str, Any]) -> None:
+        self.model, self.options, self.llm = model, options, None
+        self.want = generate_twice(LLM(model, **options))
+
+    def get(self) -> LLM:
+        if self.llm is None or self.llm._tp._closed:
+            self.close()
+            self.llm = LLM(self.model, tensor_parallel_size=2, **self.options)
+        return self.llm
+
+    def close(self) -> None:
+        """Shut the LLM down: no worker process is left and this process leaves the group."""
+        if self.llm is not None:
+            pids = worker_pids(self.llm)
+            self.llm.shutdown()
+            self.llm = None
+            assert_gone(pids)
+            assert tp_size() == 1
+
+
+@pytest.fixture(scope="class")
+def eager_llama(checkpoints: dict[str, Path]) -> Iterator[SharedLLM]:
+    shared = SharedLLM(str(checkpoints["llama"]), EAGER)
+    yield shared
+    shared.close()
+
+
+class TestEagerLlamaOnTwoRanks:
+    """llama on 2 ranks, eager, no graphs, overlap: one LLM for these checks, in this order (the last kills a
+    worker); its shutdown at the end leaves no process."""
+
+    def test_greedy_equals_one_rank(self, eager_llama: SharedLLM) -> None:
+        check_greedy_equals_one_rank(eager_llama.get(), eager_llama.want, "llama none")
+
+    def test_profile_writes_a_trace_per_rank(self, eager_llama: SharedLLM, tmp_path: Path) -> None:
+        """``start_profile`` reaches the worker: after ``stop_profile`` each rank's trace holds the matrix
+        products of its own shard (rank 1's forward ran while its profiler was on). Rank 1 writes its trace as it
+        reads the stop, before the next step, so a step after ``stop_profile`` waits for the trace."""
+        import json
+
+        llm = eager_llama.get()
+        llm.generate(PROMPTS[:1], PARAMS, use_tqdm=False)
+        llm.start_profile(str(tmp_path))
+        llm.generate(PROMPTS[:2], PARAMS, use_tqdm=False)
+        paths = llm.stop_profile()
+        llm.generate(PROMPTS[:1], PARAMS, use_tqdm=False)  # its collectives need rank 1, past writing its trace
+        assert [Path(p).name for p in paths] == ["rank0-000.trace.json", "rank1-000.trace.json"]
+        for path in paths:
+            events = json.loads(Path(path).read_text())["traceEvents"]
+            assert sum(e.get("name") in ("aten::mm", "aten::addmm", "aten::linear") for e in events) >= 2 * 2, path
+
+    def test_killed_worker_gives_one_error_and_no_process_left(self, eager_llama: SharedLLM) -> None:
+        llm = eager_llama.get()
+        pids = worker_pids(llm)
+        for p in PROMPTS:
+            llm.add_request(p, PARAMS)
+        llm.step()
+        os.kill(pids[0], signal.SIGKILL)
+        with pytest.raises(TensorParallelError, match=r"rank 1: .*died \(killed by SIGKILL\)"):
+            while llm.has_work():
+                llm.step()
+        assert_gone(pids)
+        with pytest.raises(TensorParallelError, match="has stopped"):
+            llm.generate(PROMPTS[:1], PARAMS)
+        llm.shutdown()
+        assert tp_size() == 1
 
 
 def test_refusals_before_any_worker_starts(checkpoints: dict[str, Path]) -> None:
@@ -122,8 +193,21 @@ def test_refusals_before_any_worker_starts(checkpoints: dict[str, Path]) -> None
     assert not [c for c in psutil.Process().children(recursive=True) if not _helper(c)]
 
 
+CHAIN_OPTIONS = dict(OPTIONS, graph_mode="none", compile=False, max_context=96)  # the reference: one process, eager
+CHAIN_PROMPTS = [p * 2 for p in PROMPTS[:3]]  # repeats: prompt lookup finds its n-grams
+CHAIN_PARAMS = SamplingParams(max_new_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def chain_reference(checkpoints: dict[str, Path]) -> list[list[int]]:
+    """One process's greedy tokens without speculation, the reference of every speculative method."""
+    llm = LLM(str(checkpoints["llama"]), **CHAIN_OPTIONS)
+    return [o.token_ids for o in llm.generate(CHAIN_PROMPTS, CHAIN_PARAMS, use_tqdm=False)]
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_speculative_chains_equal_one_rank(checkpoints: dict[str, Path], method: str) -> None:
+def test_speculative_chains_equal_one_rank(checkpoints: dict[str, Path], chain_reference: list[list[int]],
+                                           method: str) -> None:
     """Chain verify steps on 2 ranks (the workers run them as rank 0 sends them; the draft model runs on rank 0
     alone) give one process's greedy tokens without speculation, and verify steps did run."""
     spec = {"method": method, "num_speculative_tokens": 3}
@@ -131,17 +215,13 @@ def test_speculative_chains_equal_one_rank(checkpoints: dict[str, Path], method:
         spec |= {"prompt_lookup_min": 1, "prompt_lookup_max": 3}
     else:
         spec["model"] = str(checkpoints["llama"])  # the target drafting for itself: every draft accepted
-    options = dict(OPTIONS, graph_mode="none", compile=False, max_context=96)  # the reference: one process, eager
-    prompts = [p * 2 for p in PROMPTS[:3]]  # repeats: prompt lookup finds its n-grams
-    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
-    want = [o.token_ids for o in LLM(str(checkpoints["llama"]), **options).generate(prompts, params, use_tqdm=False)]
     graphs = "full_and_piecewise" if method == "ngram" else "none"  # verify steps in the full decode graphs
     with LLM(str(checkpoints["llama"]), tensor_parallel_size=2, speculative_config=spec,
-             **(options | {"graph_mode": graphs})) as llm:
+             **(CHAIN_OPTIONS | {"graph_mode": graphs})) as llm:
         pids = worker_pids(llm)
-        got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        assert llm.steps_by_mode[ForwardMode.TARGET_VERIFY] > 0, "no verify step ran"
-    assert got == want
+        got = [o.token_ids for o in llm.generate(CHAIN_PROMPTS, CHAIN_PARAMS, use_tqdm=False)]
+        assert llm.steps_by_mode[ForwardMode.TARGET_VERIFY] > 0, f"{method}: no verify step ran"
+    assert got == chain_reference, method
     assert_gone(pids)
 
 
@@ -154,19 +234,3 @@ def test_fp8_kv_cache_equals_one_rank(checkpoints: dict[str, Path]) -> None:
         got = generate_twice(llm)
         assert llm.kv_cache.pool.quantized
     assert got == want
-
-
-def test_profile_writes_a_trace_per_rank(checkpoints: dict[str, Path], tmp_path: Path) -> None:
-    """``start_profile`` reaches the worker: after ``stop_profile`` and shutdown each rank's trace holds the matrix
-    products of its own shard (rank 1's forward ran while its profiler was on)."""
-    import json
-
-    with LLM(str(checkpoints["llama"]), tensor_parallel_size=2, **OPTIONS, graph_mode="none", compile=False) as llm:
-        llm.generate(PROMPTS[:1], PARAMS, use_tqdm=False)
-        llm.start_profile(str(tmp_path))
-        llm.generate(PROMPTS[:2], PARAMS, use_tqdm=False)
-        paths = llm.stop_profile()
-    assert [Path(p).name for p in paths] == ["rank0-000.trace.json", "rank1-000.trace.json"]
-    for path in paths:
-        events = json.loads(Path(path).read_text())["traceEvents"]
-        assert sum(e.get("name") in ("aten::mm", "aten::addmm", "aten::linear") for e in events) >= 2 * 2, path
