@@ -72,12 +72,12 @@ def cublaslt_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         torch.backends.cuda.preferred_blas_library(previous)
 
 
-def per_call_us(fn, x: torch.Tensor, weights: list[torch.Tensor]) -> float:
+def per_call_us(fn, x: torch.Tensor, weights: list[torch.Tensor], rep_ms: int = 200) -> float:
     """Microseconds per call of ``fn(x, w)``, all ``weights`` in turn inside one CUDA graph (no launch gaps,
-    no L2 reuse between calls)."""
+    no L2 reuse between calls), measured for ``rep_ms``."""
     from triton.testing import do_bench_cudagraph
 
-    return do_bench_cudagraph(lambda: [fn(x, w) for w in weights], rep=200) * 1e3 / len(weights)
+    return do_bench_cudagraph(lambda: [fn(x, w) for w in weights], rep=rep_ms) * 1e3 / len(weights)
 
 
 def main() -> None:

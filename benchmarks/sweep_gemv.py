@@ -17,19 +17,13 @@ import json
 
 import torch
 import torch.nn.functional as F
+import triton
 from bench_gemv import gemv_as_reduction, per_call_us, rotating_weights
 from common import SHAPES, linear_shapes, require_cuda
 
 from compile_attn.ops.gemv_kernel import GemvConfig, gemv_config, launch_gemv
 
 GRID = dict(block_n=(1, 2, 4, 8, 16, 32), block_k=(256, 512, 1024), num_warps=(4, 8), num_stages=(1, 3))
-
-
-def graph_us(fn, x: torch.Tensor, weights: list[torch.Tensor], rep_ms: int) -> float:
-    """``bench_gemv.per_call_us`` with a shorter measurement (``rep_ms``) for the many configs of a sweep."""
-    from triton.testing import do_bench_cudagraph
-
-    return do_bench_cudagraph(lambda: [fn(x, w) for w in weights], rep=rep_ms) * 1e3 / len(weights)
 
 
 def main() -> None:
@@ -64,14 +58,14 @@ def main() -> None:
 
             timings = {}
             for config in configs:
-                if config.block_k > triton_next_pow2(k) or config.block_n * config.block_k > 32768:
+                if config.block_k > triton.next_power_of_2(k) or config.block_n * config.block_k > 32768:
                     continue
                 launch_gemv(x, weights[0], None, out, config)
                 err = (out.float() - ref).abs().max().item()
                 if err > 0.05 * ref.abs().max().item() + 1e-2:
                     raise SystemExit(f"{shape_name} tp {tp} {name} {config}: max error {err}")
-                timings[config] = graph_us(lambda x, w, c=config: launch_gemv(x, w, None, out, c), x, weights,
-                                           args.rep_ms)
+                timings[config] = per_call_us(lambda x, w, c=config: launch_gemv(x, w, None, out, c), x, weights,
+                                              args.rep_ms)
             picked = gemv_config(n, k)
             picked_us = timings.get(picked) or per_call_us(lambda x, w: launch_gemv(x, w, None, out, picked), x,
                                                            weights)
@@ -92,10 +86,6 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
-
-
-def triton_next_pow2(v: int) -> int:
-    return 1 << (v - 1).bit_length()
 
 
 if __name__ == "__main__":

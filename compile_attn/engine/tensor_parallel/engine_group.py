@@ -27,13 +27,18 @@ import numpy as np
 import torch
 
 from compile_attn.batch import ForwardBatch
-from compile_attn.compiler.cuda_graph import release_graphs
 from compile_attn.distributed.state import destroy_tensor_parallel, init_tensor_parallel, tp_group, tp_host_group
 from compile_attn.distributed.step_message import StepSender
 from compile_attn.engine.execution.model_loading import LoadedModel
 from compile_attn.engine.requests.config import EngineConfig
 from compile_attn.engine.tensor_parallel.loading import Checkpoint, check_split, load_rank, prepare_checkpoint
-from compile_attn.engine.tensor_parallel.worker import COLLECTIVE_TIMEOUT_S, WorkerSpec, agree_min, rank_device
+from compile_attn.engine.tensor_parallel.worker import (
+    COLLECTIVE_TIMEOUT_S,
+    WorkerSpec,
+    agree_min,
+    rank_device,
+    release_rank_graphs,
+)
 from compile_attn.graph_runner.step_kernels import TokenFeed
 from compile_attn.kv.cache import KVCache
 
@@ -287,7 +292,7 @@ class EngineGroup:
                 process.join(timeout=2.0)
         for conn in self.reports.values():
             conn.close()
-        _release_graphs(self.graph_owner)
+        release_rank_graphs(self.graph_owner)
         _destroy_bounded()
         if self.checkpoint is not None:
             self.checkpoint.cleanup()
@@ -312,19 +317,6 @@ def process_state(pid: int | None) -> str:
         return f"pid {pid}"
     threads = ", ".join(f"{n} in {w}" if n > 1 else w for w, n in sorted(waits.items()))
     return f"pid {pid}, state {state}, threads: {threads}"
-
-
-def _release_graphs(owner: str | None) -> None:
-    """Destroy this process's CUDA graphs of ``owner`` (all of them when None) before the process group ends: each
-    graph that captured an NCCL collective holds its communicator, and NCCL's abort waits until none does."""
-    if not torch.cuda.is_available():
-        return
-    try:
-        torch.cuda.synchronize()
-    except RuntimeError:  # a device in error: the graphs are destroyed all the same
-        logger.warning("tensor parallel: the device did not synchronise before its graphs were released")
-    released = release_graphs(owner)
-    logger.debug("tensor parallel: released %d CUDA graphs", released)
 
 
 def _destroy_bounded(timeout_s: float = 10.0) -> None:

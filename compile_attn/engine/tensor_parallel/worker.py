@@ -150,12 +150,21 @@ def _exit_with_parent(alive: Any) -> None:
     threading.Thread(target=watch, name="tp-parent-watch", daemon=True).start()
 
 
-def _leave_group() -> None:
-    """Destroy this worker's CUDA graphs, then end the process group: NCCL's abort waits until no graph holds a
-    collective of its communicator."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+def release_rank_graphs(owner: str | None = None) -> None:
+    """Destroy this process's CUDA graphs of ``owner`` (all of them when None) before the process group ends: each
+    graph that captured an NCCL collective holds its communicator, and NCCL's abort waits until none does."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return
+    try:
         torch.cuda.synchronize()
-    release_graphs()
+    except RuntimeError:  # a device in error: the graphs are destroyed all the same
+        logger.warning("tensor parallel: the device did not synchronise before its graphs were released")
+    logger.debug("tensor parallel: released %d CUDA graphs", release_graphs(owner))
+
+
+def _leave_group() -> None:
+    """Destroy this worker's CUDA graphs, then end the process group."""
+    release_rank_graphs()
     destroy_tensor_parallel()
 
 
