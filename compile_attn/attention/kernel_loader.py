@@ -30,7 +30,7 @@ def load_triton_ops() -> ModuleType:
 
 def kernels_interpreted() -> bool:
     """True when the kernels were defined under ``TRITON_INTERPRET=1`` (they then run on the host)."""
-    from compile_attn.attention.kernels._common import is_interpreted
+    from compile_attn.ops.triton_launch import is_interpreted
     from compile_attn.attention.kernels.kv_index import _store_kv_kernel
 
     return is_interpreted(_store_kv_kernel)

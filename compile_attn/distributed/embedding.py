@@ -15,6 +15,7 @@ from torch import nn
 from compile_attn.distributed.all_gather import all_gather_last_dim
 from compile_attn.distributed.all_reduce import all_reduce
 from compile_attn.distributed.partition import ShardSpec, padded_size
+from compile_attn.ops.gemv import linear
 
 
 def vocab_spec(vocab_size: int, rank: int, world_size: int) -> ShardSpec:
@@ -97,7 +98,7 @@ class ParallelLMHead(nn.Module):
         self.shard_specs = {"weight": spec}
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = all_gather_last_dim(F.linear(hidden, self.weight))
+        logits = all_gather_last_dim(linear(hidden, self.weight))
         return logits if logits.shape[-1] == self.out_features else logits[..., : self.out_features]
 
     def extra_repr(self) -> str:

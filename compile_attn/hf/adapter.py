@@ -19,6 +19,7 @@ from compile_attn.hf.families import attention_layers, check_supported
 from compile_attn.hf.registration import register
 from compile_attn.kv.cache import KV_CACHE_RENAMED, KVCache
 from compile_attn.layer import AttentionLayer
+from compile_attn.ops.gemv import linear
 
 
 class HFModelAdapter(nn.Module):
@@ -64,7 +65,10 @@ class HFModelAdapter(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of the given hidden states: the LM head plus the final softcap where the family has one
         (Gemma2/3 ``final_logit_softcapping``), exactly as the HF ``*ForCausalLM.forward`` applies them."""
-        logits = self.model.lm_head(hidden)
+        head = self.model.lm_head
+        # A plain linear head at one row (single-stream decode) through the gemv kernel: it reads the head's weight
+        # faster than cuBLAS does (docs/performance.md); a sharded head (ParallelLMHead) does the same inside
+        logits = linear(hidden, head.weight, head.bias) if type(head) is nn.Linear else head(hidden)
         cap = getattr(self.model.config, "final_logit_softcapping", None)
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -5,15 +5,16 @@
 (``compiler/compile_sizes.py``) put it in place of every one-row linear layer: the layer is bound by reading its
 weight, and the kernel (``ops/gemv_kernel.py``) reads it closer to the memory bandwidth than cuBLAS or Inductor's
 own reduction does (``benchmarks/sweep_gemv.py``). Where the Triton kernel cannot run (a CPU tensor outside the
-Triton interpreter, a weight not contiguous along its rows), the op is ``F.linear``.
+Triton interpreter, a weight not contiguous along its rows), the op is ``F.linear``. ``linear`` is the eager
+entry: the LM head on the sampled rows takes it.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
+
+from compile_attn.env import gemv_kernel
 
 _LIB = torch.library.Library("compile_attn", "FRAGMENT")  # noqa: TOR901 - kept alive for the process
 _LIB.define("gemv(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor")
@@ -28,8 +29,14 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 
 
 def _kernel_runs(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    on_device = x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-    return on_device and weight.stride(1) == 1
+    if weight.stride(1) != 1:
+        return False
+    if x.is_cuda:
+        return True
+    from compile_attn.ops.gemv_kernel import _gemv_kernel
+    from compile_attn.ops.triton_launch import is_interpreted
+
+    return is_interpreted(_gemv_kernel)  # CPU tensors under TRITON_INTERPRET=1
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -45,6 +52,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 
 _LIB.impl("gemv", gemv, "CompositeExplicitAutograd")
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` for eager callers (the LM head on the sampled rows): one input row on a GPU goes through the gemv
+    kernel (unless ``COMPILE_ATTN_GEMV_KERNEL=0``), anything else through ``F.linear``."""
+    if x.is_cuda and x.numel() == x.shape[-1] and weight.stride(1) == 1 and gemv_kernel():
+        return torch.ops.compile_attn.gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 @torch.library.register_fake("compile_attn::gemv", lib=_LIB)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import compile_attn  # noqa: F401  (registers the op)
+from compile_attn.ops.gemv import linear
 from compile_attn.ops.gemv_kernel import GemvConfig, gemv_config, launch_gemv
 
 
@@ -115,3 +116,24 @@ def test_op_takes_a_strided_input_row() -> None:
     w = torch.randn(12, 48, dtype=torch.float32)
     y = torch.ops.compile_attn.gemv(x, w)
     torch.testing.assert_close(y.reshape(-1).double(), _reference(x, w, None), rtol=1e-5, atol=1e-5)
+
+
+def test_linear_is_f_linear_off_the_gpu() -> None:
+    torch.manual_seed(7)
+    x, w, b = torch.randn(1, 48), torch.randn(20, 48), torch.randn(20)
+    assert torch.equal(linear(x, w, b), torch.nn.functional.linear(x, w, b))
+    x3 = torch.randn(3, 48)  # several rows: F.linear on any device
+    assert torch.equal(linear(x3, w), torch.nn.functional.linear(x3, w))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rows", [1, 3])
+def test_linear_matches_float64_on_gpu(rows: int) -> None:
+    """One row through the kernel, several through cuBLAS: both within one bf16 rounding of the float64 product."""
+    torch.manual_seed(8)
+    x = torch.randn(rows, 2048, dtype=torch.bfloat16, device="cuda")
+    w = torch.randn(32064, 2048, dtype=torch.bfloat16, device="cuda") / 2048**0.5
+    y = linear(x, w)
+    ref = x.double() @ w.double().T
+    torch.testing.assert_close(y.double(), ref, rtol=0, atol=ref.abs().max().item() * 2.0**-7 + 1e-3)

@@ -1,5 +1,6 @@
-"""Helpers shared by the Triton kernel families: argument checks, dtype mapping, soft-capping, whether a device
-takes programmatic dependent launches, and the fp8 KV store's quantisation (``quantize_fp8``).
+"""Helpers shared by the Triton kernel families: argument checks, dtype mapping, soft-capping and the fp8 KV
+store's quantisation (``quantize_fp8``). Whether a kernel runs interpreted and whether a GPU takes programmatic
+dependent launches is ``ops/triton_launch.py``'s.
 
 Nothing here launches a kernel or allocates device memory; every check looks at shapes, dtypes and
 devices only, so callers stay free of host syncs (CUDA-graph capturable).
@@ -7,13 +8,11 @@ devices only, so callers stay free of host syncs (CUDA-graph capturable).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from compile_attn.env import pdl_turned_off
+from compile_attn.ops.triton_launch import is_interpreted
 
 SUPPORTED_HEAD_DIMS: tuple[int, ...] = (64, 96, 128, 192, 256)
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)
@@ -39,23 +38,6 @@ def check_supported(head_dim: int, v_head_dim: int, dtype: torch.dtype) -> None:
             f"dtype {dtype} is not supported by the triton attention kernels; supported: {names}; "
             "use backend='torch_native'"
         )
-
-
-def is_interpreted(kernel) -> bool:
-    """True when ``kernel`` was decorated under ``TRITON_INTERPRET=1`` (it then runs on CPU tensors)."""
-    return type(kernel).__name__ == "InterpretedFunction"
-
-
-@functools.lru_cache(maxsize=None)
-def pdl_supported(device_index: int) -> bool:
-    """Whether kernels on CUDA device ``device_index`` launch as programmatic dependent launches: NVIDIA compute
-    capability 9.0 or newer (the ``griddepcontrol`` instructions), unless ``COMPILE_ATTN_PDL=0`` turns it off
-    (read once per process)."""
-    if pdl_turned_off():
-        return False
-    if torch.version.hip is not None:
-        return False
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 def check_device(kernel, *tensors: torch.Tensor) -> None:

@@ -30,11 +30,11 @@ from compile_attn.attention.kernels._common import (
     check_last_dim_contiguous,
     dot_precision,
     fp8_kv_query,
-    is_interpreted,
     mma,
     next_pow2,
     softcap,
 )
+from compile_attn.ops.triton_launch import is_interpreted
 from compile_attn.attention.kernels.cascade_index import CascadeIndex
 from compile_attn.attention.kernels.decode_attention import _split_kernel_config
 from compile_attn.attention.kernels.launch import CachedLaunch

@@ -54,14 +54,13 @@ from compile_attn.attention.kernels._common import (
     check_last_dim_contiguous,
     dot_precision,
     fp8_kv_query,
-    is_interpreted,
     kv_fp8_constexprs,
     mma,
     next_pow2,
-    pdl_supported,
     quantize_fp8,
     softcap,
 )
+from compile_attn.ops.triton_launch import is_interpreted, pdl_supported
 from compile_attn.attention.kernels.decode_checks import (
     check_decode_shapes,
     check_new_tokens,

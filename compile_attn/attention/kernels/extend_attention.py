@@ -25,11 +25,11 @@ from compile_attn.attention.kernels._common import (
     check_kv_scales,
     check_last_dim_contiguous,
     dot_precision,
-    is_interpreted,
     mma,
     next_pow2,
     softcap,
 )
+from compile_attn.ops.triton_launch import is_interpreted
 from compile_attn.attention.kernels.launch import CachedLaunch
 
 

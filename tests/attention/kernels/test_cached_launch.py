@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from compile_attn.attention.kernels import launch
-from compile_attn.attention.kernels._common import is_interpreted
+from compile_attn.ops.triton_launch import is_interpreted
 from compile_attn.attention.kernels.launch import CachedLaunch
 
 

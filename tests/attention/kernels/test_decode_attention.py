@@ -19,7 +19,7 @@ from compile_attn.attention.kernels import (
     decode_attention_fwd_and_bind,
     decode_semaphores,
 )
-from compile_attn.attention.kernels._common import is_interpreted
+from compile_attn.ops.triton_launch import is_interpreted
 from compile_attn.attention.kernels.decode_attention import _decode_split_kernel
 
 

@@ -1,0 +1,31 @@
+"""How this process launches its Triton kernels: interpreted on CPU tensors (``TRITON_INTERPRET=1``, the CPU
+tests) or compiled for a GPU, and whether a GPU takes programmatic dependent launches (PDL).
+
+Shared by every Triton kernel of the library (the attention kernels and the ops' own); nothing here launches a
+kernel or touches device memory.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from compile_attn.env import pdl_turned_off
+
+
+def is_interpreted(kernel) -> bool:  # noqa: ANN001 - a triton.jit function or its interpreted stand-in
+    """True when ``kernel`` was decorated under ``TRITON_INTERPRET=1`` (it then runs on CPU tensors)."""
+    return type(kernel).__name__ == "InterpretedFunction"
+
+
+@functools.lru_cache(maxsize=None)
+def pdl_supported(device_index: int) -> bool:
+    """Whether kernels on CUDA device ``device_index`` launch as programmatic dependent launches: NVIDIA compute
+    capability 9.0 or newer (the ``griddepcontrol`` instructions), unless ``COMPILE_ATTN_PDL=0`` turns it off
+    (read once per process)."""
+    if pdl_turned_off():
+        return False
+    if torch.version.hip is not None:
+        return False
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
