@@ -5,9 +5,7 @@ memory bandwidth the kernel sustains. Program ``p`` computes outputs ``p * BLOCK
 ``y = W @ x (+ b)``: it walks K in ``BLOCK_K`` steps, multiplying a ``BLOCK_N x BLOCK_K`` tile of the weight by the
 matching slice of ``x`` into an fp32 accumulator of the tile's shape, and sums it over K once at the end (one
 rounding to the output dtype, as cuBLAS accumulates bf16 products in fp32). The weight is streamed once
-(``evict_first``); ``x`` stays in cache for every program. On GPUs that take programmatic dependent launches the
-kernel is one: it reads its first weight tile, then waits for the kernel before it (which wrote ``x``), and lets
-the next kernel launch once its loads are done.
+(``evict_first``); ``x`` stays in cache for every program.
 
 ``gemv_config`` picks the tile (``benchmarks/sweep_gemv.py`` measured the choices, docs/performance.md).
 """
@@ -19,8 +17,6 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-
-from compile_attn.ops.triton_launch import is_interpreted, pdl_supported
 
 
 class GemvConfig(NamedTuple):
@@ -43,7 +39,6 @@ def _gemv_kernel(
     EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -51,24 +46,8 @@ def _gemv_kernel(
     mask_n = offs_n < N
     w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     x_ptrs = X + offs_k
-    # The first weight tile is read before waiting for the kernel before this one: no kernel of a forward pass writes
-    # a weight, so under a programmatic dependent launch this read overlaps that kernel's last moments.
-    if EVEN_K:
-        w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0, eviction_policy="evict_first")
-    else:
-        w = tl.load(w_ptrs, mask=mask_n[:, None] & (offs_k[None, :] < K), other=0.0, eviction_policy="evict_first")
-    if USE_PDL:
-        # ``x`` (and the memory ``Y`` takes) may come from the kernel before: wait for it to finish. Every kernel of
-        # the library waits before it lets its own dependents start, so all kernels before that one are done too.
-        tl.extra.cuda.gdc_wait()
-    if EVEN_K:
-        x = tl.load(x_ptrs)
-    else:
-        x = tl.load(x_ptrs, mask=offs_k < K, other=0.0)
-    acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
-    for k in range(1, tl.cdiv(K, BLOCK_K)):
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0, eviction_policy="evict_first")
             x = tl.load(x_ptrs)
@@ -77,9 +56,8 @@ def _gemv_kernel(
             w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0, eviction_policy="evict_first")
             x = tl.load(x_ptrs, mask=mask_k, other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    if USE_PDL:
-        # The next kernel may start now; if it is a dependent launch it waits for this grid before reading ``Y``.
-        tl.extra.cuda.gdc_launch_dependents()
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)
@@ -96,24 +74,16 @@ def gemv_config(n: int, k: int) -> GemvConfig:
     return GemvConfig(block_n=1, block_k=min(512, triton.next_power_of_2(k)), num_warps=4, num_stages=1)
 
 
-def use_pdl(x: torch.Tensor) -> bool:
-    """Whether the kernel launches as a programmatic dependent launch for an input on ``x``'s device."""
-    return x.is_cuda and not is_interpreted(_gemv_kernel) and pdl_supported(x.device.index)
-
-
 def launch_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-                config: GemvConfig | None = None, pdl: bool | None = None) -> torch.Tensor:
+                config: GemvConfig | None = None) -> torch.Tensor:
     """``out[n] = weight[n, :] . x (+ bias[n])`` for a one-row ``x`` of ``k`` contiguous values, ``weight`` of
-    shape ``[n, k]`` with unit stride along k. ``config`` overrides the tile ``gemv_config`` would choose; ``pdl``
-    whether the kernel is a programmatic dependent launch (default: ``use_pdl``)."""
+    shape ``[n, k]`` with unit stride along k. ``config`` overrides the tile ``gemv_config`` would choose."""
     n, k = weight.shape
     config = config or gemv_config(n, k)
-    if pdl is None:
-        pdl = use_pdl(x)
     grid = (triton.cdiv(n, config.block_n),)
     _gemv_kernel[grid](
         x, weight, bias if bias is not None else out, out, n, k, weight.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=k % config.block_k == 0, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        USE_PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages, **({"launch_pdl": True} if pdl else {}),
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

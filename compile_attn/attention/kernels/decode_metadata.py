@@ -35,7 +35,11 @@ def batch_block(bs: int) -> int:
     return max(MIN_BLOCK_B, next_pow2(bs))
 
 
-@triton.jit(do_not_specialize=["batch_size"])
+# Not specialised on the alignment of the small per-request arrays (slices at any offset in mixed steps) nor on the
+# batch size: one compiled variant per block size, built while graphs are captured, none mid-serving.
+@triton.jit(do_not_specialize=["batch_size"],
+            do_not_specialize_on_alignment=["Req_Pool_Indices", "Seq_Lens", "Kv_Start", "Kv_Indptr", "Kv_Indices",
+                                            "Num_Kv_Splits"])
 def _decode_metadata_kernel(
     Req_To_Token,
     Req_Pool_Indices,

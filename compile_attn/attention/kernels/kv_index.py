@@ -39,7 +39,9 @@ def copy_slots(src, dst, n, BLOCK: tl.constexpr):
         tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
 
 
-@triton.jit
+# The index arrays are often slices at any offset (a mixed step's decode rows, a request's window start): no
+# specialisation on their alignment, so one compiled variant serves every step and none is built mid-serving.
+@triton.jit(do_not_specialize_on_alignment=["Req_Pool_Indices", "Seq_Lens", "Kv_Start", "Kv_Indptr", "Kv_Indices"])
 def _build_kv_indices_kernel(
     Req_To_Token,
     Req_Pool_Indices,
