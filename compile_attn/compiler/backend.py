@@ -31,7 +31,7 @@ from compile_attn.compiler.token_dim import find_token_symbol, token_count_gette
 from compile_attn.env import host_shortcuts_enabled
 from compile_attn.config import GraphConfig
 from compile_attn.errors import CompileAttnError
-from compile_attn.passes.fuse_linears import bind_fused_weights, fuse_linears, fused_group_count
+from compile_attn.passes.fuse_linears import bind_fused_weights, fuse_linears, fused_group_count, guard_fused_weights
 from compile_attn.passes.scalars import specialize_tensorified_floats
 from compile_attn.passes.split import Piece, split_graph
 
@@ -163,4 +163,4 @@ def compile_attn_backend(
         time.perf_counter() - start,
     )
     # GraphEntry: graph runners may record a call and repeat it (shortcuts.DirectCall)
-    return GraphEntry(split.split_gm) if shortcuts else split.split_gm
+    return guard_fused_weights(GraphEntry(split.split_gm) if shortcuts else split.split_gm, fused)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import fx
 
 from compile_attn.env import host_shortcuts_enabled
+from compile_attn.errors import CompileAttnError
 from compile_attn.passes.split import is_split_node
 
 logger = logging.getLogger(__name__)
@@ -40,10 +41,12 @@ FUSED_PREFIX = "compile_attn_fused_"
 
 @dataclass(frozen=True)
 class FusedWeight:
-    """A placeholder added to the graph and the real tensor it stands for."""
+    """A placeholder added to the graph and the real tensor it stands for; ``source`` is the graph input (index
+    and tensor) of the group's first weight, a view of ``tensor`` once fused."""
 
     name: str
     tensor: torch.Tensor
+    source: tuple[int, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -184,6 +187,7 @@ def fuse_linears(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[fx.
         if not _fusable(calls, real):
             continue
         sizes = [real[c.weight].shape[0] for c in calls]
+        source = (placeholders.index(calls[0].weight), real[calls[0].weight])
         weight = _concat_in_place([real[c.weight] for c in calls])
         bias = _concat_in_place([real[c.bias] for c in calls]) if calls[0].bias is not None else None
         fake_mode = _fake_mode(calls[0].node.args[0])
@@ -198,13 +202,43 @@ def fuse_linears(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[fx.
                 node.meta["example_value"] = fake_mode.from_tensor(tensor, static_shapes=True)
             last_placeholder = node
             new_inputs.append(node)
-            added.append(FusedWeight(name, tensor))
+            added.append(FusedWeight(name, tensor, source))
         _rewrite(graph, calls, new_inputs, sizes, fake_mode)
     if added:
         graph.lint()
         gm.recompile()
         logger.info("compile_attn: fused %d groups of linear layers sharing an input", fused_group_count(added))
     return gm, added
+
+
+class FusedWeightsGuard:
+    """Runs a graph whose fused weights were cut from one model's parameters, after checking that the call passes
+    that model's parameters. Dynamo reuses compiled code for any model whose guards pass, and a second model of the
+    same architecture passes them: run with the first model's fused weights, it would give the first model's
+    outputs. ``compile_attn.compile_model`` (what ``LLM`` uses) gives each model its own compiled code; this stops a
+    direct ``torch.compile`` of two such models with a clear error instead of wrong outputs."""
+
+    __slots__ = ("fn", "index", "tensor")
+
+    def __init__(self, fn: Callable[..., Any], index: int, tensor: torch.Tensor) -> None:
+        self.fn, self.index, self.tensor = fn, index, tensor
+
+    def __call__(self, *args: Any) -> Any:
+        if args[self.index] is not self.tensor:
+            raise CompileAttnError(
+                "this compile_attn graph fuses the q/k/v and gate/up weights of the model it was compiled for, and "
+                f"was called with another model's weights (input {self.index}, the same architecture): compile "
+                "each model with compile_attn.compile_model(model) (LLM does), call torch._dynamo.reset() before "
+                "compiling the next model, or pass options={'fuse_linears': False}")
+        return self.fn(*args)
+
+
+def guard_fused_weights(fn: Callable[..., Any], fused: Sequence[FusedWeight]) -> Callable[..., Any]:
+    """``fn``, behind a ``FusedWeightsGuard`` when the graph has fused weights."""
+    if not fused:
+        return fn
+    index, tensor = fused[0].source
+    return FusedWeightsGuard(fn, index, tensor)
 
 
 def _rewrite(

@@ -196,3 +196,20 @@ def test_linears_on_both_sides_of_a_split_op_are_not_fused(double_is_split_op) -
     assert _storage_ptr(model.up.weight) != _storage_ptr(model.gate.weight)
     with torch.no_grad():
         torch.testing.assert_close(out, reference(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_second_model_of_the_same_class_is_stopped_not_given_the_first_ones_weights() -> None:
+    """Dynamo reuses the first model's compiled code for a second model of the same class (its guards pass); that
+    code computes with the first model's fused weights, so the call is refused with an error naming the way out."""
+    torch.manual_seed(0)
+    first, second = Block().eval(), Block().eval()
+    torch._dynamo.reset()
+    options = {"compiler": "eager", "cache_dir": None}
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(first, backend=compile_attn_backend, options=options)(x), first(x))
+        compiled_second = torch.compile(second, backend=compile_attn_backend, options=options)
+        with pytest.raises(compile_attn.CompileAttnError, match="compile_model"):
+            compiled_second(x)
+        torch._dynamo.reset()  # the way out the error names: a fresh compile for the second model
+        torch.testing.assert_close(compiled_second(x), second(x), rtol=1e-5, atol=1e-5)
