@@ -17,24 +17,24 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from compile_attn.batch import ForwardBatch, ForwardMode
+from compile_attn.batch import ForwardMode
 from compile_attn.compiler.cuda_graph import graph_owner
-from compile_attn.engine.execution.in_flight import InFlightStep, has_placeholders
+from compile_attn.engine.execution.in_flight import InFlightStep
 from compile_attn.engine.execution.memory_profile import check_memory_after_capture
 from compile_attn.engine.execution.model_loading import LoadedModel, load_for_engine, resolve_sources
 from compile_attn.engine.execution.profiling import EngineProfiler
 from compile_attn.engine.execution.rank_parts import (build_kv_cache, build_step_runner, rank_kv_tokens,
                                                      setup_all_reduce)
 from compile_attn.engine.execution.sampling import sampler
-from compile_attn.engine.execution.sampling.grammar import GrammarCache, GuidedRows
-from compile_attn.engine.execution.speculative.penalties import drafts_before, record_accepted
+from compile_attn.engine.execution.sampling.grammar import GrammarCache
+from compile_attn.engine.execution.speculative.penalties import record_accepted
 from compile_attn.engine.execution.speculative.setup import load_draft
 from compile_attn.engine.execution.speculative.speculator import Speculator
 from compile_attn.engine.execution.speculative.step_plan import schedule_step
 from compile_attn.engine.execution.sampling.logprobs import unpack as unpack_logprobs
 from compile_attn.engine.execution.sampling.penalties import PenaltyState
 from compile_attn.engine.execution.sampling.step import forward_and_sample
-from compile_attn.engine.execution.step_extras import StepExtras, start_penalty_rows
+from compile_attn.engine.execution.step_inputs import build_batch, prepare_sampling
 from compile_attn.engine.intake import admit, grammar_cache
 from compile_attn.engine.requests.admission import find_vocab_size, split_prompts
 from compile_attn.engine.requests.chat import render_chat, split_conversations
@@ -45,7 +45,6 @@ from compile_attn.engine.requests.sampling_params import SamplingParams
 from compile_attn.engine.requests.scheduler import ScheduledStep, Scheduler
 from compile_attn.engine.requests.token_writer import TokenWriter, seed_generator
 from compile_attn.graph_runner import step_kernels
-from compile_attn.graph_runner.step_kernels import TokenFeed
 from compile_attn.kv.cache import KVCache
 from compile_attn.kv.shared_prefix import engine_prefix_finder
 
@@ -344,28 +343,12 @@ class LLM:
             if plan is None:
                 return None
             step, rows = plan.step, plan.rows  # rows: which rows sample (several per request verifying drafts)
-            fb = ForwardBatch.build(
-                req_pool_indices=[r.row for r in step.requests], prefix_lens=step.prefix_lens,
-                extend_lens=step.extend_lens, out_cache_loc=step.out_cache_loc,
-                input_ids=step.input_ids(), device=self.device, table_write_pending=step.table_write_pending,
-                forward_mode=ForwardMode.TARGET_VERIFY if plan.verify else None, draft_parents=plan.trees,
-            )
-            if self.prefix_groups is not None and fb.forward_mode.is_decode():
-                fb.shared_prefix = self.prefix_groups.groups_for(fb)
             in_flight = self._in_flight[-1].tokens if self._in_flight else None  # what placeholders stand for
-            feed = None  # replaced on the device, in the copy into the graph's inputs where there is one
-            if in_flight is not None and has_placeholders(step.requests, step.prefix_lens, step.extend_lens):
-                feed = TokenFeed(in_flight, self.vocab_size)
-            sampled = [i for i, (r, p, n) in enumerate(zip(step.requests, step.prefix_lens, step.extend_lens))
-                       if p + n == len(r.token_ids)]
-            reqs = [step.requests[i] for i in sampled] if rows is None else rows.reqs
-            if self.penalties is not None:
-                start_penalty_rows(reqs, self.penalties, in_flight, self.vocab_size, self.device)
-            before = drafts_before(rows) if rows is not None and self.penalties is not None else None
-            extras = StepExtras.for_step(reqs, self.penalties, self.device, before,  # penalties, logprobs, min_tokens
-                                         eos_token_ids=self.writer.eos_token_ids, positions=rows and rows.positions)
-            guided = GuidedRows.for_step(self.grammars, reqs)  # rows with a grammar (structured outputs)
-            tokens, logprobs = forward_and_sample(self.step_runner, fb, reqs, sampled, self.device, extras, feed,
+            fb, feed = build_batch(plan, self.device, self.prefix_groups, in_flight, self.vocab_size)
+            prep = prepare_sampling(step, rows, self.penalties, in_flight, self.vocab_size, self.device,
+                                    eos_token_ids=self.writer.eos_token_ids, grammars=self.grammars)
+            reqs, extras, guided = prep.reqs, prep.extras, prep.guided
+            tokens, logprobs = forward_and_sample(self.step_runner, fb, reqs, prep.sampled, self.device, extras, feed,
                                                   rows=rows and rows.rows, positions=rows and rows.positions,
                                                   guided=guided)
         except BaseException:
