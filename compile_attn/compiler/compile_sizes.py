@@ -7,8 +7,8 @@ compile, ``linears_as_reductions`` writes every linear whose input has one row a
 (what Inductor's own ``mm`` decomposition does, but only under ``coordinate_descent_tuning``, whose tuning
 runs again in every process and costs start time); Inductor turns it into one reduction kernel per linear
 (benchmarks/bench_gemv.py), or, by default (``env.gemv_kernel``), calls ``compile_attn.gemv``, a Triton
-matrix-vector kernel that reads the weight faster still (benchmarks/sweep_gemv.py). ``STATIC_PATCHES`` keeps a producer with more than a few ops (RMSNorm, SiLU * up)
-out of that kernel: inlined, it was recomputed by every program of the reduction (docs/performance.md);
+matrix-vector kernel that reads the weight faster still (benchmarks/sweep_gemv.py). ``STATIC_PATCHES`` keeps a
+producer with more than a few ops (RMSNorm, SiLU * up) out of that kernel: inlined, it was recomputed by every program of the reduction (docs/performance.md);
 ``GraphConfig.static_inductor_config`` adds patches of the caller's for these compiles only. With
 ``compile_sizes=(1,)`` a decoder's bs-1 decode pieces get such static artifacts; every other size keeps the
 symbolic one. Standalone artifacts check no guards, so ``SizeDispatch`` calls a static artifact only for

@@ -67,7 +67,7 @@ class HFModelAdapter(nn.Module):
         (Gemma2/3 ``final_logit_softcapping``), exactly as the HF ``*ForCausalLM.forward`` applies them."""
         head = self.model.lm_head
         # A plain linear head at one row (single-stream decode) through the gemv kernel: it reads the head's weight
-        # faster than cuBLAS does (docs/performance.md); a sharded head (ParallelLMHead) does the same inside
+        # faster than cuBLAS does (docs/performance.md); a sharded head (ParallelLMHead) does the same inside.
         logits = linear(hidden, head.weight, head.bias) if type(head) is nn.Linear else head(hidden)
         cap = getattr(self.model.config, "final_logit_softcapping", None)
         if cap is not None:

@@ -56,8 +56,9 @@ _LIB.impl("gemv", gemv, "CompositeExplicitAutograd")
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` for eager callers (the LM head on the sampled rows): one input row on a GPU goes through the gemv
-    kernel (unless ``COMPILE_ATTN_GEMV_KERNEL=0``), anything else through ``F.linear``."""
-    if x.is_cuda and x.numel() == x.shape[-1] and weight.stride(1) == 1 and gemv_kernel():
+    kernel (unless ``COMPILE_ATTN_GEMV_KERNEL=0``; the op itself takes ``F.linear`` for a weight the kernel cannot
+    read), anything else through ``F.linear``."""
+    if x.is_cuda and x.numel() == x.shape[-1] and gemv_kernel():
         return torch.ops.compile_attn.gemv(x, weight, bias)
     return F.linear(x, weight, bias)
 

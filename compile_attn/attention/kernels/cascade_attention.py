@@ -34,10 +34,10 @@ from compile_attn.attention.kernels._common import (
     next_pow2,
     softcap,
 )
-from compile_attn.ops.triton_launch import is_interpreted
 from compile_attn.attention.kernels.cascade_index import CascadeIndex
 from compile_attn.attention.kernels.decode_attention import _split_kernel_config
 from compile_attn.attention.kernels.launch import CachedLaunch
+from compile_attn.ops.triton_launch import is_interpreted
 
 # Level-1 programs aimed at per SM when choosing the number of prefix splits (two resident blocks per SM).
 PREFIX_PROGRAMS_PER_SM = 2

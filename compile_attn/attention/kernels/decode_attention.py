@@ -60,7 +60,6 @@ from compile_attn.attention.kernels._common import (
     quantize_fp8,
     softcap,
 )
-from compile_attn.ops.triton_launch import is_interpreted, pdl_supported
 from compile_attn.attention.kernels.decode_checks import (
     check_decode_shapes,
     check_new_tokens,
@@ -68,6 +67,7 @@ from compile_attn.attention.kernels.decode_checks import (
     check_tree_mask,
 )
 from compile_attn.attention.kernels.launch import BoundLaunch, CachedLaunch
+from compile_attn.ops.triton_launch import is_interpreted, pdl_supported
 
 # Split boundaries are multiples of this many tokens; every stage-1 BLOCK_N divides it.
 SPLIT_ALIGN = 64

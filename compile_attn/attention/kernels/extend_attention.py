@@ -29,8 +29,8 @@ from compile_attn.attention.kernels._common import (
     next_pow2,
     softcap,
 )
-from compile_attn.ops.triton_launch import is_interpreted
 from compile_attn.attention.kernels.launch import CachedLaunch
+from compile_attn.ops.triton_launch import is_interpreted
 
 
 @triton.jit
