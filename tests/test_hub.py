@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -34,8 +34,8 @@ DEV_CONTEXT = 256  # refs/dev's config says so (main's: 512), to tell which revi
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_llama(tmp_path_factory.mktemp("tiny") / "model", steps=20)
+def model_dir(trained_tiny_llama: Callable[[int], Path]) -> Path:
+    return trained_tiny_llama(20)
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from compile_attn.ops.triton_launch import launch
+
 try:
     import triton
     import triton.language as tl
@@ -113,8 +115,8 @@ def feed_tokens(input_ids: torch.Tensor, tokens: torch.Tensor, vocab_size: int |
     if not (kernels_usable(input_ids) and input_ids.is_contiguous() and tokens.is_contiguous()):
         feed_tokens_torch(input_ids, tokens, vocab_size)
         return
-    _feed_kernel[(triton.cdiv(n, FEED_BLOCK),)](input_ids, tokens, n, num_tokens, vocab_size or 0,
-                                                HAS_VOCAB=bool(vocab_size), BLOCK=FEED_BLOCK)
+    launch(_feed_kernel, (triton.cdiv(n, FEED_BLOCK),), input_ids, tokens, n, num_tokens, vocab_size or 0,
+           HAS_VOCAB=bool(vocab_size), BLOCK=FEED_BLOCK)
 
 
 def feed_tokens_torch(input_ids: torch.Tensor, tokens: torch.Tensor, vocab_size: int | None) -> None:
@@ -147,8 +149,9 @@ def copy_decode_inputs(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor
     if n and kernels_usable(srcs[0]) and all(t.is_contiguous() for t in (*dsts, *srcs)):
         tokens = feed.tokens if feed is not None and feed.tokens.numel() else None
         args = [t for pair in zip(dsts, srcs) for t in pair]
-        _copy_decode_kernel[(triton.cdiv(n, COPY_BLOCK),)](
-            *args, tokens if tokens is not None else srcs[0], table if table is not None else srcs[4], n,
+        launch(
+            _copy_decode_kernel, (triton.cdiv(n, COPY_BLOCK),), *args, tokens if tokens is not None else srcs[0],
+            table if table is not None else srcs[4], n,
             0 if tokens is None else tokens.numel(), (feed.vocab_size or 0) if tokens is not None else 0,
             0 if table is None else table.stride(0), FEED=tokens is not None,
             HAS_VOCAB=tokens is not None and bool(feed.vocab_size), TABLE=table is not None, BLOCK=COPY_BLOCK)

@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,6 @@ from hypothesis import strategies as st
 from compile_attn.engine import LLM, InvalidRequestError, RequestTypeError, SamplingParams
 from compile_attn.engine.execution.sampling.grammar import GrammarCache, GuidedRows, apply_token_bitmask_
 from compile_attn.engine.requests.guided_decoding import GrammarError, GuidedDecodingParams, import_xgrammar
-from compile_attn.models.tiny_llama import tiny_llama
 from tests.guided_helpers import check_schema, closing_bias
 
 xgr = pytest.importorskip("xgrammar")
@@ -38,8 +38,8 @@ TEMPERATURES = [0.0, 1.0]  # greedy and sampled
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(tiny_llama(tmp_path_factory.mktemp("tiny") / "model", steps=1))  # random weights, trained tokenizer
+def model_dir(trained_tiny_llama: Callable[[int], Path]) -> str:
+    return str(trained_tiny_llama(1))  # random weights, trained tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,8 @@ pool is back to its fresh size after every call."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +22,6 @@ from compile_attn.engine import (
     SamplingParams,
 )
 from compile_attn.models import ToyDecoder, ToyDecoderConfig
-from compile_attn.models.tiny_llama import tiny_llama
 
 CFG = ToyDecoderConfig(vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
                        intermediate_size=64)
@@ -32,8 +33,8 @@ TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['co
 
 
 @pytest.fixture(scope="module")
-def text_llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
-    path = tiny_llama(tmp_path_factory.mktemp("tiny") / "model", steps=60)  # varied text, not quality, is what matters
+def text_llm(trained_tiny_llama: Callable[[int], Path]) -> LLM:
+    path = trained_tiny_llama(60)  # varied text, not quality, is what matters
     llm = LLM(str(path), **ENGINE)
     llm.fresh_kv_tokens = llm.kv_cache.available_tokens
     return llm

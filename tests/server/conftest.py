@@ -4,8 +4,9 @@ CPU, the engine behind it, and a reference LLM on the same model to compare outp
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,7 +19,6 @@ openai = pytest.importorskip("openai")
 
 from compile_attn.engine import LLM  # noqa: E402
 from compile_attn.engine.serving.async_engine import AsyncLLM  # noqa: E402
-from compile_attn.models.tiny_llama import tiny_llama  # noqa: E402
 from compile_attn.server.frontend import FRONTENDS, serving  # noqa: E402
 
 ENGINE = dict(max_batch_size=8, max_num_tokens=256, kv_cache_tokens=4096, max_context=512, page_size=4,
@@ -64,11 +64,11 @@ def engine_options() -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module", params=FRONTENDS)
-def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+def served(request: pytest.FixtureRequest, trained_tiny_llama: Callable[[int], Path],
            engine_options: dict[str, Any]) -> Iterator[Served]:
     """The server with its HTTP front end in a process of its own (as ``compile-attn serve`` runs it) and in a
     thread of the engine's process (the app on an AsyncLLM, as a library user may embed it)."""
-    path = str(tiny_llama(tmp_path_factory.mktemp("tiny") / "model", steps=60))
+    path = str(trained_tiny_llama(60))
     llm, reference = _llm(path, engine_options), _llm(path, engine_options)
     engine = AsyncLLM(llm, max_pending=64)
     try:

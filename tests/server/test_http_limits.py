@@ -12,14 +12,14 @@ import json
 import pickle
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 
 from compile_attn.engine import SamplingParams
 from compile_attn.engine.serving.async_engine import AsyncLLM
-from compile_attn.models.tiny_llama import tiny_llama
 from compile_attn.server import request_body
 from compile_attn.server.frontend import FRONTENDS, serving
 from compile_attn.server.options import DEFAULT_MAX_REQUEST_BYTES, ServerOptions, parse_origins
@@ -34,9 +34,9 @@ PROMPT = "The function returns"
 
 
 @pytest.fixture(scope="module", params=FRONTENDS)
-def guarded(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+def guarded(request: pytest.FixtureRequest, trained_tiny_llama: Callable[[int], Path]) -> Iterator[Served]:
     """A server with every guard on: a small body limit, one allowed origin, an API key."""
-    path = str(tiny_llama(tmp_path_factory.getbasetemp() / "tiny-http-limits", steps=60))
+    path = str(trained_tiny_llama(60))
     llm, reference = _llm(path), _llm(path)
     engine = AsyncLLM(llm, max_pending=64)
     options = ServerOptions(max_request_bytes=LIMIT, allowed_origins=(ALLOWED,), api_key=KEY)

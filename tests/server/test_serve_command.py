@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -21,13 +22,12 @@ pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
-from compile_attn.models.tiny_llama import tiny_llama  # noqa: E402
 from compile_attn.server.frontend import free_port, healthy  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(tiny_llama(tmp_path_factory.mktemp("serve") / "model", steps=20))
+def model(trained_tiny_llama: Callable[[int], Path]) -> str:
+    return str(trained_tiny_llama(20))
 
 
 def _serve(model: str, *extra: str) -> tuple[subprocess.Popen, str, list[str]]:

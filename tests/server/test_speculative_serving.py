@@ -4,24 +4,23 @@ drafts verified and accepted; min_tokens holds a stop token back in verify steps
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
-from tests.server.conftest import ENGINE, MODEL, TEMPLATE, Served
-from tests.server.test_metrics import scrape
-
 from compile_attn.engine import LLM, SamplingParams
 from compile_attn.engine.serving.async_engine import AsyncLLM
-from compile_attn.models.tiny_llama import tiny_llama
 from compile_attn.server.frontend import serving
+from tests.server.conftest import ENGINE, MODEL, TEMPLATE, Served
+from tests.server.test_metrics import scrape
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
 @pytest.fixture(scope="module")
-def served_spec(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    path = str(tiny_llama(tmp_path_factory.mktemp("tiny") / "model", steps=60))
+def served_spec(trained_tiny_llama: Callable[[int], Path]) -> Iterator[Served]:
+    path = str(trained_tiny_llama(60))
     llm, reference = LLM(path, speculative_config=NGRAM, **ENGINE), LLM(path, **ENGINE)
     llm.tokenizer.chat_template = TEMPLATE
     engine = AsyncLLM(llm, max_pending=16)

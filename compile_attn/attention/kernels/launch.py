@@ -37,6 +37,7 @@ from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
 from compile_attn.env import host_shortcuts_enabled
+from compile_attn.ops.triton_launch import launch
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +145,7 @@ class CachedLaunch:
     def __call__(self, grid: Sequence[int], *args: Any, **kwargs: Any) -> None:
         if not self._usable:
             self.slow += 1
-            self.kernel[grid](*args, **kwargs)
+            launch(self.kernel, grid, *args, **kwargs)
             return
         key = _call_key(args, kwargs)
         hit = None if key is None else self._cache.get(key)
@@ -158,7 +159,7 @@ class CachedLaunch:
             self.fast += 1
             return
         self.slow += 1
-        compiled = self.kernel[grid](*args, **kwargs)
+        compiled = launch(self.kernel, grid, *args, **kwargs)
         constexprs = self._trailing_args(len(args), kwargs)
         if key is None or constexprs is None or not all(
             hasattr(compiled, a) for a in ("run", "function", "packed_metadata")

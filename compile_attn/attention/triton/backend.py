@@ -76,7 +76,8 @@ class TritonBackend(AttentionBackend):
         one_launch_decode: bool | None = None,
         mixed_decode_rows: bool | None = None,
     ) -> None:
-        """Options: ``max_kv_splits`` (most KV splits per decode request; default kernels.DEFAULT_MAX_KV_SPLITS),
+        """Options: ``max_kv_splits`` (most KV splits per decode request; default kernels.DEFAULT_MAX_KV_SPLITS, or
+        fewer where the cache's ``max_context`` cannot fill that many ``split_size``-token splits),
         ``deterministic`` (fixed ``split_size``-token splits and one KV tile size for every batch size, so a
         request's decode output is bitwise the same whatever else is in the batch), ``split_size`` (default
         kernels.DEFAULT_SPLIT_SIZE; the shortest split otherwise), ``graph_max_context`` (longest sequence a
@@ -93,10 +94,16 @@ class TritonBackend(AttentionBackend):
         self._check_device(kv_cache.device)
         self._check_fp8_device(kv_cache)
         super().__init__(kv_cache, layers)
-        self.max_kv_splits = int(self._ops.DEFAULT_MAX_KV_SPLITS if max_kv_splits is None else max_kv_splits)
         self.split_size = int(self._ops.DEFAULT_SPLIT_SIZE if split_size is None else split_size)
-        if self.max_kv_splits <= 0 or self.split_size <= 0:
-            raise ValueError(f"max_kv_splits and split_size must be positive, got {max_kv_splits}, {split_size}")
+        if self.split_size <= 0:
+            raise ValueError(f"split_size must be positive, got {split_size}")
+        if max_kv_splits is None:
+            # A split holds at least split_size tokens, so no request of the cache has more splits than this; the
+            # decode grid launches max_kv_splits programs per request and head block whether they have keys or not.
+            max_kv_splits = min(self._ops.DEFAULT_MAX_KV_SPLITS, -(-kv_cache.max_context // self.split_size))
+        self.max_kv_splits = int(max_kv_splits)
+        if self.max_kv_splits <= 0:
+            raise ValueError(f"max_kv_splits must be positive, got {max_kv_splits}")
         self.deterministic = deterministic
         if one_launch_decode is None:
             one_launch_decode = env.one_launch_decode()
