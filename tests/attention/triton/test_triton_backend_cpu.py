@@ -25,6 +25,7 @@ from compile_attn import (
     create_backend,
     forward_context,
 )
+from compile_attn.attention.kernel_loader import load_triton_ops
 from compile_attn.attention.triton import backend as triton_backend
 from compile_attn.attention.triton.backend import TritonBackend
 from compile_attn.config import GraphConfig
@@ -245,3 +246,30 @@ def test_toy_decoder_through_graph_runner_matches_eager_torch_native() -> None:
 def test_non_positive_split_options_are_rejected(option: dict) -> None:
     with pytest.raises(ValueError, match="must be positive"):
         create_backend("triton", _kv(), [AttentionLayer(0, 8, 2, 64)], **option)
+
+
+def test_default_split_count_follows_max_context_and_changes_no_output() -> None:
+    """The default ``max_kv_splits`` is the most ``split_size``-token splits a request of the cache can have (3 for
+    ``max_context`` 130, at most DEFAULT_MAX_KV_SPLITS): a decode batch up to that context gives the bits of a
+    backend launching 16 split programs per request (3 of them with keys for the longest), and the float64
+    reference's values."""
+    layer = AttentionLayer(0, 8, 2, 64)
+    kv = KVCache(num_layers=1, num_kv_heads=2, head_dim=64, max_batch_size=4, max_context=130, kv_cache_tokens=1024,
+                 page_size=4, dtype=F32)
+    # deterministic: ceil(seq_len / split_size) splits per request (on the CPU the work-based count is one split)
+    default = create_backend("triton", kv, [layer], deterministic=True)
+    sixteen = create_backend("triton", kv, [layer], deterministic=True, max_kv_splits=16)
+    assert (default.max_kv_splits, sixteen.max_kv_splits) == (3, 16)
+    big = KVCache(num_layers=1, num_kv_heads=2, head_dim=64, max_batch_size=1, max_context=4096, kv_cache_tokens=64)
+    assert create_backend("triton", big, [layer]).max_kv_splits == load_triton_ops().DEFAULT_MAX_KV_SPLITS
+    step = random_step(kv, [129, 64, 1, 100], [1, 1, 1, 1], 8, torch.Generator().manual_seed(3))
+    outs = []
+    for backend in (default, sixteen):
+        out = torch.empty_like(step.q)
+        backend.init_forward_metadata(step.batch)
+        backend.forward(step.q, step.k, step.v, layer, step.batch, out)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    expected = reference_attention(step.q, step.k, step.v, *kv.pool.get_kv(0), kv.req_to_token, step.rows,
+                                   step.prefix_lens, step.extend_lens, scaling=layer.scaling)
+    assert max_rel_error(outs[0], expected) < TOL[F32]
