@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from compile_attn.ops.triton_launch import launch
+
 
 class GemvConfig(NamedTuple):
     block_n: int
@@ -81,8 +83,8 @@ def launch_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     n, k = weight.shape
     config = config or gemv_config(n, k)
     grid = (triton.cdiv(n, config.block_n),)
-    _gemv_kernel[grid](
-        x, weight, bias if bias is not None else out, out, n, k, weight.stride(0),
+    launch(
+        _gemv_kernel, grid, x, weight, bias if bias is not None else out, out, n, k, weight.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=k % config.block_k == 0, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
