@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from compile_attn.ops.triton_launch import launch
+from compile_attn.ops.triton_launch import is_interpreted, launch
 
 try:
     import triton
@@ -99,7 +99,7 @@ def kernels_usable(t: torch.Tensor) -> bool:
     """Whether the Triton kernels run on ``t``'s device: a GPU, or the CPU when they are interpreted."""
     if triton is None:
         return False
-    return t.is_cuda or (t.is_cpu and type(_feed_kernel).__name__ == "InterpretedFunction")
+    return t.is_cuda or (t.is_cpu and is_interpreted(_feed_kernel))
 
 
 def feed_tokens(input_ids: torch.Tensor, tokens: torch.Tensor, vocab_size: int | None) -> None:
