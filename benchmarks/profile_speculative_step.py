@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_speculative import ReplayProposer  # noqa: E402
 
+from compile_attn.batch import ForwardBatch  # noqa: E402
 from compile_attn.bench import decode_step as bench  # noqa: E402
 from compile_attn.engine import LLM, SamplingParams  # noqa: E402
 from compile_attn.engine import llm as llm_module  # noqa: E402
@@ -65,7 +66,10 @@ class Stages:
                 self.calls[name] += 1
                 self.each[name].append(dt)
 
-        setattr(owner, attr, staticmethod(timed) if isinstance(owner, type) else timed)
+        # A class's classmethod comes back bound from getattr (wrap it as a staticmethod); a plain function of a class
+        # stays a function, so that instances still pass themselves.
+        bound = isinstance(owner, type) and isinstance(owner.__dict__.get(attr), (classmethod, staticmethod))
+        setattr(owner, attr, staticmethod(timed) if bound else timed)
 
     def table(self, steps: int) -> list[tuple[str, float, int, float]]:
         """(stage, ms per step, calls, median us per call) of each stage."""
@@ -87,7 +91,8 @@ def instrument(llm: LLM, stages: Stages) -> None:
     # The host's own share: the allocation, the batch, the replay view (a graph's replay is the device's share;
     # on the CPU it computes the model, so the host share is the step less the replays).
     stages.wrap(llm.kv_cache, "alloc_extend", "host: alloc_extend")
-    stages.wrap(llm_module.ForwardBatch, "build", "host: ForwardBatch.build")
+    stages.wrap(ForwardBatch, "build", "host: ForwardBatch.build")
+    stages.wrap(InFlightStep, "read", "resolve: wait for the device")
     views = llm.step_runner.runner.views
     for attr in ("verify_view", "decode_view", "extend_view"):
         stages.wrap(views, attr, f"host: views.{attr}")
@@ -137,7 +142,8 @@ def main() -> None:
         known = ref
         for name in ("warm-up", "warm-up 2", "always-right proposer"):
             # replays the previous pass's own tokens: a verify step's other GEMM shapes round differently in bf16
-            llm.speculator.proposer = ReplayProposer([p + r for p, r in zip(prompts, known)], args.k, 32)
+            sequences = [p + r for p, r in zip(prompts, known)]
+            llm.speculator.proposer = ReplayProposer(sequences, args.k, min(32, args.prompt_len))
             stages.clear()
             steps0, verified0 = llm.num_steps, llm.speculator.stats.verify_steps
             sync()

@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 LAYER_ORDER = ("base", "kv", "ops", "passes", "attention", "compiler", "graph_runner", "hf", "distributed", "engine",
                "server", "bench")
 APPLICATIONS = ("server", "bench")  # the root modules only they import (cli_options) are not "base"
+BASE_PACKAGES = ("batch",)  # folders of the base layer (a step's batch and its vocabulary)
 BACKENDS = ("torch_native", "triton", "flashinfer", "fa3")  # attention/<name>/: one folder per backend
 MAX_ROOT_MODULES = 14  # the package root keeps the base and the CLI; every other concept is a folder
 
@@ -165,8 +166,10 @@ def test_no_import_cycle_between_layers() -> None:
 
 def layer_ranks(edges: dict[str, set[str]]) -> dict[str, int]:
     """Rank of each ranked layer: its index in LAYER_ORDER; a top-level module that a ranked library subpackage
-    imports is "base" (rank 0). The command line (cli, cli_options) and models are not ranked."""
+    imports is "base" (rank 0), and so are the ``BASE_PACKAGES``. The command line (cli, cli_options) and models
+    are not ranked."""
     rank = {f"{PACKAGE}.{name}": i for i, name in enumerate(LAYER_ORDER) if name != "base"}
+    rank.update({f"{PACKAGE}.{name}": 0 for name in BASE_PACKAGES})
     for src, targets in _layer_edges(edges).items():
         if src in rank and src.split(".")[1] not in APPLICATIONS:
             for dst in targets:

@@ -1,4 +1,4 @@
-"""ForwardMode and ForwardBatch: one step's batch, with its host and device views.
+"""ForwardBatch: one step's batch, with its host and device views.
 
 A batch is a list of requests; request b contributes ``extend_seq_lens[b]`` new tokens at positions
 ``extend_prefix_lens[b] .. seq_lens[b] - 1`` (decode is the case where every request adds one token).
@@ -15,7 +15,6 @@ slots come from ``kv_cache.alloc_extend``); ``validate`` also reads device tenso
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
@@ -23,22 +22,11 @@ from typing import Protocol
 
 import torch
 
+from compile_attn.batch.mode import PAD_REQUEST, PAD_SLOT, ForwardMode, SharedPrefixGroup
 from compile_attn.draft_tree import check_draft_parents, tree_positions
 from compile_attn.errors import InvalidBatchError
 from compile_attn.host_tensors import (int_list, int_tensor, num_entries, ragged_arange, repeat_each, short_list,
                                       to_device_groups)
-
-PAD_SLOT = 0  # the scratch slot (page 0): padding tokens write their KV here, never into a live request's
-PAD_REQUEST = 0  # the scratch request row: its table entries all point at PAD_SLOT
-
-
-@dataclass(frozen=True)
-class SharedPrefixGroup:
-    """Requests ``members`` (indices into the batch) hold the same KV slots at positions ``0 .. prefix_len - 1``
-    (found by ``kv/shared_prefix.py``; read by the backends' shared-prefix decode)."""
-
-    members: tuple[int, ...]
-    prefix_len: int
 
 
 class BatchCache(Protocol):
@@ -54,27 +42,6 @@ class BatchCache(Protocol):
     def check_slots(self, rows: Sequence[int], prefix_lens: Sequence[int], extend_lens: Sequence[int],
                     out_cache_loc: torch.Tensor) -> None: ...
     def check_batch_bounds(self, fb: ForwardBatch, seq_lens: list[int]) -> None: ...
-
-
-class ForwardMode(enum.IntEnum):
-    """What kind of step a batch is."""
-
-    EXTEND = 1  # prefill / chunked prefill: requests add one or more tokens each
-    DECODE = 2  # every request adds exactly one token to an existing sequence
-    MIXED = 3  # prefill requests and decode requests in one step
-    IDLE = 4  # no requests (keeps collective ops in step in multi-rank setups)
-    # Speculative verification: each request adds its last accepted token and its draft tokens; without
-    # ``ForwardBatch.draft_parents`` they form a chain (causal, as an extend), with it a tree (draft_tree.py).
-    TARGET_VERIFY = 5
-
-    def is_decode(self) -> bool:
-        return self is ForwardMode.DECODE
-
-    def is_idle(self) -> bool:
-        return self is ForwardMode.IDLE
-
-    def is_verify(self) -> bool:
-        return self is ForwardMode.TARGET_VERIFY
 
 
 @dataclass
