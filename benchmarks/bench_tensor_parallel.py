@@ -4,6 +4,9 @@ Three subcommands, each a separate process (a TP 1 and a TP N engine are measure
 
     python benchmarks/bench_tensor_parallel.py checkpoint --out DIR [--shape llama-8b]
         writes a random-weight bf16 HF checkpoint of the Llama-3.1-8B shape (seed 0) that both runs load;
+        ``--shape llama-8b-rank-of-2`` (or ``-of-4``) writes the model one rank of TP 2 (4) holds: half (a quarter)
+        of the heads, KV heads, MLP width and vocabulary. Its ``decode --tp 1`` on one GPU is a rank's compute
+        without the all-reduces, so TP N's step less it is what the sums and the step broadcast cost;
     python benchmarks/bench_tensor_parallel.py all-reduce --world-size 2 [--out JSON]
         per-message latency of a bf16 sum over the GPUs at a decode step's sizes: NCCL launched eagerly, NCCL inside a
         CUDA graph, the library's op (``compile_attn::tp_all_reduce``, what the model runs) inside a graph, and torch's
@@ -42,7 +45,17 @@ for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTIC
                       ("NVSHMEM_DISABLE_NVLS", "1")):
     os.environ.setdefault(_name, _value)
 
-SHAPES = {"llama-8b": LLAMA_8B}
+
+
+def rank_of(shape: dict, tp: int) -> dict:
+    """The model one of ``tp`` tensor-parallel ranks holds: heads, MLP width and vocabulary split, KV heads split
+    (replicated, at least one, where there are fewer than ranks)."""
+    return dict(shape, num_attention_heads=shape["num_attention_heads"] // tp,
+                num_key_value_heads=max(1, shape["num_key_value_heads"] // tp),
+                intermediate_size=shape["intermediate_size"] // tp, vocab_size=shape["vocab_size"] // tp)
+
+
+SHAPES = {"llama-8b": LLAMA_8B, "llama-8b-rank-of-2": rank_of(LLAMA_8B, 2), "llama-8b-rank-of-4": rank_of(LLAMA_8B, 4)}
 # A decode step's all-reduce message is tokens x hidden bf16 values: 8 KiB at batch 1 and 512 KiB at batch 64 for
 # hidden 4096; 2 KiB (hidden 1024) and 2 MiB (batch 256) bracket them.
 SIZES_BYTES = (2048, 8192, 131072, 524288, 2097152)
