@@ -39,21 +39,13 @@ from pathlib import Path
 
 import torch
 
+from common import rank_of
+
 from compile_attn.bench.decode_step import LLAMA_8B
 
 for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                       ("NVSHMEM_DISABLE_NVLS", "1")):
     os.environ.setdefault(_name, _value)
-
-
-
-def rank_of(shape: dict, tp: int) -> dict:
-    """The model one of ``tp`` tensor-parallel ranks holds: heads, MLP width and vocabulary split, KV heads split
-    (replicated, at least one, where there are fewer than ranks)."""
-    return dict(shape, num_attention_heads=shape["num_attention_heads"] // tp,
-                num_key_value_heads=max(1, shape["num_key_value_heads"] // tp),
-                intermediate_size=shape["intermediate_size"] // tp, vocab_size=shape["vocab_size"] // tp)
-
 
 SHAPES = {"llama-8b": LLAMA_8B, "llama-8b-rank-of-2": rank_of(LLAMA_8B, 2), "llama-8b-rank-of-4": rank_of(LLAMA_8B, 4)}
 # A decode step's all-reduce message is tokens x hidden bf16 values: 8 KiB at batch 1 and 512 KiB at batch 64 for

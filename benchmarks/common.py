@@ -16,7 +16,7 @@ from compile_attn.bench.engine_start import PEAK_BF16_FLOPS
 from compile_attn.models import ToyDecoderConfig
 
 __all__ = ["BANDWIDTH", "HEAD_DIM", "LLAMA_1B", "NUM_HEADS", "NUM_KV_HEADS", "PEAK_BF16_FLOPS", "PEAK_TB_S",
-           "TINY", "HOST_VOCAB", "graph_us", "host_decode_llm", "linear_shapes", "num_copies", "require_cuda",
+           "TINY", "HOST_VOCAB", "graph_us", "host_decode_llm", "linear_shapes", "num_copies", "rank_of", "require_cuda",
            "toy_decoder_config"]
 
 BANDWIDTH = BenchConfig.bandwidth  # bytes/s a step's floor is computed with (measured: benchmarks/RESULTS.md)
@@ -37,17 +37,30 @@ def toy_decoder_config(shape: dict | None = None, **overrides) -> ToyDecoderConf
     return ToyDecoderConfig(**(fields | overrides))
 
 
+def rank_of(shape: dict, tp: int) -> dict:
+    """The HF-style shape of the model one of ``tp`` tensor-parallel ranks holds, as the library shards it
+    (``compile_attn.distributed.plan_for``: heads and MLP split, KV heads split or replicated where there are fewer
+    than ranks, the vocabulary padded to a multiple of ``tp`` and split). Raises what ``plan_for`` raises for a
+    shape that does not split."""
+    from types import SimpleNamespace
+
+    from compile_attn.distributed import plan_for
+
+    plan = plan_for(SimpleNamespace(**shape), rank=0, world_size=tp)
+    return dict(shape, num_attention_heads=plan.local_heads, num_key_value_heads=plan.local_kv_heads,
+                intermediate_size=plan.intermediate_size // tp, vocab_size=plan.padded_vocab_size // tp)
+
+
 def linear_shapes(shape: dict | None = None, tp: int = 1) -> list[tuple[str, int, int]]:
     """(name, in features K, out features N) of one decoder layer's linear layers after q/k/v and gate/up are
     fused, and of the LM head, for ``shape`` (default ``LLAMA_1B``) as one of ``tp`` tensor-parallel ranks holds
-    them: q/k/v, gate/up and the LM head split by output, o and down by input, KV heads replicated where there
-    are fewer than ranks."""
-    shape = LLAMA_1B if shape is None else shape
-    hidden, inter, head_dim = shape["hidden_size"], shape["intermediate_size"], shape["head_dim"]
-    q_out = shape["num_attention_heads"] * head_dim // tp
-    kv_out = max(1, shape["num_key_value_heads"] // tp) * head_dim
-    return [("qkv", hidden, q_out + 2 * kv_out), ("o", q_out, hidden), ("gate_up", hidden, 2 * inter // tp),
-            ("down", inter // tp, hidden), ("lm_head", hidden, shape["vocab_size"] // tp)]
+    them (``rank_of``): q/k/v, gate/up and the LM head split by output, o and down by input."""
+    rank = rank_of(LLAMA_1B if shape is None else shape, tp)
+    hidden, inter, head_dim = rank["hidden_size"], rank["intermediate_size"], rank["head_dim"]
+    q_out = rank["num_attention_heads"] * head_dim
+    kv_out = rank["num_key_value_heads"] * head_dim
+    return [("qkv", hidden, q_out + 2 * kv_out), ("o", q_out, hidden), ("gate_up", hidden, 2 * inter),
+            ("down", inter, hidden), ("lm_head", hidden, rank["vocab_size"])]
 
 
 SHAPES = {"llama-1b": LLAMA_1B, "llama-8b": LLAMA_8B}
